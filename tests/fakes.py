@@ -1,0 +1,167 @@
+"""A fake worker and a driver for scheduler tests without torch.
+
+`FakeRunner` behaves like a real worker: it keeps its own copy of every request's tokens,
+receives only deltas after a request's first step, appends the tokens it samples itself
+(so it can run ahead of the scheduler, as the real worker does with its on-device ids), and
+derives each token from the sequence so far -- so a recomputed position gets the same token,
+as with a real greedy model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from vserve.core.kv_cache_manager import KVCacheManager
+from vserve.core.request import Request
+from vserve.core.sched_output import RunnerOutput, SchedulerOutput
+from vserve.core.scheduler import Scheduler, SchedulerConfig
+from vserve.sampling_params import SamplingParams
+
+VOCAB = 1000
+EOS = 999
+
+
+def fake_token(tokens: list[int], eos_after: int | None = None, prompt_len: int = 0) -> int:
+    """Deterministic next token for a sequence; EOS once `eos_after` outputs exist."""
+    if eos_after is not None and len(tokens) - prompt_len >= eos_after:
+        return EOS
+    digest = hashlib.blake2b(repr(tokens).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % (VOCAB - 1)
+
+
+@dataclass
+class _FakeReq:
+    epoch: int
+    tokens: list[int]
+    num_prompt: int
+    eos_after: int | None
+
+
+class FakeRunner:
+    def __init__(self, eos_after: dict[str, int] | None = None) -> None:
+        self.reqs: dict[str, _FakeReq] = {}
+        self.eos_after = eos_after or {}
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        self.steps.append(so)
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.reqs.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.reqs[new.req_id] = _FakeReq(new.epoch, list(new.token_ids),
+                                             new.num_prompt_tokens,
+                                             self.eos_after.get(new.req_id))
+        ro = RunnerOutput(so.step_id)
+        for req_id in so.num_scheduled_tokens:
+            req = self.reqs[req_id]
+            assert req.epoch == so.req_epochs[req_id], "worker and scheduler disagree on epoch"
+            if req_id in so.sampling_req_ids:
+                token = fake_token(req.tokens, req.eos_after, req.num_prompt)
+                req.tokens.append(token)
+                ro.req_ids.append(req_id)
+                ro.sampled_token_ids.append([token])
+        return ro
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                   max_model_len=128, async_scheduling=True, prefix_caching=True) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len, async_scheduling=async_scheduling)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
+
+
+def make_request(req_id: str, prompt: list[int], max_tokens: int = 8, eos=(EOS,),
+                 **sampling) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    return Request(req_id, list(prompt), sp, eos_token_ids=tuple(eos))
+
+
+class Driver:
+    """Runs scheduler + fake runner with up to `depth` steps in flight, checking invariants
+    after every schedule and every commit."""
+
+    def __init__(self, scheduler: Scheduler, runner: FakeRunner | None = None,
+                 depth: int = 2) -> None:
+        self.sched = scheduler
+        self.runner = runner or FakeRunner()
+        self.depth = depth
+        self.queue: deque[tuple[SchedulerOutput, RunnerOutput]] = deque()
+        self.outputs: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.stop_reasons: dict[str, object] = {}
+        self.emitted_after_finish: list[str] = []
+        self.num_steps = 0
+        self._settled: dict[str, tuple[int, int]] = {}
+
+    def add(self, req: Request) -> None:
+        self.sched.add_request(req)
+        self.outputs.setdefault(req.request_id, [])
+
+    def step(self) -> list:
+        """One call of the engine's step_with_batch_queue."""
+        if self.sched.has_requests() and len(self.queue) < self.depth:
+            so = self.sched.schedule()
+            self._check(so)
+            self.queue.append((so, self.runner.execute(so)))
+            if len(self.queue) < self.depth and self.sched.has_requests():
+                return []
+        if not self.queue:
+            return []
+        so, ro = self.queue.popleft()
+        outs = self.sched.update_from_output(so, ro)
+        self.num_steps += 1
+        for out in outs:
+            if out.request_id in self.finish:
+                self.emitted_after_finish.append(out.request_id)
+            self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                self.finish[out.request_id] = out.finish_reason
+                self.stop_reasons[out.request_id] = out.stop_reason
+        self._check(None)
+        return outs
+
+    def run(self, max_steps: int = 10_000, on_step=None) -> None:
+        for i in range(max_steps):
+            if not (self.sched.has_requests() or self.queue):
+                return
+            self.step()
+            if on_step:
+                on_step(i, self)
+        raise AssertionError("requests did not finish")
+
+    def _check(self, so: SchedulerOutput | None) -> None:
+        sched = self.sched
+        sched.check_invariants()
+        if so is not None:
+            cfg = sched.config
+            assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+            assert len(so.num_scheduled_tokens) <= cfg.max_num_seqs
+            assert all(n > 0 for n in so.num_scheduled_tokens.values())
+        for req in sched.running:
+            # C - PH never decreases while a request keeps running in one epoch
+            key = (req.epoch, req.num_computed_tokens - req.num_output_placeholders)
+            prev = self._settled.get(req.request_id)
+            if prev is not None and prev[0] == req.epoch:
+                assert key[1] >= prev[1], (req, prev)
+            self._settled[req.request_id] = key
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(VOCAB - 1) for _ in range(length)]
+
+
+def expected_tokens(prompt: list[int], max_tokens: int, eos_after: int | None = None,
+                    max_model_len: int = 10**9) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    while len(out) < max_tokens and len(tokens) < max_model_len:
+        t = fake_token(tokens, eos_after, len(prompt))
+        tokens.append(t)
+        out.append(t)
+        if t == EOS:
+            break
+    return out

@@ -1,0 +1,75 @@
+"""Boundary types between the scheduler and the workers.
+
+After a request's first step only deltas cross this boundary: its new blocks and its
+computed-token count. Requests that (re)enter the batch -- new ones and resumed ones after a
+preemption -- are sent in full, with every confirmed token id. Nothing here holds tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vserve.engine.messages import LogprobsDelta
+from vserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    epoch: int
+    token_ids: list[int]          # prompt + confirmed outputs
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    sampling_seed: int
+    stop_token_ids: list[int]     # EOS and stop ids, masked while output < min_tokens
+    block_ids: list[int]
+    num_computed_tokens: int      # prefix-cache hits; positions already in the KV cache
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    req_epochs: dict[str, int]           # epoch of each scheduled request at schedule time
+    sampling_req_ids: set[str]           # scheduled requests whose step yields a token
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+    num_scheduled_reqs_waiting: int = 0  # how many came from the waiting queue
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    @staticmethod
+    def empty(step_id: int, finished: set[str], preempted: set[str]) -> SchedulerOutput:
+        return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0, {}, set(), finished,
+                               preempted)
+
+
+@dataclass
+class StepTiming:
+    """Worker-side timestamps (time.perf_counter of the worker process, seconds)."""
+
+    recv: float = 0.0
+    forward_start: float = 0.0
+    forward_end: float = 0.0
+    ready: float = 0.0
+
+
+@dataclass
+class RunnerOutput:
+    step_id: int
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[LogprobsDelta | None] | None = None  # per request, per token
+    timing: StepTiming | None = None

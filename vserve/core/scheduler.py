@@ -1,0 +1,331 @@
+"""The scheduler: one token-budget loop over running, then waiting requests.
+
+`schedule()` never needs the results of in-flight steps: it works on counts only
+(N, C, PH; see `request.py`). `update_from_output()` commits one step's sampled tokens, in
+step order, and drops outputs whose request has finished, been aborted or been preempted since
+the step was scheduled (its epoch no longer matches). Chunked prefill, prefix-cache hits and
+decode are one path: every scheduled request gets `num_new` tokens under the budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from vserve.core.kv_cache_manager import KVCacheManager
+from vserve.core.request import Request, RequestStatus
+from vserve.core.sched_output import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from vserve.engine.messages import EngineCoreOutput, LogprobsDelta, SchedulerStats
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    async_scheduling: bool = False   # let a request sit in consecutive in-flight steps
+
+
+@dataclass
+class _StepPlan:
+    step_id: int
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    sampling: set[str] = field(default_factory=set)
+    epochs: dict[str, int] = field(default_factory=dict)
+    preempted_any: bool = False
+    num_prompt_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
+        self._step_ids = itertools.count(1)
+        self._epochs = itertools.count(1)
+        self.num_preemptions = 0
+        self._num_generation_tokens = 0
+        self._num_prompt_tokens = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_requests(self) -> bool:
+        """Work for a step: unfinished requests, or finished ids the workers must hear of."""
+        return bool(self.requests or self.finished_req_ids or self.preempted_req_ids)
+
+    # -- admission and aborts ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Finish (abort) requests wherever they are; unknown or finished ids are ignored."""
+        done = []
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._free(req, status)
+            done.append(req)
+        return done
+
+    # -- schedule ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(next(self._step_ids), self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_any:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, plan.budget)
+            if num_new == 0:
+                i += 1
+                continue
+            num_computed = req.num_computed_tokens
+            block_ids = self._allocate_or_preempt(req, num_new, plan)
+            if block_ids is None:
+                continue  # req itself was preempted; the list shifted under i
+            plan.cached_reqs.append((req, block_ids, num_computed))
+            self._schedule_req(req, num_new, plan)
+            i += 1
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, plan: _StepPlan):
+        while True:
+            block_ids = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
+            if block_ids is not None:
+                return block_ids
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted_any = True
+            if victim is req:
+                return None
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while (self.waiting and plan.budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, plan.budget)
+            if self.kv.allocate_slots(req, num_hit + num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_query(req.num_tokens, num_hit)
+            req.status = RequestStatus.RUNNING
+            req.epoch = next(self._epochs)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self.running.append(req)
+            plan.new_reqs.append(req)
+            self._schedule_req(req, num_new, plan)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to schedule for a running request; 0 when no wanted token can come of it."""
+        if budget <= 0:
+            return 0
+        ph = req.num_output_placeholders
+        max_tokens = req.max_tokens
+        if max_tokens is not None and req.num_output_tokens + ph >= max_tokens:
+            return 0
+        if req.num_tokens + ph >= self.config.max_model_len:
+            return 0
+        pending = req.num_tokens - req.num_computed_tokens
+        if self.config.async_scheduling:
+            pending += ph
+        return max(0, min(pending, budget))
+
+    def _schedule_req(self, req: Request, num_new: int, plan: _StepPlan) -> None:
+        prompt_left = req.num_prompt_tokens - req.num_computed_tokens
+        plan.num_prompt_tokens += max(0, min(num_new, prompt_left))
+        req.num_computed_tokens += num_new
+        plan.budget -= num_new
+        plan.num_scheduled[req.request_id] = num_new
+        plan.epochs[req.request_id] = req.epoch
+        req.inflight_step_ids.append(plan.step_id)
+        if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            req.num_output_placeholders += 1
+            plan.sampling.add(req.request_id)
+        self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new = [self._new_request_data(r, plan.num_scheduled[r.request_id]) for r in plan.new_reqs]
+        cached = CachedRequestData()
+        for req, block_ids, num_computed in plan.cached_reqs:
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(num_computed)
+        out = SchedulerOutput(
+            step_id=plan.step_id,
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
+            req_epochs=plan.epochs,
+            sampling_req_ids=plan.sampling,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+            num_scheduled_reqs_waiting=len(plan.new_reqs),
+        )
+        self.finished_req_ids, self.preempted_req_ids = set(), set()
+        self._num_prompt_tokens += plan.num_prompt_tokens
+        return out
+
+    def _new_request_data(self, req: Request, num_scheduled: int) -> NewRequestData:
+        sp = req.sampling_params
+        stop_ids = [] if sp.ignore_eos else list(req.eos_token_ids)
+        stop_ids += list(sp.stop_token_ids or [])
+        return NewRequestData(
+            req_id=req.request_id,
+            epoch=req.epoch,
+            token_ids=list(req.all_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            sampling_params=sp,
+            sampling_seed=req.sampling_seed,
+            stop_token_ids=stop_ids,
+            block_ids=self.kv.block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens - num_scheduled,
+        )
+
+    # -- preemption and freeing --------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: the request loses its blocks and in-flight outputs."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.inflight_step_ids.clear()
+        req.epoch = -1
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preempted_req_ids.add(req.request_id)
+        self.waiting.appendleft(req)
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    # -- commit ----------------------------------------------------------------------------------
+    def update_from_output(
+        self, so: SchedulerOutput, ro: RunnerOutput
+    ) -> list[EngineCoreOutput]:
+        index = {req_id: i for i, req_id in enumerate(ro.req_ids)}
+        outputs = []
+        for req_id in so.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.epoch != so.req_epochs[req_id]:
+                continue  # finished, aborted or preempted since this step was scheduled
+            assert req.inflight_step_ids.popleft() == so.step_id, "steps committed out of order"
+            if req_id not in so.sampling_req_ids:
+                continue  # a partial prefill chunk yields nothing
+            i = index[req_id]
+            req.num_output_placeholders -= 1
+            out = self._commit_tokens(req, ro.sampled_token_ids[i],
+                                      ro.logprobs[i] if ro.logprobs else None)
+            outputs.append(out)
+        self._num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs
+
+    def _commit_tokens(self, req: Request, token_ids: list[int], logprobs: LogprobsDelta | None):
+        emitted: list[int] = []
+        status = None
+        for token_id in token_ids:
+            req.append_output_token(token_id)
+            emitted.append(token_id)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                break
+        out = EngineCoreOutput(req.request_id, emitted,
+                               new_logprobs=_logprobs_delta(logprobs, len(emitted)),
+                               num_cached_tokens=max(req.num_cached_tokens, 0))
+        if status is not None:
+            self.running.remove(req)
+            self._free(req, status)
+            out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+        else:
+            self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+        return out
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        """Token-level stops. The first `min_tokens` outputs never stop on EOS or a stop id
+        (the sampler masks those ids for them as well)."""
+        sp = req.sampling_params
+        if req.num_output_tokens > sp.min_tokens:
+            if not sp.ignore_eos and token_id in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and token_id in sp.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- stats and checks --------------------------------------------------------------------------
+    def make_stats(self, step_id: int = 0) -> SchedulerStats:
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_kv_blocks=self.kv.num_blocks,
+            prefix_cache_queries=self.kv.num_queried_tokens,
+            prefix_cache_hits=self.kv.num_hit_tokens,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            step_id=step_id,
+        )
+        self._num_prompt_tokens = self._num_generation_tokens = 0
+        return stats
+
+    def check_invariants(self) -> None:
+        """Assert the invariants of DESIGN.md; tests call this after every schedule/commit."""
+        assert len(self.running) <= self.config.max_num_seqs
+        assert set(r.request_id for r in self.running) | set(
+            r.request_id for r in self.waiting) == set(self.requests)
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+            assert req.num_output_placeholders >= 0, req
+            assert req.num_uncomputed >= 0, req
+            assert req.num_computed_tokens <= self.config.max_model_len
+            held = len(self.kv.req_blocks.get(req.request_id, ()))
+            assert held * self.kv.block_size >= req.num_computed_tokens, req
+        for req in self.waiting:
+            assert req.num_computed_tokens == 0 and req.num_output_placeholders == 0, req
+            assert req.request_id not in self.kv.req_blocks
+        self.kv.check_invariants(set(self.requests))
+
+
+def _logprobs_delta(logprobs: LogprobsDelta | None, num_tokens: int) -> LogprobsDelta | None:
+    if logprobs is None or len(logprobs.ranks) == num_tokens:
+        return logprobs
+    return LogprobsDelta(logprobs.token_ids[:num_tokens], logprobs.logprobs[:num_tokens],
+                         logprobs.ranks[:num_tokens])

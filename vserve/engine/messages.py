@@ -1,0 +1,74 @@
+"""Wire types between the front end and the engine core (msgpack through msgspec).
+
+Structs are `array_like` and `omit_defaults`: compact, and nothing is ever unpickled. Token
+ids travel as deltas: each `EngineCoreOutput` carries only the tokens confirmed by one step.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from vserve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    sampling_seed: int
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+
+
+class LogprobsDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per confirmed token: ids and logprobs, the sampled token first, then the top-N."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsDelta | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_kv_blocks: int = 0
+    prefix_cache_queries: int = 0      # cumulative tokens looked up
+    prefix_cache_hits: int = 0         # cumulative tokens hit
+    num_preemptions: int = 0           # cumulative
+    num_prompt_tokens: int = 0         # this step: prompt tokens scheduled
+    num_generation_tokens: int = 0     # this step: tokens confirmed
+    step_id: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_call_id: int = -1
+    utility_result: bytes | None = None
+    engine_error: str | None = None    # fatal: the engine core is dead
+
+
+class RequestType(enum.IntEnum):
+    ADD = 0
+    ABORT = 1
+    UTILITY = 2
+    SHUTDOWN = 3

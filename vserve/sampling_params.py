@@ -1,0 +1,137 @@
+"""Sampling parameters: what a request asks of the sampler and of the stop checks.
+
+`SamplingParams` is a msgspec struct so that it crosses the front end -> engine core boundary
+as msgpack without pickling. Every value is checked when the object is built; a bad value
+raises `ValueError` with a message that names the field and the accepted range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+_INT64 = 2**63
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify()
+
+    # -- derived views -------------------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes) -> SamplingParams:
+        return msgspec.structs.replace(self, **changes)
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _normalize(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {
+                int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()
+            }
+        if isinstance(self.temperature, (int, float)) and 0 <= self.temperature < _GREEDY_EPS:
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}.")
+        _check(
+            _is_num(self.temperature) and math.isfinite(self.temperature)
+            and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {self.temperature!r}.",
+        )
+        _check(
+            _is_num(self.top_p) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}.",
+        )
+        _check(
+            _is_int(self.top_k) and self.top_k >= 0,
+            f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k!r}.",
+        )
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2 <= value <= 2,
+                   f"{name} must be in [-2, 2], got {value!r}.")
+        _check(
+            _is_num(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+            and self.repetition_penalty > 0,
+            f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}.",
+        )
+        _check(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
+               f"seed must be a 64-bit integer, got {self.seed!r}.")
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be at least 1, got {self.max_tokens!r}.",
+        )
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               f"min_tokens must be >= 0, got {self.min_tokens!r}.")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens,
+                   f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+               f"logprobs must be a non-negative integer, got {self.logprobs!r}.")
+        for s in self.stop or []:
+            _check(isinstance(s, str) and s != "", "stop strings must be non-empty strings.")
+        for t in self.stop_token_ids or []:
+            _check(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative ints, got {t!r}.")
+        if self.n > 1:
+            _check(not self.greedy,
+                   "n > 1 needs random sampling: set temperature > 0 (greedy choices would "
+                   "all be identical).")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
