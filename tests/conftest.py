@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import build_model  # noqa: E402
+
+MODEL_KINDS = ["llama", "qwen2", "qwen3", "gemma3", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-models")
+    built = {}
+
+    def get(kind: str, **overrides) -> str:
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in built:
+            name = kind + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+            built[key] = str(build_model(kind, root / name, **overrides))
+        return built[key]
+
+    return get

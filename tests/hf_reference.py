@@ -1,0 +1,38 @@
+"""Greedy reference outputs from transformers' own `generate` (fp32), cached per model."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of France, and Berlin is the capital of Germany. Paris is the "
+    "capital of France, and",
+    "1 2 3 4 5 6 7 8",
+    "Once upon a time there was a little engine that could schedule tokens. Once upon a time "
+    "there was a little engine that could schedule",
+    "def add(a, b):\n    return a + b\n",
+    "héllo wörld, naïve café",
+]
+SHARED_PREFIX = ("Once upon a time there was a little engine that could schedule tokens. "
+                 "The quick brown fox jumps over the lazy dog. ")
+PREFIX_PROMPTS = [SHARED_PREFIX + s for s in ["Paris is", "1 2 3", "def add(a, b):",
+                                             "héllo"]] + [SHARED_PREFIX + "Paris is"]
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(model_dir: str, prompts: tuple[str, ...], max_new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out

@@ -1,0 +1,10 @@
+"""vserve: a vLLM-style LLM serving engine with overlap (async) scheduling."""
+
+from vserve.config import EngineArgs
+from vserve.entrypoints.llm import LLM
+from vserve.outputs import CompletionOutput, Logprob, RequestOutput
+from vserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "EngineArgs", "__version__"]

@@ -1,0 +1,36 @@
+"""Attention backends behind one interface, chosen by name from a registry.
+
+`torch` is the portable path (CPU default) and the oracle the Triton kernels are tested
+against; `triton` is the CUDA default. Backends import their heavy dependencies lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from vserve.attention.base import AttentionBackend, AttentionMetadata
+
+_REGISTRY = {
+    "torch": ("vserve.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("vserve.attention.triton_backend", "TritonAttentionBackend"),
+}
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def default_backend(device_type: str) -> str:
+    return "triton" if device_type == "cuda" else "torch"
+
+
+def get_attention_backend(name: str, block_size: int) -> AttentionBackend:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of "
+                         f"{available_backends()}")
+    module, cls = _REGISTRY[name]
+    return getattr(importlib.import_module(module), cls)(block_size)
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend",
+           "available_backends", "default_backend"]

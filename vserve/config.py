@@ -1,0 +1,231 @@
+"""Engine arguments (vLLM's names) and the frozen configs resolved from them.
+
+`EngineArgs` is what users pass (`LLM(**kwargs)`, CLI flags). `EngineArgs.create_engine_config()`
+resolves the model (the embedded default, a folder, a GGUF), reads its config, checks every
+value and returns an `EngineConfig` made of small frozen parts. Values found at start-up (the
+number of KV blocks) are returned by the engine, never written back into a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from vserve.core.scheduler import SchedulerConfig
+
+logger = logging.getLogger("vserve")
+
+_DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
+           "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
+           "fp16": "float16"}
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str                  # local folder with config.json and safetensors
+    tokenizer: str
+    architecture: str
+    dtype: str                  # float32 | bfloat16 | float16
+    seed: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    served_model_name: str
+    max_logprobs: int = 20
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None   # None: 4 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"   # uni | mp
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0                         # 0: pick a free port
+    nnodes: int = 1
+    node_rank: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"                          # cpu | cuda
+    attention_backend: str = "torch"
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+    async_scheduling: bool
+    async_off_reason: str | None = None
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        pp = self.parallel.pipeline_parallel_size
+        if pp > 1:
+            return pp
+        return 2 if self.async_scheduling else 1
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    served_model_name: str | list[str] | None = None
+    async_scheduling: bool | None = None
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    device: str = "auto"
+    attention_backend: str | None = None
+    max_logprobs: int = 20
+    disable_log_stats: bool = True
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def create_engine_config(self) -> EngineConfig:
+        from vserve.models.resolve import resolve_model_path
+
+        model_path = resolve_model_path(self.model)
+        hf_config = load_hf_config(model_path)
+        model_cfg = self._model_config(model_path, hf_config)
+        device = _resolve_device(self.device)
+        backend = self.attention_backend or ("triton" if device == "cuda" else "torch")
+        from vserve.attention import available_backends
+
+        _require(backend in available_backends(),
+                 f"attention_backend must be one of {available_backends()}, got {backend!r}")
+        parallel = self._parallel_config()
+        async_on, reason = self._async_decision(parallel)
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        batched = self.max_num_batched_tokens or 2048
+        _require(batched >= 1, f"max_num_batched_tokens must be >= 1, got {batched}")
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+                 f"block_size must be a power of two up to 128, got {self.block_size}")
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+            max_model_len=model_cfg.max_model_len, async_scheduling=async_on)
+        cache = CacheConfig(self.block_size, self.enable_prefix_caching,
+                            self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
+                            self.gpu_memory_utilization)
+        return EngineConfig(model_cfg, cache, scheduler, parallel,
+                            DeviceConfig(device, backend, self.enforce_eager), async_on, reason)
+
+    def _model_config(self, model_path: str, hf_config) -> ModelConfig:
+        from vserve.models.registry import resolve_architecture
+
+        arch = resolve_architecture(getattr(hf_config, "architectures", None))
+        _require(self.dtype in _DTYPES,
+                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        dtype = _DTYPES[self.dtype]
+        if dtype == "auto":
+            dtype = str(getattr(hf_config, "dtype", None) or "float32").replace("torch.", "")
+            dtype = _DTYPES.get(dtype, "float32")
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_len = self.max_model_len or limit
+        _require(isinstance(max_len, int) and 1 < max_len <= limit,
+                 f"max_model_len must be in [2, {limit}] (the model's "
+                 f"max_position_embeddings), got {self.max_model_len!r}")
+        names = self.served_model_name or [self.model or "gemma-3-270m"]
+        if isinstance(names, str):
+            names = [names]
+        return ModelConfig(
+            model=model_path, tokenizer=self.tokenizer or model_path, architecture=arch,
+            dtype=dtype, seed=int(self.seed), max_model_len=max_len,
+            vocab_size=hf_config.vocab_size, eos_token_ids=eos_ids(model_path, hf_config),
+            served_model_name=names[0], max_logprobs=self.max_logprobs)
+
+    def _parallel_config(self) -> ParallelConfig:
+        pp = self.pipeline_parallel_size
+        _require(isinstance(pp, int) and pp >= 1,
+                 f"pipeline_parallel_size must be >= 1, got {pp!r}")
+        backend = self.distributed_executor_backend or ("mp" if pp > 1 else "uni")
+        _require(backend in ("uni", "mp"),
+                 f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
+        _require(not (pp > 1 and backend == "uni"),
+                 "pipeline_parallel_size > 1 needs distributed_executor_backend='mp'")
+        _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+                 f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        return ParallelConfig(pp, backend, self.master_addr, self.master_port, self.nnodes,
+                              self.node_rank)
+
+    def _async_decision(self, parallel: ParallelConfig) -> tuple[bool, str | None]:
+        if self.async_scheduling is False:
+            return False, "async_scheduling=False was requested"
+        return True, None
+
+
+def load_hf_config(model_path: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the model config in {model_path}: {e}") from e
+
+
+def eos_ids(model_path: str, hf_config) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (both may hold lists)."""
+    import json
+    from pathlib import Path
+
+    ids: list[int] = []
+
+    def add(value):
+        for v in [value] if isinstance(value, int) else (value or []):
+            if v not in ids:
+                ids.append(v)
+
+    add(getattr(hf_config, "eos_token_id", None))
+    gen = Path(model_path) / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    return tuple(ids)
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    _require(device in ("cpu", "cuda"), f"device must be auto, cpu or cuda; got {device!r}")
+    _require(device != "cuda" or torch.cuda.is_available(), "device='cuda' but no CUDA device")
+    return device
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+__all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "ParallelConfig",
+           "DeviceConfig", "SchedulerConfig", "field"]

@@ -1,0 +1,125 @@
+"""The engine core: scheduler + executor, and the step functions every front end runs.
+
+`step()` is the synchronous loop (one step in flight). `step_with_batch_queue()` keeps up to
+`max_concurrent_batches` steps in flight: it schedules the next step from placeholders before
+it waits for the oldest one, so the host never waits on the device to decide what runs next.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+
+from vserve.config import EngineConfig
+from vserve.core.kv_cache_manager import KVCacheManager
+from vserve.core.request import Request, RequestStatus
+from vserve.core.scheduler import Scheduler
+from vserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from vserve.engine.recorder import StepRecorder
+from vserve.executor import make_executor
+
+logger = logging.getLogger("vserve.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor=None) -> None:
+        self.config = config
+        self.executor = executor if executor is not None else make_executor(config)
+        num_blocks = self.executor.num_kv_blocks()
+        block_size = config.cache.block_size
+        if num_blocks * block_size < config.model.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "
+                f"sequence of max_model_len={config.model.max_model_len}; lower max_model_len "
+                "or give the cache more memory (kv_cache_memory_bytes, num_gpu_blocks_override)")
+        self.executor.init_kv_cache(num_blocks)
+        self.num_kv_blocks = num_blocks
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv)
+        self.depth = config.max_concurrent_batches
+        self.batch_queue: deque = deque()
+        self.step_fn = self.step_with_batch_queue if self.depth > 1 else self.step
+        self._aborts: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self.recorder = StepRecorder()
+        self._log_mode()
+
+    def _log_mode(self) -> None:
+        cfg = self.config
+        if cfg.async_scheduling:
+            logger.info("Asynchronous scheduling is enabled (batch queue depth %d).", self.depth)
+        else:
+            logger.info("Asynchronous scheduling is off: %s (batch queue depth %d).",
+                        cfg.async_off_reason, self.depth)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens).", self.num_kv_blocks,
+                    cfg.cache.block_size, self.num_kv_blocks * cfg.cache.block_size)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(
+            req.request_id, list(req.prompt_token_ids), req.sampling_params,
+            eos_token_ids=tuple(req.eos_token_ids), sampling_seed=req.sampling_seed,
+            cache_salt=req.cache_salt, arrival_time=req.arrival_time))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Thread-safe: applied before the next commit (or at once by the busy loop)."""
+        self._aborts.put(list(request_ids))
+
+    def _apply_aborts(self) -> None:
+        while True:
+            try:
+                ids = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    # -- the step loops ----------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        self._apply_aborts()
+        if not self.scheduler.has_requests():
+            return []
+        so = self._schedule()
+        runner_output = self.executor.execute_model(so)
+        return self._commit(so, runner_output)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
+        """Fill the queue first; when full (or nothing more to schedule), commit the oldest."""
+        self._apply_aborts()
+        if self.scheduler.has_requests() and len(self.batch_queue) < self.depth:
+            so = self._schedule()
+            future = self.executor.execute_model(so, non_block=True)
+            self.batch_queue.append((future, so))
+            if len(self.batch_queue) < self.depth and self.scheduler.has_requests():
+                return None
+        if not self.batch_queue:
+            return None
+        future, so = self.batch_queue.popleft()
+        runner_output = future.result()
+        return self._commit(so, runner_output)
+
+    def _schedule(self):
+        start = time.perf_counter()
+        so = self.scheduler.schedule()
+        self.recorder.scheduled(so, start, time.perf_counter(), len(self.batch_queue))
+        return so
+
+    def _commit(self, so, runner_output) -> list[EngineCoreOutput]:
+        self._apply_aborts()
+        start = time.perf_counter()
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        self.recorder.committed(so, runner_output, start, time.perf_counter())
+        return outputs
+
+    # -- misc --------------------------------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

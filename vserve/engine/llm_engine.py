@@ -1,0 +1,67 @@
+"""The synchronous front end behind `LLM`: processor + engine-core client + output processor."""
+
+from __future__ import annotations
+
+import logging
+
+from vserve.config import EngineArgs, EngineConfig
+from vserve.engine.output_processor import OutputKind, OutputProcessor
+from vserve.engine.processor import InputProcessor, Prompt
+from vserve.outputs import RequestOutput
+from vserve.sampling_params import SamplingParams
+from vserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("vserve")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, multiprocess: bool = False) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        if multiprocess:
+            from vserve.engine.mp_client import SyncMPClient
+
+            self.client = SyncMPClient(config)
+        else:
+            from vserve.engine.client import InprocClient
+
+            self.client = InprocClient(config)
+        self.last_stats = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
+        return cls(args.create_engine_config(), multiprocess)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
+        text, ids = self.processor.tokenize_prompt(prompt)
+        requests = self.processor.make_requests(request_id, ids, params)
+        self.output_processor.add_request(request_id, text, ids, params,
+                                          [r.request_id for r in requests], kind)
+        for r in requests:
+            self.client.add_request(r)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.client.abort_requests(self.output_processor.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outs = self.client.get_output()
+        if outs.engine_error:
+            failed = self.output_processor.fail_all(outs.engine_error)
+            from vserve.engine.mp_client import EngineDeadError
+
+            raise EngineDeadError(outs.engine_error, [ro for _, ro in failed])
+        self.last_stats = outs.scheduler_stats
+        delivered, to_abort = self.output_processor.process_outputs(outs.outputs)
+        if to_abort:
+            self.client.abort_requests(to_abort)
+        return [ro for _, ro in delivered]
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

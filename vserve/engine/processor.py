@@ -1,0 +1,87 @@
+"""Front-end input processing: tokenize, validate, and fan `n > 1` out into engine requests.
+
+Every check happens here, before anything reaches the engine core; a bad request raises a
+`ValueError` that says what to change, and the engine never sees it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from vserve.config import EngineConfig
+from vserve.engine.messages import EngineCoreRequest
+from vserve.sampling_params import SamplingParams
+from workers.sampler import splitmix64
+
+Prompt = str | dict | list
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model.vocab_size
+        self.max_model_len = config.model.max_model_len
+        self._rng = random.Random(config.model.seed)
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}; pass a str, "
+                         "a list of token ids or {'prompt_token_ids': [...]}")
+
+    def _check_ids(self, ids) -> list[int]:
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of ints")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"Token id {t!r} is out of vocabulary (vocab size "
+                                 f"{self.vocab_size})")
+        return list(ids)
+
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt contains {num_prompt_tokens} input tokens, which leaves no room "
+                "for output; shorten the prompt or raise max_model_len.")
+        max_lp = self.config.model.max_logprobs
+        if params.logprobs is not None and params.logprobs > max_lp:
+            raise ValueError(f"logprobs must be at most {max_lp} (max_logprobs), got "
+                             f"{params.logprobs}")
+        for t in list(params.logit_bias or {}) + list(params.stop_token_ids or []):
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"Token id {t} in logit_bias / stop_token_ids is out of "
+                                 f"vocabulary (vocab size {self.vocab_size})")
+
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      arrival_time: float | None = None) -> list[EngineCoreRequest]:
+        """One engine request per choice; children of `n > 1` share the prompt's KV blocks."""
+        self.check_params(params, len(prompt_ids))
+        arrival = arrival_time or time.time()
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        eos = list(self.config.model.eos_token_ids)
+        child_params = params.clone(n=1) if params.n > 1 else params
+        salt = None
+        if params.n > 1 and not self.config.cache.enable_prefix_caching:
+            salt = request_id
+        out = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            seed = base_seed if i == 0 else splitmix64((base_seed + i) & ((1 << 64) - 1))
+            out.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, eos,
+                                         seed & ((1 << 63) - 1), arrival, salt))
+        return out

@@ -1,0 +1,54 @@
+"""Cheap per-step timestamps for the overlap report and the trace.
+
+The engine core records, for every step: schedule start and end, launch (when it was handed
+to the executor) and commit start and end; the worker adds its receive, forward start and end,
+and result-ready times (its own clock; on one host `perf_counter` is shared by processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepRecord:
+    step_id: int
+    num_tokens: int
+    num_reqs: int
+    queue_len: int            # steps already in flight when this one was scheduled
+    schedule_start: float
+    schedule_end: float
+    commit_start: float = 0.0
+    commit_end: float = 0.0
+    recv: float = 0.0
+    forward_start: float = 0.0
+    forward_end: float = 0.0
+    ready: float = 0.0
+
+
+class StepRecorder:
+    def __init__(self, enabled: bool = True, max_records: int = 100_000) -> None:
+        self.enabled = enabled
+        self.max_records = max_records
+        self.records: dict[int, StepRecord] = {}
+
+    def scheduled(self, so, start: float, end: float, queue_len: int) -> None:
+        if self.enabled and len(self.records) < self.max_records:
+            self.records[so.step_id] = StepRecord(
+                so.step_id, so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
+                queue_len, start, end)
+
+    def committed(self, so, runner_output, start: float, end: float) -> None:
+        rec = self.records.get(so.step_id)
+        if rec is None:
+            return
+        rec.commit_start, rec.commit_end = start, end
+        timing = getattr(runner_output, "timing", None)
+        if timing is not None:
+            rec.recv, rec.forward_start = timing.recv, timing.forward_start
+            rec.forward_end, rec.ready = timing.forward_end, timing.ready
+
+    def take(self) -> list[StepRecord]:
+        records = sorted(self.records.values(), key=lambda r: r.step_id)
+        self.records = {}
+        return records

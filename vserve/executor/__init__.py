@@ -1,0 +1,15 @@
+"""Executors: how the engine core reaches its workers (in process or in worker processes)."""
+
+from __future__ import annotations
+
+from vserve.config import EngineConfig
+
+
+def make_executor(config: EngineConfig):
+    if config.parallel.distributed_executor_backend == "mp":
+        from vserve.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from vserve.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config)

@@ -1,0 +1,34 @@
+"""The model runner in the engine core's own process. On CUDA the forward still overlaps the
+next schedule (kernels run asynchronously and the host copy is awaited in `result()`); on CPU
+it runs inline. Used for tests, debugging and single-device serving."""
+
+from __future__ import annotations
+
+from vserve.config import EngineConfig
+from vserve.core.sched_output import RunnerOutput, SchedulerOutput
+from vserve.executor.base import Executor, StepFuture, runner_config
+from workers.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(runner_config(config))
+        self.worker.load_model()
+
+    def num_kv_blocks(self) -> int:
+        return self.worker.num_kv_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False):
+        out = self.worker.execute_model(so)
+        future = StepFuture(lambda timeout: out.get())
+        return future if non_block else future.result()
+
+    @property
+    def runner(self):
+        return self.worker.runner
+
+
+__all__ = ["UniProcExecutor", "RunnerOutput"]

@@ -1,0 +1,1 @@
+"""Model definitions (device side), their registry and weight loading."""

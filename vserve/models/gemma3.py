@@ -1,0 +1,121 @@
+"""Gemma 3 (text): interleaved sliding-window and global layers, q/k norms, one rope base per
+layer type, embeddings scaled by sqrt(hidden), four norms per layer, tied embeddings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
+from vserve.models.decoder import STACKED, _tie, head_dim_of, rename_layer
+from vserve.models.layers import Attention, GemmaRMSNorm, RotaryEmbedding, gated_mlp, rope_inv_freq
+from vserve.models.stage import FusedLinear, StageInfo, check_all_loaded, load_weights
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, hf_config, spec: AttentionLayerSpec, layer_idx: int) -> None:
+        super().__init__()
+        h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        bias = getattr(hf_config, "attention_bias", False)
+        self.qkv_proj = FusedLinear(hf_config.hidden_size, [h * d, kv * d, kv * d], bias=bias)
+        self.o_proj = nn.Linear(h * d, hf_config.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
+        self.attn = Attention(spec, layer_idx)
+
+    def forward(self, positions, x, rotary, kv_caches, meta, backend):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_caches, meta, backend))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, hf_config, spec: AttentionLayerSpec, layer_idx: int) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.self_attn = Gemma3Attention(hf_config, spec, layer_idx)
+        self.mlp = nn.Module()
+        inter = hf_config.intermediate_size
+        self.mlp.gate_up_proj = FusedLinear(hidden, [inter, inter], bias=False)
+        self.mlp.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.act = hf_config.hidden_activation
+        self.sliding = spec.sliding_window is not None
+
+    def forward(self, positions, h, rotaries, kv_caches, meta, backend):
+        rotary = rotaries[1] if self.sliding else rotaries[0]
+        attn = self.self_attn(positions, self.input_layernorm(h), rotary, kv_caches, meta,
+                              backend)
+        h = h + self.post_attention_layernorm(attn)
+        mlp = gated_mlp(self.pre_feedforward_layernorm(h), self.mlp.gate_up_proj,
+                        self.mlp.down_proj, self.act)
+        return h + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, hf_config, stage: StageInfo, max_positions: int) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.stage = stage
+        d = head_dim_of(hf_config)
+        types = hf_config.layer_types
+        self.windows = [hf_config.sliding_window if t == "sliding_attention" else None
+                        for t in types]
+        self.layer_specs = [
+            AttentionLayerSpec(hf_config.num_attention_heads, hf_config.num_key_value_heads, d,
+                               hf_config.query_pre_attn_scalar ** -0.5, self.windows[i],
+                               getattr(hf_config, "attn_logit_softcapping", None))
+            for i in range(hf_config.num_hidden_layers)
+        ]
+        self.model = nn.Module()
+        if stage.is_first:
+            self.model.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+            self.embed_scale = hf_config.hidden_size ** 0.5
+        self.model.layers = nn.ModuleList(
+            Gemma3DecoderLayer(hf_config, self.layer_specs[i], i)
+            for i in range(stage.start_layer, stage.end_layer))
+        if stage.is_last:
+            self.model.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(*rope_inv_freq(hf_config, t), max_positions)
+            for t in ("full_attention", "sliding_attention"))
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches,
+                meta: AttentionMetadata, backend) -> torch.Tensor:
+        if self.stage.is_first:
+            emb = self.model.embed_tokens(inputs)
+            h = emb * torch.tensor(self.embed_scale, dtype=emb.dtype)
+        else:
+            h = inputs
+        for layer in self.model.layers:
+            h = layer(positions, h, self.rotaries, kv_caches, meta, backend)
+        return self.model.norm(h) if self.stage.is_last else h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
+
+    def load_weights(self, weights) -> None:
+        loaded = load_weights(self, _tie(weights, True, self.stage.is_last), STACKED,
+                              lambda name: rename_layer(_strip(name), self.stage))
+        check_all_loaded(self, loaded)
+
+
+def _strip(name: str) -> str:
+    # checkpoints of the multimodal wrapper prefix the text model
+    return name.replace("language_model.model.", "model.").replace("model.language_model.",
+                                                                   "model.")
+
+

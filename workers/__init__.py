@@ -1,0 +1,1 @@
+"""The device side: worker processes, the model runner, the persistent input batch, sampling."""

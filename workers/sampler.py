@@ -1,0 +1,188 @@
+"""Sampling from logits of the rows that sample this step.
+
+Randomness is a function of (request seed, position) only: each row draws one uniform number
+from a counter-based hash and picks its token by inverse CDF. So a seeded request gives the
+same tokens whatever else shares the batch, whether its prompt was chunked, and after a
+preemption recomputes a position. A row's path (vocab order, or sorted when it filters with
+top-k / top-p / min-p) depends only on its own parameters, for the same reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vserve.engine.messages import LogprobsDelta
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform_for(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on the seed and the position."""
+    return (splitmix64(splitmix64(seed & _MASK64) ^ position) >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SamplingMetadata:
+    """Per sampling row; lists are aligned with the logits rows."""
+
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    seeds: list[int]
+    positions: list[int]                     # index of the token being sampled
+    num_logprobs: list[int | None]
+    logit_bias: list[dict[int, float] | None]
+    masked_ids: list[list[int] | None]       # stop ids hidden while output < min_tokens
+    presence: list[float]
+    frequency: list[float]
+    repetition: list[float]
+    prompt_ids: list[list[int]] | None = None   # only when some row has penalties
+    output_ids: list[list[int]] | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperature)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return any(p != 0.0 for p in self.presence) or any(f != 0.0 for f in self.frequency) \
+            or any(r != 1.0 for r in self.repetition)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                  # [num_rows] int64, on the device
+    logprobs: list[LogprobsDelta | None] | None = None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw = logits
+        logits = self._process(logits.clone() if _needs_processing(meta) else logits, meta)
+        if meta.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, meta)
+        logprobs = None
+        if any(n is not None for n in meta.num_logprobs):
+            logprobs = _logprobs(raw, token_ids, meta.num_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    # -- logits processing -----------------------------------------------------------------------
+    def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        for i, bias in enumerate(meta.logit_bias):
+            if bias:
+                ids = torch.tensor(list(bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
+        for i, ids in enumerate(meta.masked_ids):
+            if ids:
+                logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+        if meta.needs_penalties:
+            _apply_penalties(logits, meta)
+        return logits
+
+    # -- random sampling -------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        out = logits.argmax(dim=-1)
+        device = logits.device
+        rows = [i for i, t in enumerate(meta.temperature) if t > 0.0]
+        plain = [i for i in rows if not _filters(meta, i)]
+        filtered = [i for i in rows if _filters(meta, i)]
+        for group, sort in ((plain, False), (filtered, True)):
+            if not group:
+                continue
+            idx = torch.tensor(group, device=device)
+            temps = torch.tensor([meta.temperature[i] for i in group], device=device)
+            scaled = logits[idx] / temps.unsqueeze(1)
+            u = torch.tensor([uniform_for(meta.seeds[i], meta.positions[i]) for i in group],
+                             dtype=torch.float64, device=device)
+            if sort:
+                out[idx] = _sample_filtered(scaled, u, meta, group)
+            else:
+                out[idx] = _inverse_cdf(scaled.softmax(dim=-1), u)
+        return out
+
+
+def _needs_processing(meta: SamplingMetadata) -> bool:
+    return any(meta.logit_bias) or any(meta.masked_ids) or meta.needs_penalties
+
+
+def _filters(meta: SamplingMetadata, i: int) -> bool:
+    return meta.top_k[i] > 0 or meta.top_p[i] < 1.0 or meta.min_p[i] > 0.0
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token whose CDF interval holds u; float64 sums keep the pick exact and stable."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def _sample_filtered(scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata,
+                     group: list[int]) -> torch.Tensor:
+    device = scaled.device
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    vocab = scaled.shape[-1]
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    top_k = torch.tensor([meta.top_k[i] or vocab for i in group], device=device).unsqueeze(1)
+    keep = ranks < top_k
+    top_p = torch.tensor([meta.top_p[i] for i in group], device=device).unsqueeze(1)
+    before = probs.cumsum(dim=-1) - probs          # mass strictly before each token
+    keep &= before < top_p
+    min_p = torch.tensor([meta.min_p[i] for i in group], device=device).unsqueeze(1)
+    keep &= probs >= min_p * probs[:, :1]
+    keep[:, 0] = True
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    picked = _inverse_cdf(kept, u)
+    return order.gather(1, picked.unsqueeze(1)).squeeze(1)
+
+
+def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    vocab = logits.shape[-1]
+    device = logits.device
+    for i in range(logits.shape[0]):
+        rep, pres, freq = meta.repetition[i], meta.presence[i], meta.frequency[i]
+        if rep == 1.0 and pres == 0.0 and freq == 0.0:
+            continue
+        out_ids = torch.tensor(meta.output_ids[i], dtype=torch.long, device=device)
+        if rep != 1.0:
+            seen = torch.tensor(sorted(set(meta.prompt_ids[i]) | set(meta.output_ids[i])),
+                                dtype=torch.long, device=device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / rep, vals * rep)
+        if pres != 0.0 or freq != 0.0:
+            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+
+
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+              num_logprobs: list[int | None]) -> list[LogprobsDelta | None]:
+    logprobs = raw.log_softmax(dim=-1)
+    k = max(n or 0 for n in num_logprobs)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
+    sampled_l, ranks_l, ids_l = sampled.tolist(), ranks.tolist(), token_ids.tolist()
+    top_v = top_vals.tolist() if k else None
+    top_i = top_ids.tolist() if k else None
+    out: list[LogprobsDelta | None] = []
+    for i, n in enumerate(num_logprobs):
+        if n is None:
+            out.append(None)
+            continue
+        ids = [ids_l[i]] + (top_i[i][:n] if n else [])
+        vals = [sampled_l[i]] + (top_v[i][:n] if n else [])
+        out.append(LogprobsDelta([ids], [vals], [ranks_l[i]]))
+    return out

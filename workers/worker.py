@@ -1,0 +1,35 @@
+"""A worker: one pipeline stage on one device. The executor calls these methods, in process
+(uni-process executor) or through `workers.worker_proc` (multiprocess executor)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vserve.core.sched_output import SchedulerOutput
+from workers.model_runner import AsyncStepOutput, ModelRunner, RunnerConfig
+
+
+class Worker:
+    def __init__(self, config: RunnerConfig, pp_comm=None, num_threads: int | None = None):
+        from vserve.config import load_hf_config
+
+        self.config = config
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        if config.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", config.pp_rank)))
+        self.runner = ModelRunner(config, load_hf_config(config.model_path), pp_comm)
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, so: SchedulerOutput) -> AsyncStepOutput | None:
+        return self.runner.execute_model(so)
