@@ -51,7 +51,9 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None
              ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt,
                                             continue_final_message, chat_template_kwargs)
                    for c in conversations]
