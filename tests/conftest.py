@@ -25,3 +25,14 @@ def tiny_model_dir(tmp_path_factory):
         return built[key]
 
     return get
+
+
+def make_llm(model_dir, **kwargs):
+    """An in-process engine with the model runner in this process: fast to start, and its
+    scheduler can be inspected (`llm.engine.client.core`)."""
+    from vserve import LLM
+
+    kwargs.setdefault("multiprocess", False)
+    kwargs.setdefault("distributed_executor_backend", "uni")
+    kwargs.setdefault("dtype", "float32")
+    return LLM(model_dir, **kwargs)

@@ -1,13 +1,14 @@
 """Bad input raises ValueError with a useful message and never reaches the engine."""
 
 import pytest
+from conftest import make_llm
 
 from vserve import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(tiny_model_dir("qwen2"), multiprocess=False, dtype="float32", max_model_len=64)
+    return make_llm(tiny_model_dir("qwen2"), max_model_len=64)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -86,5 +87,5 @@ def test_unsupported_architecture(tmp_path):
 ])
 def test_bad_engine_args(tiny_model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LLM(tiny_model_dir("qwen2"), multiprocess=False, max_model_len=kwargs.pop(
-            "max_model_len", 64), **kwargs)
+        make_llm(tiny_model_dir("qwen2"), max_model_len=kwargs.pop("max_model_len", 64),
+                 **kwargs)

@@ -1,6 +1,7 @@
 """The embedded default model: the pretrained Gemma-3-270M, converted once from its GGUF."""
 
 import pytest
+from conftest import make_llm
 import torch
 
 from vserve import LLM, SamplingParams
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(multiprocess=False, dtype="float32", max_model_len=512)
+    return make_llm(None, max_model_len=512)
 
 
 def test_default_and_alias_resolve_to_embedded():

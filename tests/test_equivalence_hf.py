@@ -2,6 +2,7 @@
 batching, chunked prefill, prefix-cache hits and preemption by a tiny KV cache."""
 
 import pytest
+from conftest import make_llm
 from hf_reference import PREFIX_PROMPTS, PROMPTS, hf_greedy
 
 from vserve import LLM, SamplingParams
@@ -19,7 +20,7 @@ SCENARIOS = {
 
 def _generate(model_dir, prompts, **engine_kwargs):
     engine_kwargs.setdefault("max_model_len", 256)
-    llm = LLM(model_dir, multiprocess=False, dtype="float32", **engine_kwargs)
+    llm = make_llm(model_dir, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]

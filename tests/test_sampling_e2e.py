@@ -4,6 +4,7 @@ min_tokens, stop ids and strings, logprobs, n > 1."""
 import math
 
 import pytest
+from conftest import make_llm
 import torch
 from hf_reference import PROMPTS
 
@@ -12,8 +13,7 @@ from vserve import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(tiny_model_dir("llama"), multiprocess=False, dtype="float32", max_model_len=256,
-               block_size=4)
+    return make_llm(tiny_model_dir("llama"), max_model_len=256, block_size=4)
 
 
 def _gen(llm, prompts, params):
@@ -40,8 +40,8 @@ def test_seeded_sampling_independent_of_chunking(tiny_model_dir):
                         ignore_eos=True)
     results = []
     for budget in (None, 5):
-        llm = LLM(tiny_model_dir("llama"), multiprocess=False, dtype="float32",
-                  max_model_len=256, max_num_batched_tokens=budget)
+        llm = make_llm(tiny_model_dir("llama"), max_model_len=256,
+                       max_num_batched_tokens=budget)
         results.append(_ids(_gen(llm, PROMPTS, sp)))
     assert results[0] == results[1]
 

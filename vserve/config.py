@@ -124,8 +124,8 @@ class EngineArgs:
 
         _require(backend in available_backends(),
                  f"attention_backend must be one of {available_backends()}, got {backend!r}")
-        parallel = self._parallel_config()
-        async_on, reason = self._async_decision(parallel)
+        async_on, reason = self._async_decision()
+        parallel = self._parallel_config(device, async_on)
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         batched = self.max_num_batched_tokens or 2048
         _require(batched >= 1, f"max_num_batched_tokens must be >= 1, got {batched}")
@@ -164,11 +164,11 @@ class EngineArgs:
             vocab_size=hf_config.vocab_size, eos_token_ids=eos_ids(model_path, hf_config),
             served_model_name=names[0], max_logprobs=self.max_logprobs)
 
-    def _parallel_config(self) -> ParallelConfig:
+    def _parallel_config(self, device: str, async_on: bool) -> ParallelConfig:
         pp = self.pipeline_parallel_size
         _require(isinstance(pp, int) and pp >= 1,
                  f"pipeline_parallel_size must be >= 1, got {pp!r}")
-        backend = self.distributed_executor_backend or ("mp" if pp > 1 else "uni")
+        backend = self.distributed_executor_backend or default_executor(pp, device, async_on)
         _require(backend in ("uni", "mp"),
                  f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
         _require(not (pp > 1 and backend == "uni"),
@@ -178,10 +178,19 @@ class EngineArgs:
         return ParallelConfig(pp, backend, self.master_addr, self.master_port, self.nnodes,
                               self.node_rank)
 
-    def _async_decision(self, parallel: ParallelConfig) -> tuple[bool, str | None]:
+    def _async_decision(self) -> tuple[bool, str | None]:
         if self.async_scheduling is False:
             return False, "async_scheduling=False was requested"
         return True, None
+
+
+def default_executor(pp: int, device: str, async_on: bool) -> str:
+    """Workers get their own processes for PP, and on CPU whenever async scheduling is on:
+    there the forward can only overlap the scheduler from another process. On CUDA a single
+    worker stays in the engine core's process (kernels run asynchronously)."""
+    if pp > 1 or (async_on and device == "cpu"):
+        return "mp"
+    return "uni"
 
 
 def load_hf_config(model_path: str):

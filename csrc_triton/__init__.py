@@ -1,0 +1,11 @@
+"""Triton kernels of vserve, each beside the plain-torch reference it is tested against.
+
+- `paged_attention`: varlen paged attention over a mixed batch of prefill chunks and decode
+  rows in one launch (GQA, causal, sliding window, logit softcap, online softmax in fp32).
+- `kv_write`: scatter this step's keys/values into the paged KV cache at their slots.
+- `prepare_inputs`: fused per-step input preparation for async scheduling (token ids with
+  on-device feedback of the previous step's samples, positions, slot mapping).
+
+Importing a submodule imports `triton`; nothing in `vserve` imports this package except the
+Triton attention backend, so vserve still imports where triton is missing.
+"""

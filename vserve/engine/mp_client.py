@@ -1,0 +1,350 @@
+"""Clients for an engine core in its own process: `SyncMPClient` (used by `LLM`) and
+`AsyncMPClient` (used by the HTTP server through `AsyncLLM`).
+
+The front end binds two ZMQ sockets on `ipc://` paths inside a private temporary directory
+(mode 0700), spawns `EngineCoreProc`, and waits for its READY frame (with a timeout, watching
+the process). A monitor thread watches the process sentinel: if the engine core dies, every
+pending call gets `EngineDeadError` within moments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from vserve.config import EngineConfig
+from vserve.engine.core_proc import FRAME_DEAD, FRAME_OUTPUTS, FRAME_READY
+from vserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
+
+logger = logging.getLogger("vserve")
+READY_TIMEOUT_S = float(os.environ.get("VSERVE_ENGINE_READY_TIMEOUT", 600))
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone; `outputs` holds what every pending request ended with."""
+
+    def __init__(self, message: str, outputs=None) -> None:
+        super().__init__(message)
+        self.outputs = outputs or []
+
+
+class _EngineProcess:
+    """Starts the engine core, owns the socket paths, does the handshake and cleans up.
+
+    The core starts as a fresh interpreter (`python -m vserve.engine.core_proc`) that reads its
+    config from stdin: a spawn that never re-imports the user's script, so `LLM(...)` works in
+    scripts without a `__main__` guard, in notebooks and under `python -c`."""
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="vserve-")
+        os.chmod(self.tmpdir, 0o700)
+        input_addr = f"ipc://{self.tmpdir}/input"
+        output_addr = f"ipc://{self.tmpdir}/output"
+        self.input_sock = ctx.socket(zmq.PUSH)
+        self.input_sock.bind(input_addr)
+        self.output_sock = ctx.socket(zmq.PULL)
+        self.output_sock.bind(output_addr)
+        level = logging.getLevelName(logging.getLogger("vserve").getEffectiveLevel())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vserve.engine.core_proc", input_addr, output_addr,
+             str(os.getpid()), level], stdin=subprocess.PIPE)
+        self.proc.stdin.write(pickle.dumps(config))
+        self.proc.stdin.close()
+        self.closing = False
+        # stop the engine core when the client is collected or the interpreter exits
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.tmpdir)
+        self.info = self._handshake(ctx, output_addr)
+
+    def _handshake(self, ctx, output_addr):
+        # a plain socket for the handshake, so async clients need no running loop yet
+        sock = self.output_sock
+        if isinstance(sock, zmq.asyncio.Socket):
+            raise AssertionError("handshake needs a sync socket")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sock.poll(200):
+                frame, payload = sock.recv_multipart()
+                if frame == FRAME_READY:
+                    return msgspec.msgpack.decode(payload)
+                if frame == FRAME_DEAD:
+                    self.close()
+                    raise RuntimeError(payload.decode())
+            if not self.alive():
+                self.close()
+                raise RuntimeError(f"the engine core exited during start-up (exit code "
+                                   f"{self.proc.returncode}); see the log above")
+        self.close()
+        raise TimeoutError(f"the engine core was not ready within {READY_TIMEOUT_S:.0f} s")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def close(self) -> None:
+        self.closing = True
+        if self.alive():
+            try:
+                self.input_sock.send_multipart([bytes([RequestType.SHUTDOWN]), b""],
+                                               flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            _wait(self.proc, 20)
+        if self.alive():
+            self.proc.terminate()
+            _wait(self.proc, 5)
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+        self.input_sock.close(linger=0)
+        self.output_sock.close(linger=0)
+        self._finalizer()
+
+
+def _stop_process(proc: subprocess.Popen, tmpdir: str) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        _wait(proc, 10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class _ClientBase:
+    def _init_common(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._out_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._call_ids = itertools.count()
+        self.dead_message: str | None = None
+
+    def _frames_add(self, request: EngineCoreRequest):
+        return [bytes([RequestType.ADD]), self._encoder.encode(request)]
+
+    def _frames_abort(self, request_ids: list[str]):
+        return [bytes([RequestType.ABORT]), self._encoder.encode(list(request_ids))]
+
+    def _frames_utility(self, call_id: int, method: str, args):
+        return [bytes([RequestType.UTILITY]), self._encoder.encode([call_id, method,
+                                                                    list(args)])]
+
+    def _decode(self, frames) -> EngineCoreOutputs:
+        frame, payload = frames
+        if frame == FRAME_OUTPUTS:
+            return self._out_decoder.decode(payload)
+        if frame == FRAME_DEAD:
+            return EngineCoreOutputs(engine_error=payload.decode())
+        raise RuntimeError(f"unexpected frame {frame!r} from the engine core")
+
+    @staticmethod
+    def _utility_value(outs: EngineCoreOutputs):
+        result = msgspec.msgpack.decode(outs.utility_result)
+        if "error" in result:
+            raise ValueError(result["error"])
+        return result["ok"]
+
+
+class SyncMPClient(_ClientBase):
+    def __init__(self, config: EngineConfig) -> None:
+        self._init_common()
+        self.ctx = zmq.Context()
+        self.engine = _EngineProcess(config, self.ctx)
+        self.num_kv_blocks = self.engine.info["num_kv_blocks"]
+        self.outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
+        self._utility: dict[int, queue.Queue] = {}
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name="vserve-client-reader")
+        self._reader.start()
+        self._monitor = threading.Thread(target=self._watch, daemon=True,
+                                         name="vserve-client-monitor")
+        self._monitor.start()
+
+    def _read_loop(self) -> None:
+        sock = self.engine.output_sock
+        while not self.engine.closing:
+            try:
+                if not sock.poll(200):
+                    continue
+                outs = self._decode(sock.recv_multipart())
+            except zmq.ZMQError:
+                return
+            self._route(outs)
+
+    def _route(self, outs: EngineCoreOutputs) -> None:
+        if outs.engine_error:
+            self._die(outs.engine_error)
+        elif outs.utility_call_id >= 0:
+            waiter = self._utility.pop(outs.utility_call_id, None)
+            if waiter is not None:
+                waiter.put(outs)
+        else:
+            self.outputs.put(outs)
+
+    def _watch(self) -> None:
+        self.engine.proc.wait()
+        if not self.engine.closing:
+            time.sleep(0.2)  # let a DEAD frame that is on its way win
+            self._die(f"the engine core process died (exit code {self.engine.exitcode})")
+
+    def _die(self, message: str) -> None:
+        if self.dead_message is None:
+            self.dead_message = message
+            logger.error("engine core dead: %s", message)
+        self.outputs.put(EngineCoreOutputs(engine_error=message))
+        for waiter in list(self._utility.values()):
+            waiter.put(EngineCoreOutputs(engine_error=message))
+
+    def _send(self, frames) -> None:
+        if self.dead_message is not None:
+            raise EngineDeadError(self.dead_message)
+        with self._send_lock:
+            self.engine.input_sock.send_multipart(frames)
+
+    # -- client API --------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(self._frames_add(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_message is None:
+            self._send(self._frames_abort(request_ids))
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.outputs.get()
+
+    def call_utility(self, method: str, *args, timeout: float = 60.0):
+        call_id = next(self._call_ids)
+        waiter: queue.Queue = queue.Queue()
+        self._utility[call_id] = waiter
+        self._send(self._frames_utility(call_id, method, args))
+        outs = waiter.get(timeout=timeout)
+        if outs.engine_error:
+            raise EngineDeadError(outs.engine_error)
+        return self._utility_value(outs)
+
+    def shutdown(self) -> None:
+        if not self.engine.closing:
+            self.engine.close()
+            self._reader.join(timeout=2)
+            self.ctx.term()
+
+
+class AsyncMPClient(_ClientBase):
+    """The same engine core, driven from an asyncio loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._init_common()
+        sync_ctx = zmq.Context()
+        self.engine = _EngineProcess(config, sync_ctx)
+        self.num_kv_blocks = self.engine.info["num_kv_blocks"]
+        self._sync_ctx = sync_ctx
+        self._in = zmq.asyncio.Socket.from_socket(self.engine.input_sock)
+        self._out = zmq.asyncio.Socket.from_socket(self.engine.output_sock)
+        self.outputs: asyncio.Queue | None = None
+        self._utility: dict[int, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader_task = None
+        self._monitor = None
+
+    def start(self) -> None:
+        """Bind to the running loop (call from inside it)."""
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self.outputs = asyncio.Queue()
+        self._reader_task = self._loop.create_task(self._read_loop())
+        self._monitor = threading.Thread(target=self._watch, daemon=True,
+                                         name="vserve-async-monitor")
+        self._monitor.start()
+
+    async def _read_loop(self) -> None:
+        while not self.engine.closing:
+            try:
+                frames = await self._out.recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            self._route(self._decode(frames))
+
+    def _route(self, outs: EngineCoreOutputs) -> None:
+        if outs.engine_error:
+            self._die(outs.engine_error)
+        elif outs.utility_call_id >= 0:
+            fut = self._utility.pop(outs.utility_call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(outs)
+        else:
+            self.outputs.put_nowait(outs)
+
+    def _watch(self) -> None:
+        self.engine.proc.wait()
+        if not self.engine.closing:
+            time.sleep(0.2)
+            message = f"the engine core process died (exit code {self.engine.exitcode})"
+            self._loop.call_soon_threadsafe(self._die, message)
+
+    def _die(self, message: str) -> None:
+        if self.dead_message is None:
+            self.dead_message = message
+            logger.error("engine core dead: %s", message)
+            self.outputs.put_nowait(EngineCoreOutputs(engine_error=message))
+            for fut in self._utility.values():
+                if not fut.done():
+                    fut.set_result(EngineCoreOutputs(engine_error=message))
+
+    async def _send(self, frames) -> None:
+        if self.dead_message is not None:
+            raise EngineDeadError(self.dead_message)
+        await self._in.send_multipart(frames)
+
+    # -- client API --------------------------------------------------------------------------------
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._send(self._frames_add(request))
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_message is None:
+            await self._send(self._frames_abort(request_ids))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        return await self.outputs.get()
+
+    async def call_utility_async(self, method: str, *args, timeout: float = 60.0):
+        call_id = next(self._call_ids)
+        fut = self._loop.create_future()
+        self._utility[call_id] = fut
+        await self._send(self._frames_utility(call_id, method, args))
+        outs = await asyncio.wait_for(fut, timeout)
+        if outs.engine_error:
+            raise EngineDeadError(outs.engine_error)
+        return self._utility_value(outs)
+
+    def shutdown(self) -> None:
+        if not self.engine.closing:
+            self.engine.closing = True
+            if self._reader_task is not None:
+                self._reader_task.cancel()
+            self.engine.close()
+            self._sync_ctx.term()

@@ -1,0 +1,155 @@
+"""Workers in their own processes (spawned), one per pipeline stage of this host.
+
+The engine core sends each `SchedulerOutput` to rank 0 (which re-broadcasts it to the other
+ranks) and receives one reply per step, in order. `execute_model(..., non_block=True)` returns
+a future; resolving it reads replies FIFO while watching every local worker process, so a
+worker that dies or raises surfaces as an error within moments, never as a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import threading
+from multiprocessing.connection import wait
+
+from vserve.config import EngineConfig
+from vserve.core.sched_output import RunnerOutput, SchedulerOutput
+from vserve.executor.base import Executor, StepFuture, runner_config
+from workers.worker_proc import RankSetup, worker_main
+
+logger = logging.getLogger("vserve.executor")
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died; the message says which and why."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_ranks(pp: int, nnodes: int, node_rank: int) -> range:
+    if pp % nnodes:
+        raise ValueError(f"pipeline_parallel_size {pp} must be a multiple of nnodes {nnodes}")
+    per_node = pp // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        par = config.parallel
+        if par.node_rank != 0:
+            raise ValueError("the engine runs on node 0; start other nodes with `vserve worker`")
+        self.on_failure = None   # set by the engine core process: called when a worker dies
+        self._closing = False
+        self.replies: dict[int, RunnerOutput] = {}
+        port = par.master_port or free_port()
+        ctx = mp.get_context("spawn")
+        req_r, self.req_w = ctx.Pipe(duplex=False)
+        self.resp_r, resp_w = ctx.Pipe(duplex=False)
+        threads = _threads_per_worker(len(local_ranks(par.pipeline_parallel_size, par.nnodes, 0)))
+        self.procs = []
+        for rank in local_ranks(par.pipeline_parallel_size, par.nnodes, 0):
+            setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, port, threads)
+            conns = (req_r, resp_w) if rank == 0 else (None, None)
+            proc = ctx.Process(target=worker_main, args=(runner_config(config, rank), setup,
+                                                         *conns),
+                               name=f"vserve-worker-{rank}", daemon=True)
+            proc.start()
+            self.procs.append(proc)
+        req_r.close()
+        resp_w.close()
+        self._monitor = threading.Thread(target=self._watch, daemon=True, name="vserve-watch")
+        self._monitor.start()
+        self._call(("load",))
+
+    # -- Executor ----------------------------------------------------------------------------------
+    def num_kv_blocks(self) -> int:
+        return self._call(("num_kv_blocks",))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._call(("init_kv_cache", num_blocks))
+
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False):
+        self._send(("execute", so))
+        step_id = so.step_id
+        future = StepFuture(lambda timeout: self._reply_for(step_id, timeout))
+        return future if non_block else future.result()
+
+    def check_health(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise WorkerError(f"worker rank {rank} (pid {proc.pid}) died with exit code "
+                                  f"{proc.exitcode}")
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.req_w.close()
+        self.resp_r.close()
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        self.req_w.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _call(self, msg, timeout: float | None = None):
+        self._send(msg)
+        kind, value = self._recv(timeout)
+        assert kind == "ok", kind
+        return value
+
+    def _reply_for(self, step_id: int, timeout: float | None) -> RunnerOutput:
+        while step_id not in self.replies:
+            kind, value = self._recv(timeout)
+            self.replies[value.step_id] = value
+        return self.replies.pop(step_id)
+
+    def _recv(self, timeout: float | None):
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs)}
+        ready = wait([self.resp_r, *sentinels], timeout)
+        if self.resp_r in ready:
+            try:
+                kind, value = pickle.loads(self.resp_r.recv_bytes())
+            except (EOFError, OSError):
+                self.check_health()
+                raise WorkerError("the workers closed their reply channel") from None
+            if kind == "error":
+                raise WorkerError(value)
+            return kind, value
+        if not ready:
+            raise TimeoutError("no reply from the workers")
+        rank, proc = sentinels[ready[0]]
+        proc.join(timeout=1)
+        raise WorkerError(f"worker rank {rank} (pid {proc.pid}) died with exit code "
+                          f"{proc.exitcode}")
+
+    def _watch(self) -> None:
+        wait([p.sentinel for p in self.procs])
+        if not self._closing and self.on_failure is not None:
+            dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+            self.on_failure(f"worker process died: rank/exit code {dead}")
+
+
+def _threads_per_worker(num_local: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, num_local))

@@ -1,0 +1,169 @@
+"""The worker process: one pipeline stage, driven by requests from the engine core.
+
+Only rank 0 talks to the engine core (two pipes); it re-broadcasts every request to the other
+ranks over torch.distributed, so stages may live on other hosts. Each step's result comes from
+the last stage: a reply thread waits for the host copy of the sampled ids and sends it, so the
+main loop takes the next request at once. A rank that fails reports its error (rank 0 and the
+last rank carry the message to the engine) and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+
+logger = logging.getLogger("vserve.worker")
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    num_threads: int | None = None
+
+
+def worker_main(runner_config, setup: RankSetup, req_conn=None, resp_conn=None) -> None:
+    """Entry point of a spawned worker process (or of `vserve worker` on another host)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end owns Ctrl-C and shuts us down
+    logging.basicConfig(level=os.environ.get("VSERVE_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s worker{setup.rank} %(levelname)s %(message)s")
+    try:
+        loop = _RankLoop(runner_config, setup, req_conn, resp_conn)
+    except BaseException:
+        _report_startup_failure(resp_conn, setup.rank)
+        sys.exit(1)
+    code = loop.run()
+    os._exit(code)
+
+
+def _report_startup_failure(resp_conn, rank: int) -> None:
+    message = f"worker rank {rank} failed to start:\n{traceback.format_exc()}"
+    logger.error(message)
+    if resp_conn is not None:
+        try:
+            resp_conn.send_bytes(pickle.dumps(("error", message)))
+        except OSError:
+            pass
+
+
+class _RankLoop:
+    def __init__(self, runner_config, setup: RankSetup, req_conn, resp_conn) -> None:
+        import torch
+
+        from workers.pp_comm import PPComm
+        from workers.worker import Worker
+
+        self.setup = setup
+        self.rank, self.world = setup.rank, setup.world_size
+        self.is_last = self.rank == self.world - 1
+        self.req_conn, self.resp_conn = req_conn, resp_conn
+        self._send_lock = threading.Lock()
+        self.pp = None
+        if self.world > 1:
+            from vserve.config import load_hf_config
+
+            hf = load_hf_config(runner_config.model_path)
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                     "float16": torch.float16}[runner_config.dtype]
+            self.pp = PPComm(self.rank, self.world, setup.master_addr, setup.master_port,
+                             torch.device(runner_config.device), hf.hidden_size, dtype)
+        self.worker = Worker(runner_config, self.pp, setup.num_threads)
+        self.replies: queue.Queue = queue.Queue()
+        self.reply_thread = threading.Thread(target=self._reply_loop, daemon=True,
+                                             name="vserve-reply")
+        self.reply_thread.start()
+
+    # -- main loop -------------------------------------------------------------------------------
+    def run(self) -> int:
+        while True:
+            try:
+                data = self._next_request()
+            except (EOFError, OSError, RuntimeError):
+                return 0 if self.rank else 1   # engine core or rank 0 went away
+            msg = pickle.loads(data)
+            if msg[0] == "shutdown":
+                self._close()
+                return 0
+            try:
+                self._handle(msg)
+            except BaseException:
+                message = f"worker rank {self.rank}: {traceback.format_exc()}"
+                logger.error(message)
+                self.replies.put(("error", message))
+                self.replies.put(None)
+                self.reply_thread.join(timeout=10)
+                return 1
+
+    def _next_request(self) -> bytes:
+        if self.rank == 0:
+            data = self.req_conn.recv_bytes()
+            return self.pp.broadcast_bytes(data) if self.pp else data
+        return self.pp.broadcast_bytes(None)
+
+    def _handle(self, msg) -> None:
+        kind = msg[0]
+        if kind == "execute":
+            out = self.worker.execute_model(msg[1])
+            if self.is_last:
+                self.replies.put(("local", out))
+            elif self.rank == 0:
+                self.replies.put(("remote", None))
+        elif kind == "load":
+            self.worker.load_model()
+            self._direct_reply(None)
+        elif kind == "num_kv_blocks":
+            value = self.worker.num_kv_blocks()
+            self._direct_reply(self.pp.min_over_ranks(value) if self.pp else value)
+        elif kind == "init_kv_cache":
+            self.worker.init_kv_cache(msg[1])
+            self._direct_reply(None)
+        else:
+            raise ValueError(f"unknown worker request {kind!r}")
+
+    def _direct_reply(self, value) -> None:
+        if self.rank == 0:
+            self._send(pickle.dumps(("ok", value)))
+
+    # -- replies ---------------------------------------------------------------------------------
+    def _reply_loop(self) -> None:
+        while True:
+            item = self.replies.get()
+            if item is None:
+                return
+            kind, payload = item
+            try:
+                if kind == "local":
+                    data = pickle.dumps(("out", payload.get()))
+                elif kind == "remote":
+                    data = self.pp.recv_reply()
+                else:
+                    data = pickle.dumps(("error", payload))
+                if self.rank == 0:
+                    self._send(data)
+                else:
+                    self.pp.send_reply(data)
+            except BaseException:
+                logger.error("worker rank %d reply failed:\n%s", self.rank,
+                             traceback.format_exc())
+                if self.rank == 0:
+                    self._send(pickle.dumps(("error", traceback.format_exc())))
+                os._exit(1)
+
+    def _send(self, data: bytes) -> None:
+        with self._send_lock:
+            self.resp_conn.send_bytes(data)
+
+    def _close(self) -> None:
+        self.replies.put(None)
+        self.reply_thread.join(timeout=10)
+        if self.pp is not None:
+            self.pp.close()
