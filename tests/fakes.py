@@ -165,3 +165,88 @@ def expected_tokens(prompt: list[int], max_tokens: int, eos_after: int | None = 
         if t == EOS:
             break
     return out
+
+
+# -- engine-loop fakes ------------------------------------------------------------------------------
+class ControlledFuture:
+    """A step future whose resolution the test observes (and can make fail)."""
+
+    def __init__(self, executor, so, output, error=None) -> None:
+        self.executor, self.so, self.output, self.error = executor, so, output, error
+        self.resolved = False
+
+    def result(self, timeout=None):
+        self.executor.resolve_order.append(self.so.step_id)
+        for hook in self.executor.on_resolve:
+            hook(self)
+        self.resolved = True
+        if self.error is not None:
+            raise self.error
+        return self.output
+
+
+class FakeExecutor:
+    """Executor whose model is FakeRunner; records launches and resolutions."""
+
+    def __init__(self, num_blocks: int = 64, runner: FakeRunner | None = None,
+                 fail_at_step: int | None = None) -> None:
+        self.runner = runner or FakeRunner()
+        self.blocks = num_blocks
+        self.launched: list[int] = []
+        self.resolve_order: list[int] = []
+        self.on_resolve: list = []
+        self.fail_at_step = fail_at_step
+        self.max_in_flight = 0
+
+    def num_kv_blocks(self) -> int:
+        return self.blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        pass
+
+    def execute_model(self, so, non_block: bool = False):
+        self.launched.append(so.step_id)
+        error = None
+        if self.fail_at_step == len(self.launched):
+            error = RuntimeError(f"forward failed at step {so.step_id}")
+            output = None
+        else:
+            output = self.runner.execute(so)
+        future = ControlledFuture(self, so, output, error)
+        in_flight = len(self.launched) - len(self.resolve_order)
+        self.max_in_flight = max(self.max_in_flight, in_flight)
+        return future if non_block else future.result()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def fake_engine_config(async_scheduling: bool = True, pp: int = 1, block_size: int = 4,
+                       max_model_len: int = 128, max_num_batched_tokens: int = 64,
+                       max_num_seqs: int = 8):
+    from vserve.config import (
+        CacheConfig,
+        DeviceConfig,
+        EngineConfig,
+        ModelConfig,
+        ParallelConfig,
+    )
+
+    model = ModelConfig(model="fake", tokenizer="fake", architecture="Fake", dtype="float32",
+                        seed=0, max_model_len=max_model_len, vocab_size=VOCAB,
+                        eos_token_ids=(EOS,), served_model_name="fake")
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=max_model_len, async_scheduling=async_scheduling)
+    return EngineConfig(model, CacheConfig(block_size=block_size), sched,
+                        ParallelConfig(pipeline_parallel_size=pp,
+                                       distributed_executor_backend="mp" if pp > 1 else "uni"),
+                        DeviceConfig(), async_scheduling,
+                        None if async_scheduling else "off in this test")
+
+
+def core_request(req_id: str, prompt: list[int], max_tokens: int = 8, **sampling):
+    from vserve.engine.messages import EngineCoreRequest
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    return EngineCoreRequest(req_id, list(prompt), sp, [EOS], 0)

@@ -112,6 +112,7 @@ class ModelRunner:
         self.model = None
         self.kv_caches: list[torch.Tensor | None] = []
         self.poison_feedback_slots = False   # tests: garbage in the host copy of fed-back ids
+        self.feedback_stats = {"slice": 0, "scatter": 0, "rows": 0}
 
     # -- set up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -272,9 +273,12 @@ class ModelRunner:
             n = len(dest)
             if src == list(range(n)) and dest == list(range(n)):
                 input_ids[:n] = prev[:n]                     # unchanged batch: one slice copy
+                self.feedback_stats["slice"] += 1
             else:
                 d = torch.tensor(dest, device=self.device)
                 input_ids[d] = prev[torch.tensor(src, device=self.device)]
+                self.feedback_stats["scatter"] += 1
+            self.feedback_stats["rows"] += n
         return input_ids, dest
 
     def _attention_metadata(self, positions, slots, qsl, seq_lens, rows) -> AttentionMetadata:

@@ -12,10 +12,11 @@ Three process groups, so that traffic of different kinds never interleaves:
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
+
+from vserve.envs import ENV
 
 
 class PPComm:
@@ -23,7 +24,7 @@ class PPComm:
                  device: torch.device, hidden_size: int, dtype: torch.dtype) -> None:
         self.rank, self.world_size = rank, world_size
         self.device, self.hidden_size, self.dtype = device, hidden_size, dtype
-        timeout = datetime.timedelta(seconds=float(os.environ.get("VSERVE_DIST_TIMEOUT", 1800)))
+        timeout = datetime.timedelta(seconds=ENV.dist_timeout)
         dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size, timeout=timeout)
         self.ctrl = dist.new_group(backend="gloo")

@@ -21,6 +21,8 @@ class Worker:
         if config.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", config.pp_rank)))
         self.runner = ModelRunner(config, load_hf_config(config.model_path), pp_comm)
+        self._num_steps = 0
+        self._fail_at = _fault_step()
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -32,4 +34,17 @@ class Worker:
         self.runner.init_kv_cache(num_blocks)
 
     def execute_model(self, so: SchedulerOutput) -> AsyncStepOutput | None:
+        self._num_steps += 1
+        if self._fail_at is not None and self._num_steps == self._fail_at:
+            raise RuntimeError(f"injected fault at step {self._num_steps} "
+                               "(VSERVE_FAULT_INJECT)")
         return self.runner.execute_model(so)
+
+
+def _fault_step() -> int | None:
+    from vserve.envs import read_env
+
+    spec = read_env().fault_inject
+    if spec and spec.startswith("execute_model:"):
+        return int(spec.split(":", 1)[1])
+    return None

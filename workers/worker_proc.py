@@ -19,6 +19,8 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+from vserve.envs import ENV
+
 logger = logging.getLogger("vserve.worker")
 
 
@@ -34,7 +36,7 @@ class RankSetup:
 def worker_main(runner_config, setup: RankSetup, req_conn=None, resp_conn=None) -> None:
     """Entry point of a spawned worker process (or of `vserve worker` on another host)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end owns Ctrl-C and shuts us down
-    logging.basicConfig(level=os.environ.get("VSERVE_LOG_LEVEL", "WARNING"),
+    logging.basicConfig(level=ENV.log_level,
                         format=f"%(asctime)s worker{setup.rank} %(levelname)s %(message)s")
     try:
         loop = _RankLoop(runner_config, setup, req_conn, resp_conn)

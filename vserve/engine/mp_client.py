@@ -30,9 +30,10 @@ import zmq.asyncio
 from vserve.config import EngineConfig
 from vserve.engine.core_proc import FRAME_DEAD, FRAME_OUTPUTS, FRAME_READY
 from vserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
+from vserve.envs import ENV
 
 logger = logging.getLogger("vserve")
-READY_TIMEOUT_S = float(os.environ.get("VSERVE_ENGINE_READY_TIMEOUT", 600))
+READY_TIMEOUT_S = ENV.engine_ready_timeout
 
 
 class EngineDeadError(RuntimeError):

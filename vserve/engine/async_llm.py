@@ -1,0 +1,143 @@
+"""`AsyncLLM`: the asyncio front end (HTTP server) over a multiprocess engine core.
+
+`generate()` is an async generator of `RequestOutput`s for one request. Cancelling it (a
+client that disconnected) or closing it early aborts the request in the engine, so its KV
+blocks come back. One output-handler task reads the engine's outputs, detokenizes, and feeds
+per-request queues. If the engine core dies, every pending request gets `EngineDeadError`
+and so does every new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from vserve.config import EngineArgs, EngineConfig
+from vserve.engine.messages import SchedulerStats
+from vserve.engine.mp_client import AsyncMPClient, EngineDeadError
+from vserve.engine.output_processor import OutputKind, OutputProcessor, RequestState
+from vserve.engine.processor import InputProcessor, Prompt
+from vserve.outputs import RequestOutput
+from vserve.sampling_params import SamplingParams
+from vserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("vserve")
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = AsyncMPClient(config)
+        self.dead_error: str | None = None
+        self.last_stats: SchedulerStats | None = None
+        self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
+        self.output_listeners: list[Callable[[RequestState, RequestOutput], None]] = []
+        self._handler: asyncio.Task | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        return cls(args.create_engine_config())
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.output_processor.requests)
+
+    # -- requests ----------------------------------------------------------------------------------
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       kind: OutputKind = OutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+        state = await self.add_request(prompt, params, request_id, kind)
+        async for out in self.stream(state):
+            yield out
+
+    async def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                          kind: OutputKind = OutputKind.DELTA) -> RequestState:
+        """Validate and submit; raises ValueError for bad input, EngineDeadError if dead."""
+        self._start()
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        text, ids = self.processor.tokenize_prompt(prompt)
+        requests = self.processor.make_requests(request_id, ids, params)
+        state = self.output_processor.add_request(
+            request_id, text, ids, params, [r.request_id for r in requests], kind,
+            queue=asyncio.Queue())
+        for r in requests:
+            await self.client.add_request_async(r)
+        return state
+
+    async def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort_nowait(state.request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        ids = self.output_processor.abort_request(request_id)
+        if ids and self.dead_error is None:
+            asyncio.get_running_loop().create_task(self.client.abort_requests_async(ids))
+
+    async def abort(self, request_id: str) -> None:
+        ids = self.output_processor.abort_request(request_id)
+        if ids and self.dead_error is None:
+            await self.client.abort_requests_async(ids)
+
+    # -- engine ------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._handler is None:
+            self.client.start()
+            self._handler = asyncio.get_running_loop().create_task(self._output_handler())
+
+    async def _output_handler(self) -> None:
+        while True:
+            outs = await self.client.get_output_async()
+            if outs.engine_error:
+                self._fail(outs.engine_error)
+                return
+            if outs.scheduler_stats is not None:
+                self.last_stats = outs.scheduler_stats
+                for listener in self.stats_listeners:
+                    listener(outs.scheduler_stats)
+            delivered, to_abort = self.output_processor.process_outputs(outs.outputs)
+            for state, out in delivered:
+                state.queue.put_nowait(out)
+                for listener in self.output_listeners:
+                    listener(state, out)
+            if to_abort:
+                await self.client.abort_requests_async(to_abort)
+
+    def _fail(self, message: str) -> None:
+        self.dead_error = message
+        error = EngineDeadError(message)
+        for state in list(self.output_processor.requests.values()):
+            state.queue.put_nowait(error)
+        self.output_processor.requests.clear()
+        self.output_processor.child_to_parent.clear()
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+
+    async def call_utility(self, method: str, *args):
+        self._start()
+        return await self.client.call_utility_async(method, *args)
+
+    def shutdown(self) -> None:
+        if self._handler is not None:
+            self._handler.cancel()
+        self.client.shutdown()

@@ -1,0 +1,61 @@
+"""Engine arguments as command-line flags, named as vLLM names them (`--max-model-len`,
+`--enable-prefix-caching` / `--no-enable-prefix-caching`, ...), derived from `EngineArgs`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from vserve.config import EngineArgs
+
+_HELP = {
+    "model": "model folder, .gguf file, or 'gemma-3-270m' (the embedded default)",
+    "dtype": "auto, float32, bfloat16 or float16",
+    "max_model_len": "context length (prompt + output) per request",
+    "max_num_seqs": "most requests in one batch",
+    "max_num_batched_tokens": "token budget per step (prefills are chunked to fit)",
+    "num_gpu_blocks_override": "number of KV blocks, whatever the device",
+    "kv_cache_memory_bytes": "KV cache budget in bytes (CPU default: 4 GiB)",
+    "async_scheduling": "schedule the next step while the current one runs (default: on)",
+    "pipeline_parallel_size": "split the layers over this many worker processes",
+    "distributed_executor_backend": "uni (model in the engine process) or mp (workers)",
+    "master_addr": "torch.distributed rendezvous address for multi-host pipeline parallel",
+    "master_port": "torch.distributed rendezvous port (0: pick a free one, single host)",
+    "nnodes": "number of hosts the pipeline stages span",
+    "node_rank": "this host's index (0 runs the engine)",
+    "attention_backend": "torch (CPU default) or triton (CUDA default)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine arguments")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        kwargs = {"default": f.default, "help": _HELP.get(f.name)}
+        if hint in (bool, bool | None):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.name == "served_model_name":
+            kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = _base_type(hint)
+        group.add_argument(flag, **kwargs)
+
+
+def _base_type(hint):
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    for t in (int, float, str):
+        if t in args:
+            return t
+    return str
+
+
+def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
+              if hasattr(ns, f.name)}
+    values.update(overrides)
+    return EngineArgs(**values)
