@@ -17,7 +17,7 @@ from vserve.core.kv_cache_manager import KVCacheManager
 from vserve.core.request import Request, RequestStatus
 from vserve.core.scheduler import Scheduler
 from vserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from vserve.engine.recorder import StepRecorder
+from vserve.engine.recorder import StepRecorder, exposed_time
 from vserve.executor import make_executor
 
 logger = logging.getLogger("vserve.engine")
@@ -116,7 +116,16 @@ class EngineCore:
 
     # -- misc --------------------------------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        recent = self.recorder.drain_recent()
+        if recent:
+            forwards = [(r.forward_start, r.forward_end) for r in recent if r.forward_end]
+            stats.forward_times = [r.forward_end - r.forward_start for r in recent]
+            stats.launch_intervals = [r.launch_interval for r in recent if r.launch_interval]
+            stats.schedule_times = [r.schedule_end - r.schedule_start for r in recent]
+            stats.schedule_exposed = [exposed_time(r.schedule_start, r.schedule_end, forwards)
+                                      for r in recent]
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

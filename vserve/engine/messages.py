@@ -56,6 +56,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_prompt_tokens: int = 0         # this step: prompt tokens scheduled
     num_generation_tokens: int = 0     # this step: tokens confirmed
     step_id: int = 0
+    # steps committed since the previous stats message (overlap figures), seconds
+    forward_times: list[float] = []     # device forward time of each step
+    launch_intervals: list[float] = []  # time from the previous step's launch to this one's
+    schedule_times: list[float] = []    # scheduler busy time of each step
+    schedule_exposed: list[float] = []  # part of it that no forward was running under
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

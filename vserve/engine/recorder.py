@@ -24,6 +24,7 @@ class StepRecord:
     forward_start: float = 0.0
     forward_end: float = 0.0
     ready: float = 0.0
+    launch_interval: float = 0.0   # since the previous launch (0 for the first after idle)
 
 
 class StepRecorder:
@@ -31,12 +32,17 @@ class StepRecorder:
         self.enabled = enabled
         self.max_records = max_records
         self.records: dict[int, StepRecord] = {}
+        self.recent: list[StepRecord] = []      # committed since the last `drain_recent`
+        self._last_launch = 0.0
+        self._last_forward: tuple[float, float] = (0.0, 0.0)
 
     def scheduled(self, so, start: float, end: float, queue_len: int) -> None:
         if self.enabled and len(self.records) < self.max_records:
-            self.records[so.step_id] = StepRecord(
-                so.step_id, so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
-                queue_len, start, end)
+            rec = StepRecord(so.step_id, so.total_num_scheduled_tokens,
+                             len(so.num_scheduled_tokens), queue_len, start, end)
+            rec.launch_interval = end - self._last_launch if self._last_launch else 0.0
+            self._last_launch = end
+            self.records[so.step_id] = rec
 
     def committed(self, so, runner_output, start: float, end: float) -> None:
         rec = self.records.get(so.step_id)
@@ -47,8 +53,24 @@ class StepRecorder:
         if timing is not None:
             rec.recv, rec.forward_start = timing.recv, timing.forward_start
             rec.forward_end, rec.ready = timing.forward_end, timing.ready
+        if len(self.recent) < self.max_records:
+            self.recent.append(rec)
+
+    def drain_recent(self) -> list[StepRecord]:
+        recent, self.recent = self.recent, []
+        return recent
 
     def take(self) -> list[StepRecord]:
         records = sorted(self.records.values(), key=lambda r: r.step_id)
         self.records = {}
         return records
+
+
+def exposed_time(start: float, end: float, forwards: list[tuple[float, float]]) -> float:
+    """Length of [start, end] not covered by any of the forward intervals."""
+    covered = 0.0
+    for f_start, f_end in forwards:
+        lo, hi = max(start, f_start), min(end, f_end)
+        if hi > lo:
+            covered += hi - lo
+    return max(0.0, (end - start) - covered)
