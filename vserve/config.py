@@ -117,8 +117,8 @@ class EngineArgs:
 
         model_path = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path)
-        model_cfg = self._model_config(model_path, hf_config)
         device = _resolve_device(self.device)
+        model_cfg = self._model_config(model_path, hf_config, device)
         backend = self.attention_backend or ("triton" if device == "cuda" else "torch")
         from vserve.attention import available_backends
 
@@ -140,7 +140,7 @@ class EngineArgs:
         return EngineConfig(model_cfg, cache, scheduler, parallel,
                             DeviceConfig(device, backend, self.enforce_eager), async_on, reason)
 
-    def _model_config(self, model_path: str, hf_config) -> ModelConfig:
+    def _model_config(self, model_path: str, hf_config, device: str) -> ModelConfig:
         from vserve.models.registry import resolve_architecture
 
         arch = resolve_architecture(getattr(hf_config, "architectures", None))
@@ -150,6 +150,8 @@ class EngineArgs:
         if dtype == "auto":
             dtype = str(getattr(hf_config, "dtype", None) or "float32").replace("torch.", "")
             dtype = _DTYPES.get(dtype, "float32")
+            if dtype == "float32" and device == "cuda":
+                dtype = "bfloat16"   # fp32 weights, bf16 compute: what GPU users expect
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_len = self.max_model_len or limit
         _require(isinstance(max_len, int) and 1 < max_len <= limit,

@@ -88,14 +88,31 @@ class AsyncLLM:
                 self.abort_nowait(state.request_id)
 
     def abort_nowait(self, request_id: str) -> None:
-        ids = self.output_processor.abort_request(request_id)
+        ids = self._abort_state(request_id)
         if ids and self.dead_error is None:
             asyncio.get_running_loop().create_task(self.client.abort_requests_async(ids))
 
     async def abort(self, request_id: str) -> None:
-        ids = self.output_processor.abort_request(request_id)
+        """Abort from outside the consumer (server drain): its stream ends with one last output
+        whose unfinished choices have finish_reason 'abort'."""
+        ids = self._abort_state(request_id)
         if ids and self.dead_error is None:
             await self.client.abort_requests_async(ids)
+
+    def _abort_state(self, request_id: str) -> list[str]:
+        # listeners see every request finish, aborts included (metrics count them), and a
+        # consumer still reading the stream gets a final output instead of waiting forever
+        state = self.output_processor.requests.get(request_id)
+        ids = self.output_processor.abort_request(request_id)
+        if state is not None:
+            for child in state.children.values():
+                if child.finish_reason is None:
+                    child.finish_reason = "abort"
+            out = self.output_processor._make_output(state)
+            state.queue.put_nowait(out)
+            for listener in self.output_listeners:
+                listener(state, out)
+        return ids
 
     # -- engine ------------------------------------------------------------------------------------
     def _start(self) -> None:

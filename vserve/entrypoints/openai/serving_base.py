@@ -1,0 +1,269 @@
+"""What the completion and chat handlers share: the server context, OpenAI-style errors,
+admission (model name, context length, queue limit), sampling parameters from a request,
+submitting prompts to the engine, and reading their outputs until done or disconnected.
+
+Every request registered here is aborted in the engine when its handler ends for any reason
+(finished, client gone, error, server drain), so no KV block outlives its HTTP request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from vserve.engine.async_llm import AsyncLLM
+from vserve.engine.output_processor import OutputKind, RequestState
+from vserve.entrypoints.openai.protocol import SamplingRequest, random_id
+from vserve.outputs import RequestOutput
+from vserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("vserve.server")
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, turned into an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+@dataclass
+class ServerContext:
+    """State of one running server, shared by every handler."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    chat_template: str | None = None
+    max_num_queued_reqs: int | None = None
+    draining: bool = False
+    exit_code: int = 0
+    active: dict[str, RequestState] = field(default_factory=dict)  # engine id -> state
+    num_active_seqs: int = 0
+    request_exit: Callable[[int], None] = lambda code: None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.model.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def admit(self, num_seqs: int) -> None:
+        """Refuse when the waiting queue would exceed --max-num-queued-reqs. The count is the
+        front end's own (sequences in flight beyond max_num_seqs), exact at admission time."""
+        limit = self.max_num_queued_reqs
+        if limit is None:
+            return
+        max_running = self.engine.config.scheduler.max_num_seqs
+        queued = self.num_active_seqs + num_seqs - max_running
+        if queued > limit:
+            raise APIError(503, f"The server is overloaded: the waiting queue is full "
+                           f"({limit} requests). Retry later.", headers={"Retry-After": "1"})
+
+
+def base_request_id(raw: Request) -> str:
+    return getattr(raw.state, "request_id", None) or random_id()
+
+
+def check_context(ctx: ServerContext, prompt_len: int, max_tokens: int | None) -> int:
+    """The number of tokens a request may generate; 400 when prompt + output does not fit."""
+    limit = ctx.max_model_len
+    if max_tokens is None:
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
+                           f"However, your prompt contains {prompt_len} tokens, which leaves "
+                           "no room for output. Please reduce the length of the input.",
+                           "messages")
+        return limit - prompt_len
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    if prompt_len + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
+                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                       f"input, {max_tokens} in the completion). Please reduce the length of "
+                       "the input or the completion.", "max_tokens")
+    return max_tokens
+
+
+_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed")
+
+
+def make_sampling_params(req: SamplingRequest, max_tokens: int,
+                         logprobs: int | None) -> SamplingParams:
+    kwargs = {name: getattr(req, name) for name in _PARAM_FIELDS
+              if getattr(req, name) is not None}
+    kwargs.update(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                  logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+                  skip_special_tokens=req.skip_special_tokens,
+                  spaces_between_special_tokens=req.spaces_between_special_tokens,
+                  logit_bias=_logit_bias(req.logit_bias))
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        param = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param if param in type(req).model_fields else None) from e
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError as e:
+        raise APIError(400, "logit_bias keys must be token ids (integers written as strings)",
+                       "logit_bias") from e
+
+
+def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
+    """The engine's own checks (logprobs cap, token ids in vocabulary), before submitting."""
+    try:
+        ctx.engine.processor.check_params(params, prompt_len)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+def tokenize(ctx: ServerContext, prompt: str | list[int], add_special_tokens: bool = True
+             ) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str) and not add_special_tokens:
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        return prompt, ctx.engine.tokenizer.encode(prompt, add_special_tokens=False)
+    try:
+        return ctx.engine.processor.tokenize_prompt(prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), "prompt") from e
+
+
+async def submit(ctx: ServerContext, prompts: list[tuple[str | None, list[int]]],
+                 params: list[SamplingParams], base_id: str) -> list[RequestState]:
+    """Add one engine request per prompt; all or none (a failure aborts the ones added)."""
+    states: list[RequestState] = []
+    ctx.admit(sum(p.n for p in params))
+    try:
+        for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+            prompt = {"prompt": text, "prompt_token_ids": ids} if text else \
+                {"prompt_token_ids": ids}
+            rid = f"{base_id}-{i}-{random_id()[:8]}"   # unique even if X-Request-Id repeats
+            state = await ctx.engine.add_request(prompt, sp, rid, OutputKind.DELTA)
+            states.append(state)
+            ctx.active[rid] = state
+            ctx.num_active_seqs += sp.n
+    except ValueError as e:
+        release(ctx, states)
+        raise APIError(400, str(e)) from e
+    except BaseException:
+        release(ctx, states)
+        raise
+    return states
+
+
+def release(ctx: ServerContext, states: list[RequestState]) -> None:
+    """Abort whatever is unfinished (a no-op for finished requests) and forget the states."""
+    for state in states:
+        if ctx.active.pop(state.request_id, None) is not None:
+            ctx.num_active_seqs -= state.params.n
+        ctx.engine.abort_nowait(state.request_id)
+
+
+async def iterate(ctx: ServerContext, states: list[RequestState]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every request until all finish; aborts them on exit."""
+    try:
+        if len(states) == 1:
+            async for out in ctx.engine.stream(states[0]):
+                yield 0, out
+            return
+        async for item in _merge(ctx, states):
+            yield item
+    finally:
+        release(ctx, states)
+
+
+async def _merge(ctx: ServerContext, states: list[RequestState]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, state: RequestState) -> None:
+        try:
+            async for out in ctx.engine.stream(state):
+                queue.put_nowait((index, out))
+            queue.put_nowait((index, None))
+        except Exception as e:  # noqa: BLE001 -- re-raised by the reader below
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnect(raw: Request, work: Awaitable):
+    """Run `work` unless the client disconnects first; then cancel it (which aborts its
+    engine requests) -- the ASGI disconnect message works behind any pure-ASGI middleware."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class TokenStrings:
+    """Token id -> its text, cached (logprob entries name tokens by their decoded text)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
