@@ -43,6 +43,7 @@ class EngineCore:
         self.step_fn = self.step_with_batch_queue if self.depth > 1 else self.step
         self._aborts: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.recorder = StepRecorder()
+        self._idle = True   # nothing ran since the engine last ran out of work
         self._log_mode()
 
     def _log_mode(self) -> None:
@@ -75,7 +76,10 @@ class EngineCore:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self.batch_queue)
+        busy = self.scheduler.has_requests() or bool(self.batch_queue)
+        if not busy:
+            self._idle = True
+        return busy
 
     # -- the step loops ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -104,8 +108,21 @@ class EngineCore:
     def _schedule(self):
         start = time.perf_counter()
         so = self.scheduler.schedule()
-        self.recorder.scheduled(so, start, time.perf_counter(), len(self.batch_queue))
+        self.recorder.scheduled(so, start, time.perf_counter(), len(self.batch_queue),
+                                self._no_overlap_reason(), self._idle)
+        self._idle = False
         return so
+
+    def _no_overlap_reason(self) -> str | None:
+        """Why this step is launched with no other step in flight (the device waits for the
+        host); None when it overlaps an earlier step."""
+        if self.batch_queue:
+            return None
+        if self.depth == 1:
+            return "async scheduling off: " + (self.config.async_off_reason or "depth 1")
+        if self._idle:
+            return "first step after idle"
+        return "nothing could be scheduled ahead of the previous step"
 
     def _commit(self, so, runner_output) -> list[EngineCoreOutput]:
         self._apply_aborts()
@@ -125,6 +142,10 @@ class EngineCore:
             stats.schedule_times = [r.schedule_end - r.schedule_start for r in recent]
             stats.schedule_exposed = [exposed_time(r.schedule_start, r.schedule_end, forwards)
                                       for r in recent]
+            for r in recent:
+                if r.no_overlap and r.num_tokens:
+                    stats.no_overlap_steps[r.no_overlap] = (
+                        stats.no_overlap_steps.get(r.no_overlap, 0) + 1)
         return stats
 
     def reset_prefix_cache(self) -> bool:

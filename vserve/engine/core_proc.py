@@ -13,6 +13,7 @@ never overtakes the ADD it cancels.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -140,8 +141,7 @@ class EngineCoreProc:
         return self.core.reset_prefix_cache()
 
     def _util_take_step_records(self) -> list:
-        return [list(msgspec.structs.astuple(r)) if hasattr(r, "__struct_fields__")
-                else list(r.__dict__.values()) for r in self.core.recorder.take()]
+        return [dataclasses.asdict(r) for r in self.core.recorder.take()]
 
     def _util_ping(self) -> str:
         return "pong"

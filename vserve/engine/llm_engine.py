@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from vserve.config import EngineArgs, EngineConfig
 from vserve.engine.output_processor import OutputKind, OutputProcessor
+from vserve.engine.recorder import StepRecord
 from vserve.engine.processor import InputProcessor, Prompt
 from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
@@ -29,6 +31,7 @@ class LLMEngine:
 
             self.client = InprocClient(config)
         self.last_stats = None
+        self.detokenize_spans: list[tuple[float, float]] = []  # front-end lane of the trace
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
@@ -58,10 +61,23 @@ class LLMEngine:
 
             raise EngineDeadError(outs.engine_error, [ro for _, ro in failed])
         self.last_stats = outs.scheduler_stats
+        start = time.perf_counter()
         delivered, to_abort = self.output_processor.process_outputs(outs.outputs)
+        if outs.outputs and len(self.detokenize_spans) < 100_000:
+            self.detokenize_spans.append((start, time.perf_counter()))
         if to_abort:
             self.client.abort_requests(to_abort)
         return [ro for _, ro in delivered]
+
+    def take_step_records(self) -> list[StepRecord]:
+        """Per-step timestamps recorded by the engine core since the last call."""
+        if hasattr(self.client, "core"):
+            return self.client.core.recorder.take()
+        return [StepRecord(**r) for r in self.client.call_utility("take_step_records")]
+
+    def take_detokenize_spans(self) -> list[tuple[float, float]]:
+        spans, self.detokenize_spans = self.detokenize_spans, []
+        return spans
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -61,6 +61,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     launch_intervals: list[float] = []  # time from the previous step's launch to this one's
     schedule_times: list[float] = []    # scheduler busy time of each step
     schedule_exposed: list[float] = []  # part of it that no forward was running under
+    no_overlap_steps: dict[str, int] = {}  # steps launched with none in flight, by reason
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -25,6 +25,7 @@ class StepRecord:
     forward_end: float = 0.0
     ready: float = 0.0
     launch_interval: float = 0.0   # since the previous launch (0 for the first after idle)
+    no_overlap: str | None = None  # why no other step was in flight when this one launched
 
 
 class StepRecorder:
@@ -36,11 +37,14 @@ class StepRecorder:
         self._last_launch = 0.0
         self._last_forward: tuple[float, float] = (0.0, 0.0)
 
-    def scheduled(self, so, start: float, end: float, queue_len: int) -> None:
+    def scheduled(self, so, start: float, end: float, queue_len: int,
+                  no_overlap: str | None = None, after_idle: bool = False) -> None:
         if self.enabled and len(self.records) < self.max_records:
             rec = StepRecord(so.step_id, so.total_num_scheduled_tokens,
                              len(so.num_scheduled_tokens), queue_len, start, end)
-            rec.launch_interval = end - self._last_launch if self._last_launch else 0.0
+            if self._last_launch and not after_idle:
+                rec.launch_interval = end - self._last_launch
+            rec.no_overlap = no_overlap
             self._last_launch = end
             self.records[so.step_id] = rec
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 MAX_N = 128            # most choices per request (vLLM has no limit; we refuse fan-out bombs)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
@@ -254,6 +254,10 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta(self, delta: DeltaMessage) -> dict:
+        return delta.model_dump(exclude_none=True)   # OpenAI omits unset delta fields
 
 
 class ChatCompletionChunk(BaseModel):

@@ -9,14 +9,18 @@ Every request registered here is aborted in the engine when its handler ends for
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 from vserve.engine.async_llm import AsyncLLM
+from vserve.engine.mp_client import EngineDeadError
 from vserve.engine.output_processor import OutputKind, RequestState
 from vserve.entrypoints.openai.protocol import SamplingRequest, random_id
 from vserve.outputs import RequestOutput
@@ -45,6 +49,63 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    """HTTP status and message for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.message
+    if isinstance(exc, EngineDeadError):
+        return 500, f"The engine is dead: {exc}"
+    return 500, f"Internal server error: {type(exc).__name__}: {exc}"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error after the 200 status went out: an error event (the stream then ends)."""
+    status, message = error_status(exc)
+    return f"data: {json.dumps(error_body(status, message))}\n\n"
+
+
+Req = TypeVar("Req", bound=BaseModel)
+
+
+async def parse_body(raw: Request, model: type[Req]) -> Req:
+    """JSON body -> request model; 400 (never FastAPI's 422) for anything malformed."""
+    media = raw.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+    try:
+        body = json.loads(await raw.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"Invalid JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from e
+    extra = getattr(req, "ignored_fields", lambda: [])()
+    if extra:
+        logger.info("ignored fields in the request: %s", extra)
+    return req
+
+
+def validation_error(e: ValidationError) -> APIError:
+    errors = e.errors()
+    parts = []
+    for err in errors[:3]:   # unions (prompt) report one error per alternative
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
+    return APIError(400, "; ".join(parts), param)
 
 
 @dataclass
@@ -76,6 +137,8 @@ class ServerContext:
     def admit(self, num_seqs: int) -> None:
         """Refuse when the waiting queue would exceed --max-num-queued-reqs. The count is the
         front end's own (sequences in flight beyond max_num_seqs), exact at admission time."""
+        if self.draining:
+            raise APIError(503, "The server is shutting down.")
         limit = self.max_num_queued_reqs
         if limit is None:
             return
@@ -245,6 +308,8 @@ async def until_disconnect(raw: Request, work: Awaitable):
         watcher.cancel()
         if not task.done():
             task.cancel()
+    if not task.done():
+        await asyncio.wait({task})   # let its cleanup (engine aborts) run
     if task.cancelled():
         raise APIError(499, "client disconnected")
     return task.result()

@@ -1,0 +1,107 @@
+"""`vserve bench throughput | latency` on a tiny model: printed fields, JSON, trace, report."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+NUM_PROMPTS, IN_LEN, OUT_LEN = 6, 24, 12
+
+
+def _bench(*args, cwd=None):
+    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def _common(model):
+    return ["--model", model, "--dtype", "float32", "--max-model-len", "256",
+            "--num-prompts", str(NUM_PROMPTS), "--input-len", str(IN_LEN),
+            "--output-len", str(OUT_LEN)]
+
+
+def test_throughput_vserve_json_trace_and_report(model, tmp_path):
+    out_json, trace = tmp_path / "r.json", tmp_path / "trace.json"
+    stdout = _bench("throughput", *_common(model), "--output-json", str(out_json),
+                    "--trace", str(trace))
+    assert re.search(r"Throughput: [\d.]+ requests/s, [\d.]+ total tokens/s, "
+                     r"[\d.]+ output tokens/s", stdout)
+    assert f"Total num output tokens:  {NUM_PROMPTS * OUT_LEN}" in stdout
+    for label in ("Mean model forward time (ms):", "Mean step launch interval (ms):",
+                  "Overlap efficiency (forward / interval):", "hidden under a forward",
+                  "TPOT p50 (ms):", "TPOT p99 (ms):", "Steps without overlap:"):
+        assert label in stdout
+    r = json.loads(out_json.read_text())
+    assert r["num_requests"] == NUM_PROMPTS
+    assert r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
+    assert r["total_num_tokens"] == r["total_num_prompt_tokens"] + NUM_PROMPTS * OUT_LEN
+    assert r["output_throughput"] == pytest.approx(NUM_PROMPTS * OUT_LEN / r["elapsed_time"])
+    assert r["requests_per_second"] == pytest.approx(NUM_PROMPTS / r["elapsed_time"])
+    ov = r["overlap"]
+    assert ov["num_steps"] >= OUT_LEN
+    assert ov["schedule_hidden_ms"] + ov["schedule_exposed_ms"] == pytest.approx(
+        ov["schedule_total_ms"])
+    _check_trace(json.loads(trace.read_text()), ov)
+
+
+def _check_trace(trace, overlap):
+    events = trace["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"engine core (CPU)", "worker (device)", "schedule", "forward"} <= lanes
+    forwards = [e for e in events if e["ph"] == "X" and e["name"] == "forward"]
+    schedules = [e for e in events if e["ph"] == "X" and e["name"] == "schedule"]
+    assert len(forwards) == len(schedules) == overlap["num_steps"]
+    assert len({e["args"]["step"] for e in forwards}) == len(forwards)   # one slice per step
+    mean_fwd_ms = sum(e["dur"] for e in forwards) / len(forwards) / 1e3
+    assert mean_fwd_ms == pytest.approx(overlap["mean_forward_ms"], rel=1e-6)
+    sched_ms = sum(e["dur"] for e in schedules) / 1e3
+    assert sched_ms == pytest.approx(overlap["schedule_total_ms"], rel=1e-6)
+    assert any(e["name"] == "detokenize" for e in events)
+
+
+def test_throughput_hf_backend(model, tmp_path):
+    out_json = tmp_path / "hf.json"
+    stdout = _bench("throughput", *_common(model), "--backend", "hf", "--hf-max-batch-size",
+                    "4", "--output-json", str(out_json))
+    assert "Throughput:" in stdout
+    r = json.loads(out_json.read_text())
+    assert r["backend"] == "hf" and r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
+
+
+def test_throughput_sync_reports_why_overlap_is_off(model):
+    stdout = _bench("throughput", *_common(model), "--no-async-scheduling",
+                    "--temperature", "0")
+    assert "async scheduling off: async_scheduling=False was requested" in stdout
+
+
+def test_prefix_repetition_dataset(model, tmp_path):
+    out_json = tmp_path / "p.json"
+    _bench("throughput", "--model", model, "--dtype", "float32", "--max-model-len", "256",
+           "--dataset-name", "prefix-repetition", "--num-prompts", "8", "--prefix-len", "32",
+           "--num-prefixes", "2", "--input-len", "8", "--output-len", "4", "--output-json",
+           str(out_json))
+    r = json.loads(out_json.read_text())
+    assert r["total_num_prompt_tokens"] == 8 * 40 and r["total_num_output_tokens"] == 32
+
+
+def test_latency(model, tmp_path):
+    out_json = tmp_path / "lat.json"
+    stdout = _bench("latency", "--model", model, "--dtype", "float32", "--max-model-len",
+                    "256", "--batch-size", "3", "--input-len", "16", "--output-len", "8",
+                    "--num-iters-warmup", "1", "--num-iters", "3", "--output-json",
+                    str(out_json))
+    assert re.search(r"Avg latency: [\d.]+ seconds", stdout)
+    for p in (10, 25, 50, 75, 90, 99):
+        assert f"{p}% percentile latency:" in stdout
+    r = json.loads(out_json.read_text())
+    assert len(r["latencies"]) == 3
+    assert min(r["latencies"]) <= r["percentiles"]["50"] <= max(r["latencies"])
+    assert r["overlap"]["num_steps"] >= 3 * 8

@@ -1,0 +1,1 @@
+"""`vserve bench`: throughput, latency and serving benchmarks, the overlap report, traces."""

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, args)` makes the FastAPI app over a
+running `AsyncLLM`; `run_server(args)` starts the engine, serves until SIGTERM (drain, exit 0)
+or engine death (exit 1), and shuts the engine down.
+
+Routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/ping`,
+`/metrics`, `/tokenize`, `/detokenize`, `/version`. Every error is an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`; invalid input is 400, never FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+import vserve
+from vserve.engine.async_llm import AsyncLLM
+from vserve.engine.mp_client import EngineDeadError
+from vserve.entrypoints.chat import load_chat_template
+from vserve.entrypoints.openai.launcher import serve, watchdog
+from vserve.entrypoints.openai.metrics import ServerMetrics
+from vserve.entrypoints.openai.middleware import FrontDoor
+from vserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from vserve.entrypoints.openai.serving_base import (
+    APIError,
+    ServerContext,
+    error_response,
+    error_status,
+    parse_body,
+)
+from vserve.entrypoints.openai.serving_chat import ChatServer
+from vserve.entrypoints.openai.serving_completion import CompletionServer
+from vserve.envs import ENV
+
+logger = logging.getLogger("vserve.server")
+
+
+def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
+    names = getattr(args, "served_model_name", None) or [engine.config.model.served_model_name]
+    ctx = ServerContext(engine, list(names) if isinstance(names, list) else [names],
+                        load_chat_template(getattr(args, "chat_template", None)),
+                        getattr(args, "max_num_queued_reqs", None))
+    metrics = ServerMetrics(ctx.model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # binds the engine to this loop now, so its death is seen before any request
+        await engine.call_utility("ping")
+        metrics.attach(engine)
+        task = asyncio.create_task(
+            watchdog(ctx, metrics, not getattr(args, "disable_log_stats", True)))
+        yield
+        task.cancel()
+
+    app = FastAPI(title="vserve", version=vserve.__version__, lifespan=lifespan)
+    app.state.ctx, app.state.metrics = ctx, metrics
+    keys = getattr(args, "api_key", None) or ([ENV.api_key] if ENV.api_key else [])
+    app.add_middleware(FrontDoor, ctx=ctx, api_keys=[keys] if isinstance(keys, str) else keys)
+    _add_error_handlers(app, ctx)
+    _add_openai_routes(app, ctx)
+    _add_service_routes(app, ctx, metrics)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
+    def fail(exc: BaseException) -> JSONResponse:
+        status, message = error_status(exc)
+        if ctx.engine.errored:   # a dead engine: answer, then stop the server (exit 1)
+            ctx.request_exit(1)
+        elif status == 500:
+            logger.exception("request failed", exc_info=exc)
+        return error_response(status, message, getattr(exc, "param", None),
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return fail(exc)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError):
+        return fail(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return error_response(400, str(exc.errors()[:3]))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, exc: Exception):
+        return fail(exc)
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
+    completions = CompletionServer(ctx)
+    chat = ChatServer(ctx)
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request):
+        return await completions.create(await parse_body(raw, CompletionRequest), raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request):
+        return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
+
+    @app.get("/v1/models")
+    async def list_models():
+        cfg = ctx.engine.config.model
+        cards = [ModelCard(id=name, root=cfg.model, max_model_len=cfg.max_model_len)
+                 for name in ctx.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        req = await parse_body(raw, TokenizeRequest)
+        ctx.check_model(req.model)
+        tok = ctx.engine.tokenizer
+        if req.messages is not None:
+            ids = chat.render(req.messages, req.add_generation_prompt,
+                              req.continue_final_message)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        body = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        req = await parse_body(raw, DetokenizeRequest)
+        ctx.check_model(req.model)
+        vocab = ctx.engine.config.model.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of vocabulary (vocab size {vocab})",
+                           "tokens")
+        return JSONResponse({"prompt": ctx.engine.tokenizer.decode(req.tokens)})
+
+
+def _add_service_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:
+    @app.get("/health")
+    async def health():
+        if ctx.draining or ctx.engine.errored:
+            if ctx.engine.errored:
+                ctx.request_exit(1)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/metrics")
+    async def scrape():
+        await metrics.refresh(ctx.engine)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": vserve.__version__})
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Start the engine and serve; returns the process exit status."""
+    from vserve.entrypoints.cli_args import engine_args_from
+
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args_from(args))
+    except Exception as e:  # noqa: BLE001 -- a start-up failure is reported, not a traceback
+        logger.error("the engine failed to start: %s", e)
+        return 1
+    try:
+        app = build_app(engine, args)
+        return serve(app, args)
+    finally:
+        engine.shutdown()

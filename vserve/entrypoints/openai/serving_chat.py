@@ -1,0 +1,193 @@
+"""`POST /v1/chat/completions`: a conversation rendered with the chat template, to OpenAI chat
+completions.
+
+Content may be a string or a list of text parts (joined with newlines). Streaming sends, per
+choice, a first event with `delta: {"role": "assistant", "content": ""}` when the first output
+arrives, then content deltas, the last one carrying `finish_reason` (and vLLM's `stop_reason`);
+then a usage-only event when asked, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vserve.engine.output_processor import RequestState
+from vserve.entrypoints.chat import render_chat
+from vserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from vserve.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    APIError,
+    ServerContext,
+    TokenStrings,
+    base_request_id,
+    check_context,
+    check_params,
+    iterate,
+    make_sampling_params,
+    release,
+    sse_error,
+    sse_event,
+    submit,
+    until_disconnect,
+)
+from vserve.outputs import CompletionOutput, Logprob
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the template sees them: role, content as one string, optional name."""
+    out = []
+    for m in messages:
+        entry = {"role": m.role, "content": m.text()}
+        if m.name:
+            entry["name"] = m.name
+        out.append(entry)
+    return out
+
+
+class ChatServer:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.token_str = TokenStrings(ctx.engine.tokenizer)
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, kwargs: dict | None = None) -> list[int]:
+        try:
+            return render_chat(self.ctx.engine.tokenizer, conversation(messages),
+                               self.ctx.chat_template, add_generation_prompt,
+                               continue_final_message, kwargs or {})
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from e
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        ctx = self.ctx
+        ctx.check_model(req.model)
+        ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                          req.chat_template_kwargs)
+        budget = check_context(ctx, len(ids), req.output_limit)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = make_sampling_params(req, budget, logprobs)
+        check_params(ctx, params, len(ids))
+        base = base_request_id(raw)
+        states = await submit(ctx, [(None, ids)], [params], base)
+        response_id = f"chatcmpl-{base}"
+        if req.stream:
+            return StreamingResponse(self._stream(req, response_id, len(ids), states),
+                                     media_type="text/event-stream")
+        try:
+            body = await until_disconnect(raw, self._collect(req, response_id, len(ids), states))
+        finally:
+            release(ctx, states)
+        return JSONResponse(body)
+
+    def _echo_text(self, req: ChatCompletionRequest) -> str:
+        last = req.messages[-1]
+        return last.text() if req.echo and last.role == "assistant" else ""
+
+    # -- non-streaming -------------------------------------------------------------------------
+    async def _collect(self, req: ChatCompletionRequest, response_id: str, num_prompt: int,
+                       states: list[RequestState]) -> dict:
+        texts = [self._echo_text(req)] * req.n
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
+        finish: list[tuple[str | None, int | str | None]] = [(None, None)] * req.n
+        num_out = 0
+        async for _, out in iterate(self.ctx, states):
+            for c in out.outputs:
+                _raise_if_error(c)
+                texts[c.index] += c.text
+                num_out += len(c.token_ids)
+                logprobs[c.index] += self._logprobs(req, c)
+                if c.finish_reason is not None:
+                    finish[c.index] = (c.finish_reason, c.stop_reason)
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]),
+                              logprobs=ChatLogprobs(content=logprobs[i]) if req.logprobs
+                              else None, finish_reason=finish[i][0], stop_reason=finish[i][1])
+                   for i in range(req.n)]
+        return ChatCompletionResponse(
+            id=response_id, model=self.ctx.model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_out,
+                            total_tokens=num_prompt + num_out)).model_dump()
+
+    def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> list[TokenLogprob]:
+        if not req.logprobs:
+            return []
+        return [self._token_logprob(tid, entry, req.top_logprobs or 0)
+                for tid, entry in zip(c.token_ids, c.logprobs or [])]
+
+    def _token_logprob(self, token_id: int, entry: dict[int, Logprob],
+                       num_top: int) -> TokenLogprob:
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+        tops = [self._top(tid, lp.logprob) for tid, lp in ranked]
+        sampled = self._top(token_id, entry[token_id].logprob)
+        return TokenLogprob(**sampled.model_dump(), top_logprobs=tops)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_str(token_id)
+        return TopLogprob(token=text, logprob=max(logprob, -9999.0),
+                          bytes=list(text.encode("utf-8")))
+
+    # -- streaming -----------------------------------------------------------------------------
+    async def _stream(self, req: ChatCompletionRequest, response_id: str, num_prompt: int,
+                      states: list[RequestState]) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = self.ctx.model_name
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            return sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
+                                                 choices=choices, usage=usage))
+
+        num_out = 0
+        started = False
+        echo = self._echo_text(req)
+        pending_echo = dict.fromkeys(range(req.n), echo) if echo else {}
+        try:
+            async for _, out in iterate(self.ctx, states):
+                if not started:   # the role event, once per choice, with the first output
+                    started = True
+                    for i in range(req.n):
+                        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(
+                            role="assistant", content=""))])
+                for c in out.outputs:
+                    _raise_if_error(c)
+                    num_out += len(c.token_ids)
+                    usage = _usage(num_prompt, num_out) if req.continuous_usage else None
+                    logprobs = ChatLogprobs(content=self._logprobs(req, c)) if req.logprobs \
+                        else None
+                    text = pending_echo.pop(c.index, "") + c.text
+                    yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text),
+                                                 logprobs=logprobs,
+                                                 finish_reason=c.finish_reason,
+                                                 stop_reason=c.stop_reason)], usage)
+            if req.include_usage:
+                yield chunk([], _usage(num_prompt, num_out))
+        except Exception as e:  # noqa: BLE001 -- the status is sent; report in the stream
+            yield sse_error(e)
+        finally:
+            release(self.ctx, states)
+        yield SSE_DONE
+
+
+def _usage(num_prompt: int, num_out: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_out,
+                     total_tokens=num_prompt + num_out)
+
+
+def _raise_if_error(c: CompletionOutput) -> None:
+    if c.finish_reason == "error":
+        raise APIError(500, f"The request failed in the engine: {c.stop_reason}")
