@@ -18,7 +18,7 @@ from vserve.attention.base import AttentionLayerSpec, AttentionMetadata, write_k
 @dataclass
 class _Group:
     token_idx: torch.Tensor | slice   # which query tokens the group covers
-    gather: torch.Tensor              # [B, L] flat K/V slots
+    blocks: torch.Tensor | None       # [B, num_blocks] block ids to gather (None: no context)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [B, 1, Q, L] bool
 
 
@@ -41,61 +41,71 @@ class TorchAttentionBackend:
                 groups.append(self._prefill_group(meta, i, qsl[i], n, seq_lens[i], windows))
         return groups
 
-    def _slots(self, block_row: torch.Tensor, length: int) -> torch.Tensor:
-        j = torch.arange(length, device=block_row.device)
-        return block_row[..., j // self.block_size].long() * self.block_size + j % self.block_size
+    def _num_blocks(self, length: int) -> int:
+        return -(-length // self.block_size)
 
     def _decode_group(self, meta, rows, windows) -> _Group:
         device = meta.block_tables.device
         rows_t = torch.tensor(rows, device=device)
         max_len = max(meta.seq_lens_cpu[i] for i in rows)
-        gather = self._slots(meta.block_tables[rows_t], max_len)        # [B, L]
+        nb = self._num_blocks(max_len)
+        blocks = meta.block_tables[rows_t, :nb].long()                  # [B, nb]
         seq_lens = meta.seq_lens[rows_t].long().unsqueeze(1)            # [B, 1]
-        j = torch.arange(max_len, device=device).unsqueeze(0)           # [1, L]
+        j = torch.arange(nb * self.block_size, device=device).unsqueeze(0)
         valid = j < seq_lens
         masks = {}
         for w in windows:
             m = valid if w is None else valid & (j > seq_lens - 1 - w)
             masks[w] = m[:, None, None, :]
         token_idx = meta.query_start_loc[:-1][rows_t].long()
-        return _Group(token_idx, gather, masks)
+        return _Group(token_idx, blocks, masks)
 
     def _prefill_group(self, meta, row, start, q_len, seq_len, windows) -> _Group:
         device = meta.block_tables.device
-        gather = self._slots(meta.block_tables[row], seq_len).unsqueeze(0)   # [1, L]
+        direct = q_len == seq_len   # no earlier context: attend to this step's K/V as they are
+        length = seq_len if direct else self._num_blocks(seq_len) * self.block_size
+        blocks = None if direct else meta.block_tables[row, :self._num_blocks(seq_len)].long()
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-        j = torch.arange(seq_len, device=device).unsqueeze(0)
+        j = torch.arange(length, device=device).unsqueeze(0)
         causal = j <= q_pos
         masks = {}
         for w in windows:
             m = causal if w is None else causal & (j > q_pos - w)
             masks[w] = m[None, None]
-        return _Group(slice(start, start + q_len), gather, masks)
+        return _Group(slice(start, start + q_len),
+                      None if blocks is None else blocks.unsqueeze(0), masks)
 
     # -- per layer -----------------------------------------------------------------------------
     def forward(self, spec: AttentionLayerSpec, query, key, value, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         out = torch.empty_like(query)
         for group in meta.backend_data:
+            decode = isinstance(group.token_idx, torch.Tensor)
             q = query[group.token_idx]
-            if q.dim() == 3 and isinstance(group.token_idx, torch.Tensor):
-                q = q.unsqueeze(1)                       # decode: [B, 1, H, D]
+            q = q.unsqueeze(1) if decode else q.unsqueeze(0)          # [B, Q, H, D]
+            if group.blocks is None:
+                k = key[group.token_idx].unsqueeze(0)                  # [1, L, Hkv, D]
+                v = value[group.token_idx].unsqueeze(0)
             else:
-                q = q.unsqueeze(0)                       # prefill: [1, Q, H, D]
-            k = k_flat[group.gather]                     # [B, L, Hkv, D]
-            v = v_flat[group.gather]
+                k = _gather_blocks(kv_cache[0], group.blocks)
+                v = _gather_blocks(kv_cache[1], group.blocks)
             o = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         group.masks[spec.sliding_window], spec)
-            o = o.transpose(1, 2)                        # [B, Q, H, D]
-            if isinstance(group.token_idx, torch.Tensor):
+            o = o.transpose(1, 2)                                     # [B, Q, H, D]
+            if decode:
                 out[group.token_idx] = o[:, 0]
             else:
                 out[group.token_idx] = o[0]
         return out.view(query.shape[0], -1)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D], blocks [B, nb] -> [B, nb * block_size, Hkv, D].
+    Whole blocks are copied (contiguous runs), far cheaper than per-slot indexing."""
+    b, nb = blocks.shape
+    _, bs, h, d = cache.shape
+    return cache.index_select(0, blocks.reshape(-1)).view(b, nb * bs, h, d)
 
 
 def _attend(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:

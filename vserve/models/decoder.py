@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
-from vserve.models.layers import Attention, RMSNorm, RotaryEmbedding, gated_mlp, rope_inv_freq
+from vserve.models.layers import (
+    Attention,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    gated_mlp,
+    rope_inv_freq,
+)
 from vserve.models.stage import FusedLinear, StageInfo, check_all_loaded, load_weights
 
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -48,7 +55,7 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(d, eps) if qk_norm else None
         self.attn = Attention(spec, layer_idx)
 
-    def forward(self, positions, x, rotary, kv_caches, meta, backend):
+    def forward(self, x, rope, kv_caches, meta, backend):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -56,7 +63,7 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v, kv_caches, meta, backend))
 
 
@@ -74,9 +81,8 @@ class DecoderLayer(nn.Module):
         self.mlp.down_proj = nn.Linear(inter, hf_config.hidden_size, bias=mlp_bias)
         self.act = getattr(hf_config, "hidden_act", "silu")
 
-    def forward(self, positions, h, rotary, kv_caches, meta, backend):
-        h = h + self.self_attn(positions, self.input_layernorm(h), rotary, kv_caches, meta,
-                               backend)
+    def forward(self, h, rope, kv_caches, meta, backend):
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
         return h + gated_mlp(self.post_attention_layernorm(h), self.mlp.gate_up_proj,
                              self.mlp.down_proj, self.act)
 
@@ -113,8 +119,9 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, hidden states [T, hidden] otherwise."""
         h = self.model.embed_tokens(inputs) if self.stage.is_first else inputs
+        rope = self.rotary.cos_sin(positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(positions, h, self.rotary, kv_caches, meta, backend)
+            h = layer(h, rope, kv_caches, meta, backend)
         return self.model.norm(h) if self.stage.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

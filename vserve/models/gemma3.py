@@ -8,7 +8,14 @@ from torch import nn
 
 from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
 from vserve.models.decoder import STACKED, _tie, head_dim_of, rename_layer
-from vserve.models.layers import Attention, GemmaRMSNorm, RotaryEmbedding, gated_mlp, rope_inv_freq
+from vserve.models.layers import (
+    Attention,
+    GemmaRMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    gated_mlp,
+    rope_inv_freq,
+)
 from vserve.models.stage import FusedLinear, StageInfo, check_all_loaded, load_weights
 
 
@@ -24,13 +31,13 @@ class Gemma3Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
         self.attn = Attention(spec, layer_idx)
 
-    def forward(self, positions, x, rotary, kv_caches, meta, backend):
+    def forward(self, x, rope, kv_caches, meta, backend):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
         q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v, kv_caches, meta, backend))
 
 
@@ -50,10 +57,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.act = hf_config.hidden_activation
         self.sliding = spec.sliding_window is not None
 
-    def forward(self, positions, h, rotaries, kv_caches, meta, backend):
-        rotary = rotaries[1] if self.sliding else rotaries[0]
-        attn = self.self_attn(positions, self.input_layernorm(h), rotary, kv_caches, meta,
-                              backend)
+    def forward(self, h, ropes, kv_caches, meta, backend):
+        rope = ropes[1] if self.sliding else ropes[0]
+        attn = self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
         h = h + self.post_attention_layernorm(attn)
         mlp = gated_mlp(self.pre_feedforward_layernorm(h), self.mlp.gate_up_proj,
                         self.mlp.down_proj, self.act)
@@ -97,8 +103,9 @@ class Gemma3ForCausalLM(nn.Module):
             h = emb * torch.tensor(self.embed_scale, dtype=emb.dtype)
         else:
             h = inputs
+        ropes = [r.cos_sin(positions, h.dtype) for r in self.rotaries]
         for layer in self.model.layers:
-            h = layer(positions, h, self.rotaries, kv_caches, meta, backend)
+            h = layer(h, ropes, kv_caches, meta, backend)
         return self.model.norm(h) if self.stage.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
