@@ -59,6 +59,7 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}   # for the log line
         self.last_stats: SchedulerStats | None = None
+        self._pending: asyncio.Future | None = None
 
     def _labelled(self, kind, name: str, doc: str, **kwargs):
         metric = kind(f"vserve:{name}", doc, ["model_name"], registry=self.registry, **kwargs)
@@ -116,15 +117,19 @@ class ServerMetrics:
                 self.histograms["e2e_request_latency_seconds"].observe(
                     times["last_token_time"] - times["arrival_time"])
 
-    async def refresh(self, engine, timeout: float = 0.5) -> None:
-        """Pull fresh scheduler stats (cheap; the engine answers between steps)."""
-        if engine.errored:
+    async def refresh(self, engine, timeout: float = 0.25) -> None:
+        """Ask the engine for fresh stats and wait briefly. A busy engine answers between
+        steps; a late answer is still applied (it carries drained counters), and only one
+        call is in flight at a time."""
+        if engine.errored or (self._pending is not None and not self._pending.done()):
             return
-        try:
-            stats = await asyncio.wait_for(engine.call_utility("stats"), timeout)
-        except Exception:  # noqa: BLE001 -- a slow or dead engine keeps the last values
-            return
-        self.on_stats(SchedulerStats(**stats))
+        self._pending = asyncio.ensure_future(engine.call_utility("stats"))
+        self._pending.add_done_callback(self._apply_utility)
+        await asyncio.wait({self._pending}, timeout=timeout)
+
+    def _apply_utility(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.on_stats(SchedulerStats(**task.result()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

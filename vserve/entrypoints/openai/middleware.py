@@ -15,8 +15,9 @@ import hmac
 import json
 import re
 
+from vserve.entrypoints.openai.errors import error_body
 from vserve.entrypoints.openai.protocol import random_id
-from vserve.entrypoints.openai.serving_base import ServerContext, error_body
+from vserve.entrypoints.openai.serving_base import ServerContext
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 

@@ -19,11 +19,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 import vserve
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.mp_client import EngineDeadError
 from vserve.entrypoints.chat import load_chat_template
+from vserve.entrypoints.openai.errors import APIError, error_response, error_status, parse_body
 from vserve.entrypoints.openai.launcher import serve, watchdog
 from vserve.entrypoints.openai.metrics import ServerMetrics
 from vserve.entrypoints.openai.middleware import FrontDoor
@@ -35,13 +37,7 @@ from vserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from vserve.entrypoints.openai.serving_base import (
-    APIError,
-    ServerContext,
-    error_response,
-    error_status,
-    parse_body,
-)
+from vserve.entrypoints.openai.serving_base import ServerContext
 from vserve.entrypoints.openai.serving_chat import ChatServer
 from vserve.entrypoints.openai.serving_completion import CompletionServer
 from vserve.envs import ENV
@@ -97,6 +93,10 @@ def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
         return error_response(400, str(exc.errors()[:3]))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect):
+        return Response(status_code=499)   # nobody reads it; not worth a traceback
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException):

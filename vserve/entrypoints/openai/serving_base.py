@@ -1,6 +1,6 @@
-"""What the completion and chat handlers share: the server context, OpenAI-style errors,
-admission (model name, context length, queue limit), sampling parameters from a request,
-submitting prompts to the engine, and reading their outputs until done or disconnected.
+"""What the completion and chat handlers share: the server context, SSE events, admission
+(model name, context length, queue limit), sampling parameters from a request, submitting
+prompts to the engine, and reading their outputs until done or disconnected.
 
 Every request registered here is aborted in the engine when its handler ends for any reason
 (finished, client gone, error, server drain), so no KV block outlives its HTTP request.
@@ -10,102 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from vserve.engine.async_llm import AsyncLLM
-from vserve.engine.mp_client import EngineDeadError
 from vserve.engine.output_processor import OutputKind, RequestState
+from vserve.entrypoints.openai.errors import APIError, error_body, error_status
 from vserve.entrypoints.openai.protocol import SamplingRequest, random_id
 from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
-
-logger = logging.getLogger("vserve.server")
-
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-class APIError(Exception):
-    """An error with an HTTP status, turned into an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
-                      "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
-
-
-def error_status(exc: BaseException) -> tuple[int, str]:
-    """HTTP status and message for an exception raised while serving a request."""
-    if isinstance(exc, APIError):
-        return exc.status, exc.message
-    if isinstance(exc, EngineDeadError):
-        return 500, f"The engine is dead: {exc}"
-    return 500, f"Internal server error: {type(exc).__name__}: {exc}"
-
 
 SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse_event(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+    # like vLLM, chunks carry `usage` only when it is set (the final usage chunk, or with
+    # continuous_usage_stats); `finish_reason: null` and the like stay
+    exclude = {"usage"} if getattr(chunk, "usage", True) is None else None
+    return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
 
 def sse_error(exc: BaseException) -> str:
     """An error after the 200 status went out: an error event (the stream then ends)."""
     status, message = error_status(exc)
     return f"data: {json.dumps(error_body(status, message))}\n\n"
-
-
-Req = TypeVar("Req", bound=BaseModel)
-
-
-async def parse_body(raw: Request, model: type[Req]) -> Req:
-    """JSON body -> request model; 400 (never FastAPI's 422) for anything malformed."""
-    media = raw.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media != "application/json":
-        raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
-    try:
-        body = json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"Invalid JSON body: {e}") from e
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object")
-    try:
-        req = model.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e) from e
-    extra = getattr(req, "ignored_fields", lambda: [])()
-    if extra:
-        logger.info("ignored fields in the request: %s", extra)
-    return req
-
-
-def validation_error(e: ValidationError) -> APIError:
-    errors = e.errors()
-    parts = []
-    for err in errors[:3]:   # unions (prompt) report one error per alternative
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
-    return APIError(400, "; ".join(parts), param)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vserve.engine.output_processor import RequestState
 from vserve.entrypoints.chat import render_chat
+from vserve.entrypoints.openai.errors import APIError
 from vserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -33,7 +34,6 @@ from vserve.entrypoints.openai.protocol import (
 )
 from vserve.entrypoints.openai.serving_base import (
     SSE_DONE,
-    APIError,
     ServerContext,
     TokenStrings,
     base_request_id,

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from vserve.engine.output_processor import RequestState
+from vserve.entrypoints.openai.errors import APIError
 from vserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -25,7 +26,6 @@ from vserve.entrypoints.openai.protocol import (
 )
 from vserve.entrypoints.openai.serving_base import (
     SSE_DONE,
-    APIError,
     ServerContext,
     TokenStrings,
     base_request_id,

@@ -1,0 +1,138 @@
+"""A live `vserve serve` process for tests: start on a free port, wait for /health, stop, and
+check that no process of its tree outlives it.
+
+Descendants are found through /proc (no psutil): the engine core is a child of the server and
+its workers are grandchildren, so the whole tree is recorded while the server runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+# small, fast settings for the tiny test models
+TINY_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "2048"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def descendants_of(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for kid in children_of(todo.pop()):
+            if kid not in found:
+                found.add(kid)
+                todo.append(kid)
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child its new parent has not reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- open while the server runs
+            "w+", prefix="vserve-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "serve", *args,
+               "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.tree: set[int] = set()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.remember_tree()
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
+
+    def remember_tree(self) -> set[int]:
+        self.tree |= descendants_of(self.pid)
+        return self.tree
+
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def survivors(self, timeout: float = 10.0) -> list[int]:
+        """Processes of the recorded tree still running after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = [p for p in self.tree if is_running(p)]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL for anything left (the test fails on leftovers)."""
+        if self.proc.poll() is None:
+            self.remember_tree()
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.wait_exit(60)
+        if code is None:
+            self.proc.kill()
+            code = self.proc.wait()
+        left = self.survivors()
+        for pid in left:   # never leave strays behind, even when the test fails
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes outlived the server: {left}\n{self.log_tail()}"
+        return code
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-num_chars:]
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of a `vserve:` sample (first one whose name matches)."""
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

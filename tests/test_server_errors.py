@@ -1,0 +1,188 @@
+"""Bad input never hurts the server: every row of the table gets its status and an OpenAI-style
+error body, the engine stays up (same engine process, still answering), and requests beyond
+the waiting-queue limit get 503 with Retry-After. The server runs with an API key, so the
+table also covers missing and wrong keys and the routes that stay open."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from openai_server import TINY_ARGS, ServerProcess, children_of
+
+KEY = "test-secret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 256
+PROMPT = "The quick brown fox"
+MSGS = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = ServerProcess([tiny_model_dir("llama"), *TINY_ARGS, "--api-key", KEY,
+                         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1",
+                         "--max-num-queued-reqs", "2"])
+    try:
+        srv.wait_ready()
+        srv.engine_pids = children_of(srv.pid)
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+def C(**body):
+    return ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **body})
+
+
+def CHAT(**body):
+    return ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, **body})
+
+
+BAD_JSON_ROWS = [
+    # (route and body, status, part of the message)
+    (C(max_tokens="many"), 400, "max_tokens"),
+    (C(prompt=123), 400, "prompt"),
+    (C(prompt=None), 400, "prompt"),
+    (("/v1/completions", {"max_tokens": 4}), 400, "prompt"),
+    (C(temperature=-1), 400, "temperature"),
+    (C(temperature="hot"), 400, "temperature"),
+    (C(top_p=1.5), 400, "top_p must be in (0, 1]"),
+    (C(top_k=-5), 400, "top_k"),
+    (C(min_p=2), 400, "min_p"),
+    (C(presence_penalty=3), 400, "presence_penalty"),
+    (C(repetition_penalty=0), 400, "repetition_penalty"),
+    (C(max_tokens=0), 400, "max_tokens"),
+    (C(max_tokens=-1), 400, "max_tokens"),
+    (C(min_tokens=20, max_tokens=10), 400, "min_tokens"),
+    (C(logprobs=-1), 400, "logprobs"),
+    (C(logprobs=50), 400, "logprobs"),
+    (C(n=129), 400, "n must be between 1 and 128"),
+    (C(n=0), 400, "n must be"),
+    (C(n=2, temperature=0), 400, "n > 1"),
+    (C(stop=[""]), 400, "stop"),
+    (C(stop=5), 400, "stop"),
+    (C(seed=2**70), 400, "seed"),
+    (C(model="no-such-model"), 404, "does not exist"),
+    (C(prompt="word " * 300), 400, f"maximum context length is {MAX_MODEL_LEN}"),
+    (C(max_tokens=MAX_MODEL_LEN), 400, f"maximum context length is {MAX_MODEL_LEN}"),
+    (C(prompt=[2, 5, 999999]), 400, "out of vocabulary"),
+    (C(prompt=[2, -5]), 400, "prompt"),
+    (C(prompt=[]), 400, "non-empty"),
+    (C(prompt=""), 400, "empty"),
+    (C(logit_bias={"999999": 5}), 400, "out of vocabulary"),
+    (C(logit_bias={"abc": 5}), 400, "logit_bias"),
+    (C(stop_token_ids=[999999]), 400, "out of vocabulary"),
+    (C(stream_options={"include_usage": True}), 400, "stream_options"),
+    (C(suffix="tail"), 400, "suffix"),
+    (CHAT(messages=[]), 400, "messages"),
+    (CHAT(messages="hi"), 400, "messages"),
+    (CHAT(messages=[{"content": "hi"}]), 400, "role"),
+    (CHAT(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "messages"),
+    (CHAT(top_logprobs=2), 400, "top_logprobs needs logprobs"),
+    (CHAT(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
+    (CHAT(max_completion_tokens=MAX_MODEL_LEN), 400, "maximum context length"),
+    (CHAT(stream_options={"include_usage": True}), 400, "stream_options"),
+    (CHAT(model="gpt-4"), 404, "does not exist"),
+    (("/detokenize", {"tokens": [999999]}), 400, "out of vocabulary"),
+    (("/tokenize", {}), 400, "prompt or messages"),
+]
+TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
+
+
+def _check_error(r: httpx.Response, status: int, fragment: str) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["type"] == TYPES[status]
+    assert fragment in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("route_body,status,fragment", BAD_JSON_ROWS,
+                         ids=[f"{i}-{r[0][0]}" for i, r in enumerate(BAD_JSON_ROWS)])
+def test_bad_request(server, route_body, status, fragment):
+    route, body = route_body
+    _check_error(httpx.post(server.url + route, json=body, headers=AUTH), status, fragment)
+
+
+@pytest.mark.parametrize("content,ctype,fragment", [
+    (b'{"prompt": "x", ', "application/json", "Invalid JSON"),
+    (b"\xff\xfe", "application/json", "Invalid JSON"),
+    (b"[1, 2]", "application/json", "JSON object"),
+    (b'{"prompt": "x"}', "text/plain", "Unsupported Media Type"),
+    (b'{"prompt": "x"}', "", "Unsupported Media Type"),
+])
+def test_malformed_body(server, content, ctype, fragment):
+    r = httpx.post(server.url + "/v1/completions", content=content,
+                   headers={**AUTH, "content-type": ctype})
+    _check_error(r, 400, fragment)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": f"Basic {KEY}"},
+                                     {"Authorization": "Bearer"}])
+def test_api_key_required_on_v1(server, headers):
+    for method, route in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                          ("GET", "/v1/models")):
+        r = httpx.request(method, server.url + route, headers=headers,
+                          json=C()[1] if method == "POST" else None)
+        _check_error(r, 401, "Unauthorized")
+
+
+def test_open_routes_need_no_key(server):
+    for route in ("/health", "/metrics", "/version"):
+        assert httpx.get(server.url + route).status_code == 200, route
+    assert httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).status_code == 200
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+
+
+def test_extras_and_unknown_fields_accepted(server):
+    body = C(max_tokens=3, min_tokens=3, ignore_eos=True, top_k=5, min_p=0.05,
+             repetition_penalty=1.1, stop_token_ids=[1], include_stop_str_in_output=False,
+             skip_special_tokens=True, logit_bias={"7": 2.0}, user="u1",
+             vendor_specific_field={"x": 1}, temperature=0.7, seed=3)[1]
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_still_serving_after_bad_input(server):
+    """Runs after the table: the same engine process, healthy, and answering."""
+    assert children_of(server.pid) == server.engine_pids
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.post(server.url + "/v1/chat/completions", json=CHAT(max_tokens=5)[1],
+                   headers=AUTH)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_queue_full_gives_503(server):
+    """max_num_seqs 1 and a queue of 2: of 6 concurrent long requests, 3 are admitted (one
+    running, two waiting) and 3 are refused with 503 + Retry-After."""
+    body = C(max_tokens=200, ignore_eos=True, stream=True)[1]
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=30) as client:
+            streams = [client.stream("POST", "/v1/completions", json=body) for _ in range(6)]
+            responses = await asyncio.gather(*(s.__aenter__() for s in streams))
+            statuses = [r.status_code for r in responses]
+            for r in responses:
+                if r.status_code == 503:
+                    await r.aread()
+                    assert r.headers["retry-after"] == "1"
+                    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+            for s in streams:   # closing the admitted streams aborts them
+                await s.__aexit__(None, None, None)
+            return statuses
+
+    statuses = asyncio.run(run())
+    assert sorted(statuses) == [200, 200, 200, 503, 503, 503]
+    # the server sees the closed streams within moments; then it admits work again
+    deadline = time.monotonic() + 5
+    while True:
+        r = httpx.post(server.url + "/v1/completions", json=C(max_tokens=3)[1], headers=AUTH,
+                       timeout=10)
+        if r.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -1,0 +1,49 @@
+"""`vserve serve [MODEL]`: the OpenAI-compatible server's command line.
+
+Every engine argument is a flag named as vLLM names it (`--max-model-len`, `--max-num-seqs`,
+`--served-model-name`, ...); the server adds `--host`, `--port`, `--api-key`,
+`--chat-template`, `--max-num-queued-reqs`, `--shutdown-timeout` and `--log-level`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vserve.entrypoints.cli_args import add_engine_args
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model folder or .gguf file (default: the embedded Gemma-3-270M); "
+                        "same as --model")
+    add_engine_args(p)
+    server = p.add_argument_group("server arguments")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", nargs="+", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes "
+                             "(default: $VSERVE_API_KEY)")
+    server.add_argument("--chat-template", default=None,
+                        help="chat template file or inline Jinja text (overrides the model's)")
+    server.add_argument("--max-num-queued-reqs", type=int, default=None,
+                        help="waiting-queue limit; beyond it requests get 503 + Retry-After")
+    server.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests may run after SIGTERM")
+    server.add_argument("--log-level", default="info",
+                        help="debug, info, warning or error")
+    p.set_defaults(func=_serve)
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from vserve.entrypoints.openai.server import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"vserve serve: MODEL {args.model_tag!r} and --model "
+                             f"{args.model!r} disagree; give one")
+        args.model = args.model_tag
+    if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 0:
+        raise SystemExit("vserve serve: --max-num-queued-reqs must be >= 0")
+    return run_server(args)

@@ -1,0 +1,85 @@
+"""OpenAI-style errors: `APIError` (an HTTP status and a message), the error body
+`{"error": {"message", "type", "param", "code"}}`, and request-body parsing that answers 400
+for malformed JSON, a wrong content type or invalid fields (never FastAPI's 422)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from vserve.engine.mp_client import EngineDeadError
+
+logger = logging.getLogger("vserve.server")
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, turned into an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    """HTTP status and message for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.message
+    if isinstance(exc, EngineDeadError):
+        lines = [line for line in str(exc).splitlines() if line.strip()] or ["unknown cause"]
+        cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # no traceback
+        return 500, f"The engine is dead: {cause}"
+    return 500, f"Internal server error: {type(exc).__name__}: {exc}"
+
+
+Req = TypeVar("Req", bound=BaseModel)
+
+
+async def parse_body(raw: Request, model: type[Req]) -> Req:
+    """JSON body -> request model; 400 (never FastAPI's 422) for anything malformed."""
+    media = raw.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+    try:
+        body = json.loads(await raw.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"Invalid JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from e
+    extra = getattr(req, "ignored_fields", list)()
+    if extra:
+        logger.info("ignored fields in the request: %s", extra)
+    return req
+
+
+def validation_error(e: ValidationError) -> APIError:
+    errors = e.errors()
+    parts = []
+    for err in errors[:3]:   # unions (prompt) report one error per alternative
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
+    return APIError(400, "; ".join(parts), param)
