@@ -1,0 +1,57 @@
+"""`vserve bench serve` against our own server: the printed block and the saved JSON."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from openai_server import TINY_ARGS, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = ServerProcess([tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "512",
+                         "--served-model-name", "tiny"]).wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+LABELS = ["Successful requests:", "Failed requests:", "Benchmark duration (s):",
+          "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",
+          "Output token throughput (tok/s):", "Peak output token throughput (tok/s):",
+          "Peak concurrent requests:", "Total token throughput (tok/s):", "Mean TTFT (ms):",
+          "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):", "Median TPOT (ms):",
+          "P99 TPOT (ms):", "Mean ITL (ms):", "Median ITL (ms):", "P99 ITL (ms):"]
+
+
+def _run(server, tmp_path, *extra):
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", "serve", "--base-url",
+           server.url, "--num-prompts", "12", "--input-len", "32", "--output-len", "10",
+           "--ignore-eos", "--disable-tqdm", "--result-filename", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_bench_serve_prints_reference_labels(server, tmp_path, backend):
+    stdout, result = _run(server, tmp_path, "--backend", backend, "--max-concurrency", "4",
+                          "--goodput", "ttft:100000", "tpot:100000")
+    for label in LABELS + ["Maximum request concurrency:", "Request goodput (req/s):"]:
+        assert re.search(rf"^{re.escape(label)}\s+\S+", stdout, re.M), label
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["total_output_tokens"] == 12 * 10     # ignore_eos: exactly max_tokens
+    assert result["max_concurrent_requests"] <= 4
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert len(result["ttfts"]) == 12 and all(t > 0 for t in result["ttfts"])
+    assert 0 < len(result["itls"]) <= 12 * 9    # pooled gaps between content chunks
+    assert result["mean_tpot_ms"] > 0 and result["p99_ttft_ms"] >= result["median_ttft_ms"]
+
+
+def test_bench_serve_poisson_rate(server, tmp_path):
+    stdout, result = _run(server, tmp_path, "--request-rate", "20", "--seed", "1")
+    assert "Request rate configured (RPS):" in stdout and "20.00" in stdout
+    assert result["completed"] == 12
+    assert result["total_input_tokens"] > 0
