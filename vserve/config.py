@@ -150,8 +150,10 @@ class EngineArgs:
         if dtype == "auto":
             dtype = str(getattr(hf_config, "dtype", None) or "float32").replace("torch.", "")
             dtype = _DTYPES.get(dtype, "float32")
-            if dtype == "float32" and device == "cuda":
-                dtype = "bfloat16"   # fp32 weights, bf16 compute: what GPU users expect
+            if dtype == "float32" and (device == "cuda" or cpu_has_bf16()):
+                # fp32 weights, bf16 compute: 2-3x faster matmuls where the hardware has
+                # bf16 instructions; pass dtype="float32" for exact fp32 numerics
+                dtype = "bfloat16"
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_len = self.max_model_len or limit
         _require(isinstance(max_len, int) and 1 < max_len <= limit,
@@ -221,6 +223,16 @@ def eos_ids(model_path: str, hf_config) -> tuple[int, ...]:
     if gen.is_file():
         add(json.loads(gen.read_text()).get("eos_token_id"))
     return tuple(ids)
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 matmul instructions (AVX512-BF16 or AMX) on this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _resolve_device(device: str) -> str:
