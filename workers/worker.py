@@ -8,6 +8,7 @@ import os
 import torch
 
 from vserve.core.sched_output import SchedulerOutput
+from workers.device import tune_host_allocator
 from workers.model_runner import AsyncStepOutput, ModelRunner, RunnerConfig
 
 
@@ -16,6 +17,7 @@ class Worker:
         from vserve.config import load_hf_config
 
         self.config = config
+        tune_host_allocator()
         if num_threads:
             torch.set_num_threads(num_threads)
         if config.device == "cuda":

@@ -1,12 +1,20 @@
-"""Paged attention in plain torch: gather each request's K/V through its block table, then
-`scaled_dot_product_attention` (GQA without copies, causal and sliding-window masks).
+"""Paged attention in plain torch: the CPU path and the oracle for the Triton kernels.
 
-Decode rows (one query token) run as one padded batch; prefill chunks run one request at a
-time against their whole context. This is the CPU path and the oracle for the Triton kernels.
+Per step, `prepare` sorts the batch into groups that each need one attention call per layer:
+
+* decode rows (one query token each): one padded batch; whole KV blocks are gathered through
+  the block tables and attention is two batched matmuls (GQA without copying K/V);
+* prefills without earlier context, grouped by length: one `scaled_dot_product_attention` per
+  length on this step's own K/V (nothing to gather);
+* prefill chunks with context (chunked prefill, prefix hits): one call per request against
+  its gathered context.
+
+Masks are causal and, for sliding-window layers, `k_pos > q_pos - window`.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +25,12 @@ from vserve.attention.base import AttentionLayerSpec, AttentionMetadata, write_k
 
 @dataclass
 class _Group:
-    token_idx: torch.Tensor | slice   # which query tokens the group covers
-    blocks: torch.Tensor | None       # [B, num_blocks] block ids to gather (None: no context)
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [B, 1, Q, L] bool
+    kind: str                          # "decode" | "direct" | "context"
+    token_idx: torch.Tensor            # [B * Q] query tokens of the group, row-major
+    num_rows: int
+    q_len: int
+    blocks: torch.Tensor | None        # [B, num_blocks] block ids to gather (None: direct)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [B|1, 1, Q, L]
 
 
 class TorchAttentionBackend:
@@ -32,13 +43,18 @@ class TorchAttentionBackend:
     def prepare(self, meta: AttentionMetadata, windows: set[int | None]) -> list[_Group]:
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
-        decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
+        decode = [i for i, n in enumerate(q_lens) if n == 1]
+        direct: dict[int, list[int]] = defaultdict(list)
         groups = []
-        if decode_rows:
-            groups.append(self._decode_group(meta, decode_rows, windows))
         for i, n in enumerate(q_lens):
-            if n > 1:
-                groups.append(self._prefill_group(meta, i, qsl[i], n, seq_lens[i], windows))
+            if n > 1 and n == seq_lens[i]:
+                direct[n].append(i)
+            elif n > 1:
+                groups.append(self._context_group(meta, i, n, windows))
+        if decode:
+            groups.append(self._decode_group(meta, decode, windows))
+        for n, rows in direct.items():
+            groups.append(self._direct_group(meta, rows, n, windows))
         return groups
 
     def _num_blocks(self, length: int) -> int:
@@ -47,57 +63,58 @@ class TorchAttentionBackend:
     def _decode_group(self, meta, rows, windows) -> _Group:
         device = meta.block_tables.device
         rows_t = torch.tensor(rows, device=device)
-        max_len = max(meta.seq_lens_cpu[i] for i in rows)
-        nb = self._num_blocks(max_len)
-        blocks = meta.block_tables[rows_t, :nb].long()                  # [B, nb]
-        seq_lens = meta.seq_lens[rows_t].long().unsqueeze(1)            # [B, 1]
-        j = torch.arange(nb * self.block_size, device=device).unsqueeze(0)
-        valid = j < seq_lens
-        masks = {}
-        for w in windows:
-            m = valid if w is None else valid & (j > seq_lens - 1 - w)
-            masks[w] = m[:, None, None, :]
+        nb = self._num_blocks(max(meta.seq_lens_cpu[i] for i in rows))
+        seq_lens = meta.seq_lens[rows_t].long().view(-1, 1, 1, 1)      # [B, 1, 1, 1]
+        j = torch.arange(nb * self.block_size, device=device)
+        masks = {w: _visible(seq_lens - 1, j, w) for w in windows}       # [B, 1, 1, L]
         token_idx = meta.query_start_loc[:-1][rows_t].long()
-        return _Group(token_idx, blocks, masks)
+        return _Group("decode", token_idx, len(rows), 1,
+                      meta.block_tables[rows_t, :nb].long(), masks)
 
-    def _prefill_group(self, meta, row, start, q_len, seq_len, windows) -> _Group:
+    def _direct_group(self, meta, rows, q_len, windows) -> _Group:
         device = meta.block_tables.device
-        direct = q_len == seq_len   # no earlier context: attend to this step's K/V as they are
-        length = seq_len if direct else self._num_blocks(seq_len) * self.block_size
-        blocks = None if direct else meta.block_tables[row, :self._num_blocks(seq_len)].long()
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-        j = torch.arange(length, device=device).unsqueeze(0)
-        causal = j <= q_pos
-        masks = {}
-        for w in windows:
-            m = causal if w is None else causal & (j > q_pos - w)
-            masks[w] = m[None, None]
-        return _Group(slice(start, start + q_len),
-                      None if blocks is None else blocks.unsqueeze(0), masks)
+        starts = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=device)
+        token_idx = (starts.unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
+        pos = torch.arange(q_len, device=device).view(1, 1, -1, 1)
+        masks = {w: _visible(pos, torch.arange(q_len, device=device), w) for w in windows}
+        return _Group("direct", token_idx, len(rows), q_len, None, masks)
+
+    def _context_group(self, meta, row, q_len, windows) -> _Group:
+        device = meta.block_tables.device
+        seq_len, start = meta.seq_lens_cpu[row], meta.query_start_loc_cpu[row]
+        nb = self._num_blocks(seq_len)
+        pos = torch.arange(seq_len - q_len, seq_len, device=device).view(1, 1, -1, 1)
+        j = torch.arange(nb * self.block_size, device=device)
+        masks = {w: _visible(pos, j, w) for w in windows}
+        token_idx = torch.arange(start, start + q_len, device=device)
+        return _Group("context", token_idx, 1, q_len,
+                      meta.block_tables[row, :nb].long().unsqueeze(0), masks)
 
     # -- per layer -----------------------------------------------------------------------------
     def forward(self, spec: AttentionLayerSpec, query, key, value, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        for group in meta.backend_data:
-            decode = isinstance(group.token_idx, torch.Tensor)
-            q = query[group.token_idx]
-            q = q.unsqueeze(1) if decode else q.unsqueeze(0)          # [B, Q, H, D]
-            if group.blocks is None:
-                k = key[group.token_idx].unsqueeze(0)                  # [1, L, Hkv, D]
-                v = value[group.token_idx].unsqueeze(0)
+        for g in meta.backend_data:
+            b, n = g.num_rows, g.q_len
+            q = query[g.token_idx].view(b, n, *query.shape[1:]).transpose(1, 2)  # [B,H,Q,D]
+            if g.blocks is None:
+                k = key[g.token_idx].view(b, n, *key.shape[1:])
+                v = value[g.token_idx].view(b, n, *value.shape[1:])
             else:
-                k = _gather_blocks(kv_cache[0], group.blocks)
-                v = _gather_blocks(kv_cache[1], group.blocks)
-            o = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                        group.masks[spec.sliding_window], spec)
-            o = o.transpose(1, 2)                                     # [B, Q, H, D]
-            if decode:
-                out[group.token_idx] = o[:, 0]
-            else:
-                out[group.token_idx] = o[0]
+                k = _gather_blocks(kv_cache[0], g.blocks)                       # [B,L,Hkv,D]
+                v = _gather_blocks(kv_cache[1], g.blocks)
+            mask = g.masks[spec.sliding_window]
+            attend = _attend_matmul if g.kind == "decode" else _attend
+            o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)      # [B,H,Q,D]
+            out[g.token_idx] = o.transpose(1, 2).reshape(b * n, *query.shape[1:])
         return out.view(query.shape[0], -1)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility; q_pos broadcasts against k_pos [L]."""
+    m = k_pos <= q_pos
+    return m if window is None else m & (k_pos > q_pos - window)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -105,18 +122,29 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     Whole blocks are copied (contiguous runs), far cheaper than per-slot indexing."""
     b, nb = blocks.shape
     _, bs, h, d = cache.shape
-    return cache.index_select(0, blocks.reshape(-1)).view(b, nb * bs, h, d)
+    rows = cache.view(cache.shape[0], -1)   # 2-D rows take index_select's fast copy path
+    return rows.index_select(0, blocks.reshape(-1)).view(b, nb * bs, h, d)
 
 
 def _attend(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
-    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B, 1, Q, L] (True = visible)."""
-    if spec.logit_softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale,
-                                              enable_gqa=spec.num_heads != spec.num_kv_heads)
-    groups = spec.num_heads // spec.num_kv_heads
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)).float() * spec.scale
-    scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1).to(v.dtype)) @ v
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B|1, 1, Q, L] (True = visible)."""
+    if spec.logit_softcap is not None:
+        return _attend_matmul(q, k, v, mask, spec)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale,
+                                          enable_gqa=spec.num_heads != spec.num_kv_heads)
+
+
+def _attend_matmul(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
+    """Two batched matmuls with fp32 scores; the query heads of one KV head share its K/V
+    (a view, no copy). Fast for short queries (decode), and handles logit softcap."""
+    b, h, n, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    groups = h // hkv
+    qg = q.reshape(b, hkv, groups * n, d)
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * spec.scale
+    if spec.logit_softcap is not None:
+        scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+    scores = scores.view(b, hkv, groups, n, length).masked_fill(~mask.unsqueeze(2),
+                                                                float("-inf"))
+    probs = scores.softmax(-1).view(b, hkv, groups * n, length)
+    return torch.matmul(probs, v.float()).to(q.dtype).view(b, h, n, d)
