@@ -24,12 +24,18 @@ VOCAB = 1000
 EOS = 999
 
 
-def fake_token(tokens: list[int], eos_after: int | None = None, prompt_len: int = 0) -> int:
-    """Deterministic next token for a sequence; EOS once `eos_after` outputs exist."""
+def fake_token(tokens: list[int], eos_after: int | None = None, prompt_len: int = 0,
+               period: int | None = None) -> int:
+    """Deterministic next token for a sequence; EOS once `eos_after` outputs exist. With a
+    `period`, the model mostly repeats what it saw `period` tokens ago (repetitive text, on
+    which n-gram drafts get accepted) and now and then departs from it."""
     if eos_after is not None and len(tokens) - prompt_len >= eos_after:
         return EOS
     digest = hashlib.blake2b(repr(tokens).encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") % (VOCAB - 1)
+    value = int.from_bytes(digest, "little")
+    if period is not None and len(tokens) >= period and value % 7:
+        return tokens[-period]
+    return value % (VOCAB - 1)
 
 
 @dataclass
@@ -41,9 +47,11 @@ class _FakeReq:
 
 
 class FakeRunner:
-    def __init__(self, eos_after: dict[str, int] | None = None) -> None:
+    def __init__(self, eos_after: dict[str, int] | None = None,
+                 period: int | None = None) -> None:
         self.reqs: dict[str, _FakeReq] = {}
         self.eos_after = eos_after or {}
+        self.period = period
         self.steps: list[SchedulerOutput] = []
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -59,19 +67,32 @@ class FakeRunner:
             req = self.reqs[req_id]
             assert req.epoch == so.req_epochs[req_id], "worker and scheduler disagree on epoch"
             if req_id in so.sampling_req_ids:
-                token = fake_token(req.tokens, req.eos_after, req.num_prompt)
-                req.tokens.append(token)
+                out = self._verify(req, so.spec_token_ids.get(req_id, []))
+                req.tokens.extend(out)
                 ro.req_ids.append(req_id)
-                ro.sampled_token_ids.append([token])
+                ro.sampled_token_ids.append(out)
         return ro
+
+    def _verify(self, req: _FakeReq, drafts: list[int]) -> list[int]:
+        """Greedy verification: accept drafts while they equal the model's own pick, then
+        add the model's pick at the first mismatch (or after the last draft)."""
+        seq, out = list(req.tokens), []
+        for draft in drafts + [None]:
+            token = fake_token(seq, req.eos_after, req.num_prompt, self.period)
+            out.append(token)
+            seq.append(token)
+            if token != draft:
+                break
+        return out
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_model_len=128, async_scheduling=True, prefix_caching=True) -> Scheduler:
+                   max_model_len=128, async_scheduling=True, prefix_caching=True,
+                   spec=None) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, async_scheduling=async_scheduling)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching), spec)
 
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int = 8, eos=(EOS,),
@@ -155,11 +176,11 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
 
 
 def expected_tokens(prompt: list[int], max_tokens: int, eos_after: int | None = None,
-                    max_model_len: int = 10**9) -> list[int]:
+                    max_model_len: int = 10**9, period: int | None = None) -> list[int]:
     tokens = list(prompt)
     out = []
     while len(out) < max_tokens and len(tokens) < max_model_len:
-        t = fake_token(tokens, eos_after, len(prompt))
+        t = fake_token(tokens, eos_after, len(prompt), period)
         tokens.append(t)
         out.append(t)
         if t == EOS:

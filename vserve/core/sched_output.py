@@ -45,6 +45,7 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     num_scheduled_reqs_waiting: int = 0  # how many came from the waiting queue
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # n-gram drafts
 
     @property
     def is_empty(self) -> bool:

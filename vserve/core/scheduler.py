@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from vserve.core.kv_cache_manager import KVCacheManager
 from vserve.core.request import Request, RequestStatus
+from vserve.core.spec_decode import SpeculativeConfig, propose_ngram
 from vserve.core.sched_output import (
     CachedRequestData,
     NewRequestData,
@@ -40,15 +41,19 @@ class _StepPlan:
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[tuple[Request, list[int], int]] = field(default_factory=list)
     sampling: set[str] = field(default_factory=set)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     epochs: dict[str, int] = field(default_factory=dict)
     preempted_any: bool = False
     num_prompt_tokens: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 spec: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.spec = spec
+        self.spec_stats = [0, 0, 0]   # drafts, draft tokens, accepted tokens (since stats)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -106,12 +111,13 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            drafts = self._propose(req, num_new, plan.budget)
             num_computed = req.num_computed_tokens
-            block_ids = self._allocate_or_preempt(req, num_new, plan)
+            block_ids = self._allocate_or_preempt(req, num_new + len(drafts), plan)
             if block_ids is None:
                 continue  # req itself was preempted; the list shifted under i
             plan.cached_reqs.append((req, block_ids, num_computed))
-            self._schedule_req(req, num_new, plan)
+            self._schedule_req(req, num_new, plan, drafts)
             i += 1
 
     def _allocate_or_preempt(self, req: Request, num_new: int, plan: _StepPlan):
@@ -154,20 +160,45 @@ class Scheduler:
             return 0
         if req.num_tokens + ph >= self.config.max_model_len:
             return 0
+        if self.spec is not None and ph > 0:
+            return 0   # drafts need every earlier id on the host: one step at a time
         pending = req.num_tokens - req.num_computed_tokens
         if self.config.async_scheduling:
             pending += ph
         return max(0, min(pending, budget))
 
-    def _schedule_req(self, req: Request, num_new: int, plan: _StepPlan) -> None:
+    def _propose(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """N-gram drafts for a decoding request whose ids are all known (no step in flight).
+        Never more than can yield wanted tokens (max_tokens, max_model_len, the budget)."""
+        spec, sp = self.spec, req.sampling_params
+        if spec is None or num_new != 1 or req.num_output_placeholders or \
+                req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        if sp.needs_penalties or req.num_output_tokens < sp.min_tokens:
+            return []   # those read the output history position by position
+        room = min(spec.num_speculative_tokens, budget - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        if sp.max_tokens is not None:
+            room = min(room, sp.max_tokens - req.num_output_tokens - 1)
+        return propose_ngram(req.all_token_ids, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max, room)
+
+    def _schedule_req(self, req: Request, num_new: int, plan: _StepPlan,
+                      drafts: list[int] = ()) -> None:
         prompt_left = req.num_prompt_tokens - req.num_computed_tokens
         plan.num_prompt_tokens += max(0, min(num_new, prompt_left))
+        num_new += len(drafts)
         req.num_computed_tokens += num_new
         plan.budget -= num_new
         plan.num_scheduled[req.request_id] = num_new
         plan.epochs[req.request_id] = req.epoch
         req.inflight_step_ids.append(plan.step_id)
-        if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+        if drafts:
+            # placeholders for every token the step may yield: the drafts and one more
+            req.num_output_placeholders += 1 + len(drafts)
+            plan.sampling.add(req.request_id)
+            plan.spec_tokens[req.request_id] = list(drafts)
+        elif req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
             req.num_output_placeholders += 1
             plan.sampling.add(req.request_id)
         self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
@@ -190,6 +221,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
             num_scheduled_reqs_waiting=len(plan.new_reqs),
+            spec_token_ids=plan.spec_tokens,
         )
         self.finished_req_ids, self.preempted_req_ids = set(), set()
         self._num_prompt_tokens += plan.num_prompt_tokens
@@ -246,12 +278,24 @@ class Scheduler:
             if req_id not in so.sampling_req_ids:
                 continue  # a partial prefill chunk yields nothing
             i = index[req_id]
-            req.num_output_placeholders -= 1
-            out = self._commit_tokens(req, ro.sampled_token_ids[i],
-                                      ro.logprobs[i] if ro.logprobs else None)
+            tokens = ro.sampled_token_ids[i]
+            self._settle_placeholders(req, len(so.spec_token_ids.get(req_id, ())), len(tokens))
+            out = self._commit_tokens(req, tokens, ro.logprobs[i] if ro.logprobs else None)
             outputs.append(out)
         self._num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
+
+    def _settle_placeholders(self, req: Request, num_drafts: int, num_tokens: int) -> None:
+        """A step reserved 1 + drafts placeholders and yields `num_tokens` (accepted drafts
+        and one more). Rejected drafts roll back C and PH alike, so D = N + PH - C holds."""
+        rejected = num_drafts + 1 - num_tokens
+        assert 0 <= rejected <= num_drafts, (num_drafts, num_tokens)
+        req.num_computed_tokens -= rejected
+        req.num_output_placeholders -= 1 + num_drafts
+        if num_drafts:
+            self.spec_stats[0] += 1
+            self.spec_stats[1] += num_drafts
+            self.spec_stats[2] += num_tokens - 1
 
     def _commit_tokens(self, req: Request, token_ids: list[int], logprobs: LogprobsDelta | None):
         emitted: list[int] = []
@@ -302,8 +346,12 @@ class Scheduler:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             step_id=step_id,
+            spec_num_drafts=self.spec_stats[0],
+            spec_num_draft_tokens=self.spec_stats[1],
+            spec_num_accepted_tokens=self.spec_stats[2],
         )
         self._num_prompt_tokens = self._num_generation_tokens = 0
+        self.spec_stats = [0, 0, 0]
         return stats
 
     def check_invariants(self) -> None:

@@ -62,6 +62,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     schedule_times: list[float] = []    # scheduler busy time of each step
     schedule_exposed: list[float] = []  # part of it that no forward was running under
     no_overlap_steps: dict[str, int] = {}  # steps launched with none in flight, by reason
+    spec_num_drafts: int = 0            # since the previous stats message
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

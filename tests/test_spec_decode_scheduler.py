@@ -1,0 +1,112 @@
+"""N-gram speculative decoding in the scheduler, with a fake model: outputs equal the plain
+run, drafts get accepted on repetitive text, rejected drafts roll back C and PH, and the
+invariants hold under preemption and aborts with drafts in flight."""
+
+import random
+
+import pytest
+from fakes import Driver, FakeRunner, expected_tokens, make_request, make_scheduler, random_prompt
+
+from vserve.core.request import RequestStatus
+from vserve.core.spec_decode import SpeculativeConfig, propose_ngram
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=1)
+PERIOD = 6
+
+
+def test_propose_ngram():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 1, 3, 2) == [3, 4]
+    assert propose_ngram([1, 2, 3, 9, 2, 3, 5, 2, 3], 2, 2, 3) == [5, 2, 3]   # most recent
+    assert propose_ngram([5, 6, 7], 1, 3, 3) == []
+    assert propose_ngram([7, 7], 1, 3, 0) == []
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_outputs_equal_plain_run_and_drafts_are_accepted(depth):
+    rng = random.Random(depth)
+    prompts = {f"r{i}": random_prompt(rng, PERIOD) * 2 for i in range(4)}
+    sched = make_scheduler(async_scheduling=depth > 1, spec=SPEC, max_model_len=80)
+    driver = Driver(sched, FakeRunner(period=PERIOD), depth=depth)
+    for k, p in prompts.items():
+        driver.add(make_request(k, p, max_tokens=30))
+    driver.run()
+    for k, p in prompts.items():
+        assert driver.outputs[k] == expected_tokens(p, 30, period=PERIOD), k
+    drafts, draft_tokens, accepted = sched.spec_stats
+    assert drafts > 0 and accepted > 0 and accepted <= draft_tokens
+    steps_with_drafts = [so for so in driver.runner.steps if so.spec_token_ids]
+    assert steps_with_drafts
+    # a request with drafts in flight is never scheduled again before they are verified
+    inflight: dict[str, int] = {}
+    for so in driver.runner.steps:
+        for req_id in so.num_scheduled_tokens:
+            assert inflight.get(req_id, -10) < so.step_id - (depth - 1) or \
+                req_id not in driver.runner.steps[inflight[req_id] - 1].spec_token_ids
+        for req_id in so.spec_token_ids:
+            inflight[req_id] = so.step_id
+
+
+def test_max_tokens_is_exact_with_drafts():
+    prompt = [3, 4, 5] * 4
+    sched = make_scheduler(spec=SPEC)
+    driver = Driver(sched, FakeRunner(period=3), depth=2)
+    for n in (1, 2, 5, 9):
+        driver.add(make_request(f"n{n}", prompt, max_tokens=n))
+    driver.run()
+    for n in (1, 2, 5, 9):
+        assert driver.outputs[f"n{n}"] == expected_tokens(prompt, n, period=3)
+    for so in driver.runner.steps:
+        for req_id, drafts in so.spec_token_ids.items():
+            assert len(drafts) <= SPEC.num_speculative_tokens
+
+
+def test_rejected_drafts_roll_back_computed_and_placeholders():
+    prompt = [1, 2, 3, 4, 5, 6] * 2
+    sched = make_scheduler(spec=SPEC)
+    runner = FakeRunner(period=PERIOD)   # repeats, but departs now and then: rejections
+    driver = Driver(sched, runner, depth=2)
+    driver.add(make_request("a", prompt, max_tokens=40))
+    seen = False
+    while sched.has_requests() or driver.queue:
+        driver.step()
+        req = sched.requests.get("a")
+        if req is not None and not req.inflight_step_ids:
+            assert req.num_output_placeholders == 0
+            assert req.num_computed_tokens == req.num_tokens - 1   # D == 1 after rollback
+            seen = True
+    assert seen and driver.outputs["a"] == expected_tokens(prompt, 40, period=PERIOD)
+    drafts, draft_tokens, accepted = sched.spec_stats
+    assert drafts > 0 and draft_tokens > accepted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_invariants_under_preemption_and_abort_with_drafts(seed):
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=14, block_size=4, max_num_seqs=4,
+                           max_num_batched_tokens=rng.choice([8, 32]), max_model_len=48,
+                           spec=SPEC)
+    driver = Driver(sched, FakeRunner(period=PERIOD), depth=rng.choice([1, 2, 3]))
+    prompts = {f"r{i}": random_prompt(rng, PERIOD) * rng.randint(1, 3) for i in range(8)}
+    for k, p in prompts.items():
+        driver.add(make_request(k, p, max_tokens=rng.randint(4, 20)))
+    aborted = set()
+
+    def on_step(i, drv):
+        if rng.random() < 0.04 and sched.requests:
+            victim = rng.choice(sorted(sched.requests))
+            sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            aborted.add(victim)
+            sched.check_invariants()
+
+    driver.run(on_step=on_step)
+    assert sched.num_preemptions > 0 or seed % 2   # most seeds preempt
+    for k, p in prompts.items():
+        if k not in aborted:
+            n = sched_max(driver, k)
+            assert driver.outputs[k] == expected_tokens(p, n, period=PERIOD, max_model_len=48)
+    assert not driver.emitted_after_finish
+    assert sched.kv.pool.num_used_blocks == 0
+
+
+def sched_max(driver, req_id):
+    return len(driver.outputs[req_id]) if driver.finish.get(req_id) == "length" else 10**6
