@@ -5,9 +5,11 @@ Per step it applies the deltas to the persistent `InputBatch`, builds the flat i
 the rows that sample, samples, and starts the host copy of the sampled ids.
 
 On-device token feedback: the ids sampled by the previous sampling step stay on the device
-(`_Feedback`). The next step takes every token the host knows from the batch, then scatters
-the previous step's ids into the positions that need them -- one slice copy when the batch did
-not change. Older feedback is written back into the host rows before it is needed.
+(`_Feedback`). The next step takes every token the host knows from the batch, plans where the
+previous step's ids go (`FeedbackPlan`), and hands both to the device's `InputPrep` (numpy +
+torch scatter on CPU, one fused Triton launch on CUDA; `workers.input_prep`). Older feedback
+is written back into the host rows before it is needed. On CUDA with the Triton backend,
+decode-only steps replay a captured CUDA graph (`workers.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from vserve.attention.base import AttentionMetadata
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
 from vserve.models.loader import load_model
 from vserve.models.stage import StageInfo
+from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import DeviceShim, HostCopy
 from workers.input_batch import InputBatch
+from workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
 from workers.sampler import Sampler, SamplingMetadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,7 +116,9 @@ class ModelRunner:
         self.model = None
         self.kv_caches: list[torch.Tensor | None] = []
         self.poison_feedback_slots = False   # tests: garbage in the host copy of fed-back ids
-        self.feedback_stats = {"slice": 0, "scatter": 0, "rows": 0}
+        self.input_prep = make_input_prep(self.shim)
+        self.feedback_stats = self.input_prep.stats
+        self.graphs: DecodeGraphs | None = None
 
     # -- set up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -152,6 +158,19 @@ class ModelRunner:
             spec = self.model.layer_specs[i]
             self.kv_caches[i] = torch.zeros(2, num_blocks, bs, spec.num_kv_heads,
                                             spec.head_dim, dtype=self.dtype, device=self.device)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Decode CUDA graphs read the KV cache tensors, so they are captured after them."""
+        cfg = self.config
+        if not use_cuda_graphs(cfg.device, cfg.attention_backend, cfg.enforce_eager,
+                               cfg.pp_size):
+            return None
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.windows,
+                              cfg.max_num_seqs, self.batch.block_table.shape[1],
+                              cfg.max_model_len, self.device)
+        graphs.capture()
+        return graphs
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -163,8 +182,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         timing.forward_start = time.perf_counter()
         first = inputs.input_ids if self.stage.is_first else self.pp.recv_hidden(so, inputs)
-        hidden = self.model(first, inputs.meta.positions, self.kv_caches, inputs.meta,
-                            self.backend)
+        hidden = self._forward(first, inputs.meta)
         if not self.stage.is_last:
             self.pp.send_hidden(so, hidden)
             self._expect_sampled(so, inputs)
@@ -172,6 +190,12 @@ class ModelRunner:
             return None
         out = self._sample(so, inputs, hidden, timing)
         return out
+
+    def _forward(self, first: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """first: token ids [T] or hidden states [T, hidden]; -> hidden [T, hidden]."""
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(first, meta)
+        return self.model(first, meta.positions, self.kv_caches, meta, self.backend)
 
     def _empty_output(self, so: SchedulerOutput, timing: StepTiming):
         timing.forward_start = timing.forward_end = time.perf_counter()
@@ -220,77 +244,66 @@ class ModelRunner:
         batch = self.batch
         rows = np.array(sorted(batch.row_of[r] for r in so.num_scheduled_tokens), dtype=np.int64)
         req_ids = [batch.rows[r].req_id for r in rows]
-        num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
-        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=qsl[1:])
-        total = int(qsl[-1])
-        computed = batch.num_computed[rows]
-        rows_rep = np.repeat(rows, num_sched)
-        positions = np.repeat(computed, num_sched) + (np.arange(total) - np.repeat(qsl[:-1],
-                                                                                 num_sched))
-        bs = self.config.block_size
-        slots = batch.block_table[rows_rep, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = computed + num_sched
+        host = self._host_inputs(so, rows, req_ids)
         sampling = [i for i, r in enumerate(req_ids) if r in so.sampling_req_ids]
         for i in sampling:
-            assert batch.num_tokens[rows[i]] == seq_lens[i], "worker lost track of " + req_ids[i]
-        input_ids, dest = None, []
-        if self.stage.is_first:
-            input_ids, dest = self._input_ids(batch.token_ids[rows_rep, positions], req_ids,
-                                              rows, computed, num_sched, qsl)
-        batch.num_computed[rows] = seq_lens
+            assert batch.num_tokens[rows[i]] == host.seq_lens[i], "lost track of " + req_ids[i]
+        plan = self._feedback_plan(host, req_ids, rows) if self.stage.is_first else FeedbackPlan()
+        prev = self.feedback[-1].device_ids() if plan.rows else None
+        dev = self.input_prep.build(host, plan, prev)
+        batch.num_computed[rows] = host.seq_lens
         sampling_rows = [int(rows[i]) for i in sampling]
         for r in sampling_rows:
             batch.append_placeholder(r)
-        meta = self._attention_metadata(positions, slots, qsl, seq_lens, rows)
-        logits_idx = self.shim.to_device(qsl[1:][sampling] - 1)
-        return StepInputs(input_ids, meta, logits_idx, sampling_rows,
-                          [req_ids[i] for i in sampling], dest)
+        meta = self._attention_metadata(host, dev)
+        logits_idx = self.shim.to_device(host.query_start_loc[1:][sampling] - 1)
+        return StepInputs(dev.input_ids if self.stage.is_first else None, meta, logits_idx,
+                          sampling_rows, [req_ids[i] for i in sampling], plan.dest)
 
-    def _input_ids(self, host_tokens, req_ids, rows, computed, num_sched, qsl):
-        """Host-known tokens, then the previous step's ids scattered in on the device."""
+    def _host_inputs(self, so: SchedulerOutput, rows: np.ndarray,
+                     req_ids: list[str]) -> HostInputs:
+        batch = self.batch
+        num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=qsl[1:])
+        computed = batch.num_computed[rows]
+        rows_rep = np.repeat(rows, num_sched)
+        positions = np.repeat(computed, num_sched) + (np.arange(int(qsl[-1]))
+                                                      - np.repeat(qsl[:-1], num_sched))
+        max_blocks = int(batch.num_blocks[rows].max()) if len(rows) else 0
+        block_tables = np.ascontiguousarray(batch.block_table[rows, :max(1, max_blocks)])
+        return HostInputs(qsl, computed, positions, computed + num_sched, block_tables,
+                          batch.token_ids[rows_rep, positions], self.config.block_size)
+
+    def _feedback_plan(self, host: HostInputs, req_ids: list[str],
+                       rows: np.ndarray) -> FeedbackPlan:
+        """Where the previous step's ids go; asserts that they cover every unknown token."""
         latest = self.feedback[-1] if self.feedback else None
-        src, dest = [], []
-        if latest is not None:
-            for i, req_id in enumerate(req_ids):
-                j = latest.index.get(req_id)
-                if j is None:
-                    continue
-                _, epoch, pos = latest.entries[j]
-                offset = pos - computed[i]
-                if epoch == self.batch.rows[rows[i]].epoch and 0 <= offset < num_sched[i]:
-                    src.append(j)
-                    dest.append(int(qsl[i] + offset))
-        if self.poison_feedback_slots and dest:
-            host_tokens = host_tokens.copy()
-            host_tokens[dest] = 0
-        unknown = host_tokens < 0
-        unknown[dest] = False
+        plan = FeedbackPlan()
+        computed, qsl = host.num_computed, host.query_start_loc
+        for i, req_id in enumerate(req_ids if latest is not None else ()):
+            j = latest.index.get(req_id)
+            if j is None:
+                continue
+            _, epoch, pos = latest.entries[j]
+            offset = int(pos - computed[i])
+            if epoch == self.batch.rows[rows[i]].epoch and 0 <= offset < qsl[i + 1] - qsl[i]:
+                plan.add(i, j, offset, int(qsl[i] + offset))
+        if self.poison_feedback_slots and plan.dest:
+            host.host_tokens[plan.dest] = 0
+        unknown = host.host_tokens < 0
+        unknown[plan.dest] = False
         assert not unknown.any(), "a token the host does not know was not fed back"
-        input_ids = self.shim.to_device(host_tokens)
-        if dest:
-            prev = latest.device_ids()
-            n = len(dest)
-            if src == list(range(n)) and dest == list(range(n)):
-                input_ids[:n] = prev[:n]                     # unchanged batch: one slice copy
-                self.feedback_stats["slice"] += 1
-            else:
-                d = torch.tensor(dest, device=self.device)
-                input_ids[d] = prev[torch.tensor(src, device=self.device)]
-                self.feedback_stats["scatter"] += 1
-            self.feedback_stats["rows"] += n
-        return input_ids, dest
+        return plan
 
-    def _attention_metadata(self, positions, slots, qsl, seq_lens, rows) -> AttentionMetadata:
-        to = self.shim.to_device
-        max_blocks = int(self.batch.num_blocks[rows].max()) if len(rows) else 0
-        block_tables = np.ascontiguousarray(self.batch.block_table[rows, :max(1, max_blocks)])
+    def _attention_metadata(self, host: HostInputs, dev: DeviceInputs) -> AttentionMetadata:
+        qsl, seq_lens = host.query_start_loc, host.seq_lens
         meta = AttentionMetadata(
-            num_tokens=len(positions), positions=to(positions), slot_mapping=to(slots),
-            query_start_loc=to(qsl.astype(np.int32)), seq_lens=to(seq_lens.astype(np.int32)),
-            block_tables=to(block_tables), query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(), max_query_len=int(np.diff(qsl).max()),
-            max_seq_len=int(seq_lens.max()))
+            num_tokens=len(host.positions), positions=dev.positions,
+            slot_mapping=dev.slot_mapping, query_start_loc=dev.query_start_loc,
+            seq_lens=dev.seq_lens, block_tables=dev.block_tables,
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(np.diff(qsl).max()), max_seq_len=int(seq_lens.max()))
         meta.backend_data = self.backend.prepare(meta, self.windows)
         return meta
 

@@ -2,8 +2,10 @@
 
 The whole mixed batch (prefill chunks and decode rows) goes through a single kernel launch
 that reads `AttentionMetadata`'s device tensors directly, so there is no per-step host work
-to share between layers and `prepare` builds nothing. This module is imported only through
-the backend registry, which keeps triton out of a plain `import vserve`.
+to share between layers and `prepare` builds nothing. The launches are CUDA-graph safe: grids
+and tile sizes come from tensor shapes and `meta.max_query_len` (a host int; decode graphs
+capture with 1), never from device values. This module is imported only through the backend
+registry, which keeps triton out of a plain `import vserve`.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ _HELP = {
     "nnodes": "number of hosts the pipeline stages span",
     "node_rank": "this host's index (0 runs the engine)",
     "attention_backend": "torch (CPU default) or triton (CUDA default)",
+    "enforce_eager": "no CUDA graphs: decode steps run eagerly too (graphs need CUDA + triton)",
 }
 
 

@@ -1,0 +1,148 @@
+"""Building one step's device inputs from the host's view of the batch.
+
+The runner gathers what the host knows (`HostInputs`: query layout, context lengths, block
+tables, token ids with -1 where a sampled id has not come back yet) and decides where the
+previous step's ids, still on the device, must go (`FeedbackPlan`). An `InputPrep` turns both
+into `DeviceInputs`. Two strategies share that contract and are chosen once from the device:
+
+| strategy         | device | positions / slots          | fed-back ids                       |
+|------------------|--------|----------------------------|------------------------------------|
+| `TorchInputPrep` | CPU    | numpy, copied              | one slice copy, else index scatter |
+| `FusedInputPrep` | CUDA   | one Triton launch computes | merged by the same launch          |
+
+The fused path copies two packed host buffers (int32, int64) instead of one tensor per field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from workers.device import DeviceShim
+
+
+@dataclass
+class HostInputs:
+    query_start_loc: np.ndarray   # [num_reqs + 1] int64
+    num_computed: np.ndarray      # [num_reqs] int64, tokens in the KV cache before this step
+    positions: np.ndarray         # [num_tokens] int64
+    seq_lens: np.ndarray          # [num_reqs] int64, context length after this step
+    block_tables: np.ndarray      # [num_reqs, max_blocks] int32
+    host_tokens: np.ndarray       # [num_tokens] int64, -1 where the host lacks the id
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass
+class FeedbackPlan:
+    """Row `rows[k]` of this step reads the previous step's id `src[k]` at query offset
+    `offsets[k]`, i.e. flat token `dest[k]`. At most one fed-back id per row."""
+
+    rows: list[int] = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    dest: list[int] = field(default_factory=list)
+
+    def add(self, row: int, src: int, offset: int, dest: int) -> None:
+        self.rows.append(row)
+        self.src.append(src)
+        self.offsets.append(offset)
+        self.dest.append(dest)
+
+
+@dataclass
+class DeviceInputs:
+    input_ids: torch.Tensor        # [num_tokens] int64
+    positions: torch.Tensor        # [num_tokens] int64
+    slot_mapping: torch.Tensor     # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor         # [num_reqs] int32
+    block_tables: torch.Tensor     # [num_reqs, max_blocks] int32
+
+
+def new_feedback_stats() -> dict[str, int]:
+    """Counters of how fed-back ids reached `input_ids` (tests read them)."""
+    return {"slice": 0, "scatter": 0, "fused": 0, "rows": 0}
+
+
+class TorchInputPrep:
+    """Host-computed positions and slots; fed-back ids copied in with torch indexing."""
+
+    def __init__(self, shim: DeviceShim) -> None:
+        self.shim = shim
+        self.stats = new_feedback_stats()
+
+    def build(self, host: HostInputs, plan: FeedbackPlan,
+              prev: torch.Tensor | None) -> DeviceInputs:
+        to = self.shim.to_device
+        bs = host.block_size
+        local = np.repeat(np.arange(host.num_reqs), np.diff(host.query_start_loc))
+        slots = (host.block_tables[local, host.positions // bs].astype(np.int64) * bs
+                 + host.positions % bs)
+        return DeviceInputs(
+            self._input_ids(host.host_tokens, plan, prev), to(host.positions), to(slots),
+            to(host.query_start_loc.astype(np.int32)), to(host.seq_lens.astype(np.int32)),
+            to(host.block_tables))
+
+    def _input_ids(self, host_tokens: np.ndarray, plan: FeedbackPlan,
+                   prev: torch.Tensor | None) -> torch.Tensor:
+        input_ids = self.shim.to_device(host_tokens)
+        n = len(plan.dest)
+        if n == 0:
+            return input_ids
+        if plan.src == list(range(n)) and plan.dest == list(range(n)):
+            input_ids[:n] = prev[:n]                     # unchanged batch: one slice copy
+            self.stats["slice"] += 1
+        else:
+            device = input_ids.device
+            dest = torch.tensor(plan.dest, device=device)
+            input_ids[dest] = prev[torch.tensor(plan.src, device=device)]
+            self.stats["scatter"] += 1
+        self.stats["rows"] += n
+        return input_ids
+
+
+class FusedInputPrep:
+    """Two packed host-to-device copies, then `csrc_triton.prepare_inputs` (one launch)."""
+
+    def __init__(self, shim: DeviceShim) -> None:
+        from csrc_triton.prepare_inputs import prepare_inputs  # imports triton: CUDA only
+
+        self.shim = shim
+        self.stats = new_feedback_stats()
+        self._kernel = prepare_inputs
+        # a valid pointer for steps without feedback (no row indexes it)
+        self._no_prev = torch.zeros(1, dtype=torch.int64, device=shim.device)
+
+    def build(self, host: HostInputs, plan: FeedbackPlan,
+              prev: torch.Tensor | None) -> DeviceInputs:
+        num_reqs, num_tokens = host.num_reqs, len(host.host_tokens)
+        prev_index = np.full(num_reqs, -1, dtype=np.int32)
+        offsets = np.zeros(num_reqs, dtype=np.int32)
+        prev_index[plan.rows] = plan.src
+        offsets[plan.rows] = plan.offsets
+        ints = self.shim.to_device(np.concatenate([
+            host.query_start_loc.astype(np.int32), host.seq_lens.astype(np.int32), prev_index,
+            offsets, host.block_tables.reshape(-1)]))
+        longs = self.shim.to_device(np.concatenate([host.host_tokens, host.num_computed]))
+        qsl, seq_lens, prev_index_d, offsets_d, table = ints.split(
+            [num_reqs + 1, num_reqs, num_reqs, num_reqs, host.block_tables.size])
+        block_tables = table.view(host.block_tables.shape)
+        host_tokens, num_computed = longs.split([num_tokens, num_reqs])
+        input_ids, positions, slots = self._kernel(
+            qsl, num_computed, block_tables, host.block_size, host_tokens,
+            self._no_prev if prev is None else prev, prev_index_d, offsets_d)
+        if plan.rows:
+            self.stats["fused"] += 1
+            self.stats["rows"] += len(plan.rows)
+        return DeviceInputs(input_ids, positions, slots, qsl, seq_lens, block_tables)
+
+
+def make_input_prep(shim: DeviceShim) -> TorchInputPrep | FusedInputPrep:
+    """The fused Triton path on CUDA; the numpy/torch path everywhere else."""
+    return FusedInputPrep(shim) if shim.is_cuda else TorchInputPrep(shim)
