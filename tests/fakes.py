@@ -225,7 +225,7 @@ class FakeExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
-    def execute_model(self, so, non_block: bool = False):
+    def execute_model(self, so, non_block: bool = False, defer_sampling: bool = False):
         self.launched.append(so.step_id)
         error = None
         if self.fail_at_step == len(self.launched):

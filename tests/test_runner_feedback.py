@@ -78,14 +78,22 @@ def test_partial_prefill_rows_are_never_fed_back(tiny_model_dir):
     llm = make_llm(tiny_model_dir("llama"), max_model_len=256, max_num_batched_tokens=5)
     runner = _runner(llm)
     seen = []
-    push = runner._push_feedback
+    push = runner.feedback.push
+    steps = {}
+    execute = runner.execute_model
 
-    def spy(so, inputs, token_ids, wait_fn=None):
+    def spy_execute(so, defer_sampling=False):
+        steps[so.step_id] = so
+        return execute(so, defer_sampling)
+
+    def spy(step_id, batch, rows, req_ids, token_ids, wait_fn=None):
+        so = steps[step_id]
         partial = set(so.num_scheduled_tokens) - so.sampling_req_ids
-        seen.append((set(inputs.sampling_req_ids), set(so.sampling_req_ids), partial))
-        return push(so, inputs, token_ids, wait_fn)
+        seen.append((set(req_ids), set(so.sampling_req_ids), partial))
+        return push(step_id, batch, rows, req_ids, token_ids, wait_fn)
 
-    runner._push_feedback = spy
+    runner.execute_model = spy_execute
+    runner.feedback.push = spy
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert any(partial for _, _, partial in seen)          # chunks were in flight
     assert all(fed == sampling and not fed & partial for fed, sampling, partial in seen)

@@ -3,8 +3,8 @@
 from vserve.config import EngineArgs
 from vserve.entrypoints.llm import LLM
 from vserve.outputs import CompletionOutput, Logprob, RequestOutput
-from vserve.sampling_params import SamplingParams
+from vserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
            "EngineArgs", "__version__"]

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from vserve.core.scheduler import SchedulerConfig
+from vserve.core.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger("vserve")
 
@@ -71,6 +72,7 @@ class EngineConfig:
     device: DeviceConfig
     async_scheduling: bool
     async_off_reason: str | None = None
+    speculative: SpeculativeConfig | None = None
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -107,6 +109,7 @@ class EngineArgs:
     attention_backend: str | None = None
     max_logprobs: int = 20
     disable_log_stats: bool = True
+    speculative_config: dict | str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -138,7 +141,22 @@ class EngineArgs:
                             self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization)
         return EngineConfig(model_cfg, cache, scheduler, parallel,
-                            DeviceConfig(device, backend, self.enforce_eager), async_on, reason)
+                            DeviceConfig(device, backend, self.enforce_eager), async_on, reason,
+                            self._speculative())
+
+    def _speculative(self) -> SpeculativeConfig | None:
+        value = self.speculative_config
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config must be JSON: {e}") from e
+        spec = SpeculativeConfig.from_dict(value)
+        _require(spec is None or self.pipeline_parallel_size == 1,
+                 "speculative decoding with pipeline parallel is not supported")
+        return spec
 
     def _model_config(self, model_path: str, hf_config, device: str) -> ModelConfig:
         from vserve.models.registry import resolve_architecture

@@ -15,6 +15,49 @@ _GREEDY_EPS = 1e-5
 _INT64 = 2**63
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Constrain the output: exactly one of a JSON schema (`json`, a dict or its JSON text),
+    any JSON object (`json_object=True`), a regular expression, a list of choices, or an
+    EBNF grammar (xgrammar's dialect)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        import json as _json
+
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k)]
+        kinds += ["json_object"] if self.json_object else []
+        _check(len(kinds) == 1, "structured outputs need exactly one of json, json_object, "
+                                f"regex, choice or grammar; got {kinds or 'none'}")
+        if self.json:
+            try:
+                _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured outputs: json is not a valid schema: {e}") from e
+        if self.choice is not None:
+            _check(all(isinstance(c, str) and c for c in self.choice),
+                   "structured outputs: choice must be a list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What to compile, and a cache key for it."""
+        if self.json:
+            return "json", self.json
+        if self.json_object:
+            return "json_object", ""
+        if self.regex:
+            return "regex", self.regex
+        if self.choice:
+            return "choice", "\x00".join(self.choice)
+        return "grammar", self.grammar
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     temperature: float = 1.0
@@ -36,6 +79,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()

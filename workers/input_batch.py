@@ -100,6 +100,12 @@ class InputBatch:
         self.num_tokens[row] = pos + 1
         return pos
 
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Ids already on the host (verified drafts): they take the next positions."""
+        pos = int(self.num_tokens[row])
+        self.token_ids[row, pos:pos + len(token_ids)] = token_ids
+        self.num_tokens[row] = pos + len(token_ids)
+
     def write_token(self, req_id: str, epoch: int, position: int, token_id: int) -> None:
         """Fill a placeholder once its sampled id reached the host (if the row still lives)."""
         row = self.row_of.get(req_id)

@@ -15,7 +15,6 @@ decode-only steps replay a captured CUDA graph (`workers.cuda_graphs`).
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,9 +27,10 @@ from vserve.models.loader import load_model
 from vserve.models.stage import StageInfo
 from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from workers.device import DeviceShim, HostCopy
+from workers.feedback import FeedbackQueue
 from workers.input_batch import InputBatch
 from workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
-from workers.sampler import Sampler, SamplingMetadata
+from workers.sample_step import SampleLayout, StepSampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,50 +53,35 @@ class RunnerConfig:
 
 
 @dataclass
-class _Feedback:
-    """Ids sampled by one step, kept on the device until the host has them."""
-
-    step_id: int
-    token_ids: torch.Tensor | None                 # [num_sampled] on the device
-    entries: list[tuple[str, int, int]]            # (req_id, epoch, position) per id
-    index: dict[str, int]                          # req_id -> index into token_ids
-    host: HostCopy | None = None
-    wait_fn: object = None                          # PP: waits for the ids from the last stage
-
-    def device_ids(self) -> torch.Tensor:
-        if self.wait_fn is not None:
-            self.wait_fn()
-            self.wait_fn = None
-        return self.token_ids
-
-    def host_ids(self) -> list[int]:
-        if self.host is not None:
-            return self.host.wait()[0].tolist()
-        return self.device_ids().tolist()
-
-
-@dataclass
 class StepInputs:
     input_ids: torch.Tensor | None                 # [num_tokens] (first stage)
     meta: AttentionMetadata
-    logits_idx: torch.Tensor                       # [num_sampling_rows]
-    sampling_rows: list[int]                       # batch rows that sample, in order
-    sampling_req_ids: list[str]
+    logits_idx: torch.Tensor                       # [num_logits_rows]
+    layout: SampleLayout                           # which requests sample, where their logits are
     feedback_dest: list[int] = field(default_factory=list)
 
 
 class AsyncStepOutput:
-    """What `execute_model` returns: resolves to a `RunnerOutput` once the host has the ids."""
+    """What `execute_model` returns: resolves to a `RunnerOutput` once the host has the ids.
+    Plain rows' ids arrive through the host copy; verified draft rows are already on the
+    host."""
 
-    def __init__(self, step_id, req_ids, host: HostCopy | None, logprobs, timing) -> None:
-        self.step_id, self.req_ids, self.host = step_id, req_ids, host
-        self.logprobs, self.timing = logprobs, timing
+    def __init__(self, step_id, layout: SampleLayout | None, host: HostCopy | None,
+                 spec_ids: dict | None, logprobs: dict | None, timing) -> None:
+        self.step_id, self.layout, self.host = step_id, layout, host
+        self.spec_ids, self.logprobs, self.timing = spec_ids or {}, logprobs or {}, timing
 
     def get(self) -> RunnerOutput:
-        ids = self.host.wait()[0].tolist() if self.host is not None else []
+        out = RunnerOutput(self.step_id, timing=self.timing)
+        if self.layout is not None and self.layout.req_ids:
+            plain = iter(self.host.wait()[0].tolist() if self.host is not None else [])
+            out.req_ids = list(self.layout.req_ids)
+            out.sampled_token_ids = [self.spec_ids[r] if r in self.spec_ids else [next(plain)]
+                                     for r in out.req_ids]
+            if self.logprobs:
+                out.logprobs = [self.logprobs.get(r) for r in out.req_ids]
         self.timing.ready = time.perf_counter()
-        return RunnerOutput(self.step_id, self.req_ids, [[t] for t in ids], self.logprobs,
-                            self.timing)
+        return out
 
 
 class ModelRunner:
@@ -111,8 +96,10 @@ class ModelRunner:
         max_blocks = -(-config.max_model_len // config.block_size)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks)
         self.backend = get_attention_backend(config.attention_backend, config.block_size)
-        self.sampler = Sampler()
-        self.feedback: deque[_Feedback] = deque()
+        self.step_sampler = StepSampler(self.batch, hf_config.vocab_size)
+        self.step_sampler.flush_feedback = lambda: self.feedback.flush(self.batch, False)
+        self.feedback = FeedbackQueue()
+        self._deferred = None   # a step whose sampling waits for its grammar bitmask
         self.model = None
         self.kv_caches: list[torch.Tensor | None] = []
         self.poison_feedback_slots = False   # tests: garbage in the host copy of fed-back ids
@@ -174,7 +161,10 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> AsyncStepOutput | None:
+    def execute_model(self, so: SchedulerOutput,
+                      defer_sampling: bool = False) -> AsyncStepOutput | None:
+        """Run one step. With `defer_sampling`, stop after the logits: `sample_tokens` takes
+        over once the grammar bitmask is known (structured output under async scheduling)."""
         timing = StepTiming(recv=time.perf_counter())
         self._update_states(so)
         if so.is_empty:
@@ -188,8 +178,21 @@ class ModelRunner:
             self._expect_sampled(so, inputs)
             timing.forward_end = time.perf_counter()
             return None
-        out = self._sample(so, inputs, hidden, timing)
-        return out
+        logits = self.model.compute_logits(hidden[inputs.logits_idx])
+        if defer_sampling:
+            self._deferred = (so, inputs, logits, timing)
+            return None
+        return self._sample(so, inputs, logits, timing, so.grammar_bitmask)
+
+    @torch.inference_mode()
+    def sample_tokens(self, step_id: int, grammar_bitmask) -> AsyncStepOutput | None:
+        """Sampling of the deferred step (earlier stages have nothing to do)."""
+        if not self.stage.is_last:
+            return None
+        so, inputs, logits, timing = self._deferred
+        assert so.step_id == step_id, (so.step_id, step_id)
+        self._deferred = None
+        return self._sample(so, inputs, logits, timing, grammar_bitmask)
 
     def _forward(self, first: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """first: token ids [T] or hidden states [T, hidden]; -> hidden [T, hidden]."""
@@ -201,23 +204,24 @@ class ModelRunner:
         timing.forward_start = timing.forward_end = time.perf_counter()
         if not self.stage.is_last:
             return None
-        return AsyncStepOutput(so.step_id, [], None, None, timing)
+        return AsyncStepOutput(so.step_id, None, None, None, None, timing)
 
-    def _sample(self, so, inputs: StepInputs, hidden, timing) -> AsyncStepOutput:
-        logits = self.model.compute_logits(hidden[inputs.logits_idx])
-        if not inputs.sampling_rows:
-            timing.forward_end = time.perf_counter()
-            return AsyncStepOutput(so.step_id, [], None, None, timing)
-        meta = self._sampling_metadata(inputs)
-        sampled = self.sampler(logits, meta)
-        token_ids = sampled.token_ids
-        self._push_feedback(so, inputs, token_ids)
-        if self.pp is not None:
-            self.pp.send_sampled(so, token_ids)
+    def _sample(self, so, inputs: StepInputs, logits, timing, bitmask) -> AsyncStepOutput:
+        layout = inputs.layout
+        result = self.step_sampler.sample(layout, logits, so.grammar_req_ids, bitmask)
+        host = None
+        if result.plain_ids is not None:
+            plain = layout.plain
+            rows = [layout.rows[i] for i in plain]
+            fb = self.feedback.push(so.step_id, self.batch, rows,
+                                    [layout.req_ids[i] for i in plain], result.plain_ids)
+            if self.pp is not None:
+                self.pp.send_sampled(so, result.plain_ids)
+            host = fb.host = self.shim.host_copy([result.plain_ids])
+        for req_id, tokens in result.spec_ids.items():   # verified drafts: host rows now
+            self.batch.append_tokens(self.batch.row_of[req_id], tokens)
         timing.forward_end = time.perf_counter()
-        host = self.shim.host_copy([token_ids])
-        self.feedback[-1].host = host
-        return AsyncStepOutput(so.step_id, inputs.sampling_req_ids, host, sampled.logprobs,
+        return AsyncStepOutput(so.step_id, layout, host, result.spec_ids, result.logprobs,
                                timing)
 
     # -- batch state -----------------------------------------------------------------------------
@@ -240,25 +244,50 @@ class ModelRunner:
             batch.condense()
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        self._flush_feedback(keep_latest=True)
+        self.feedback.flush(self.batch, keep_latest=True)
         batch = self.batch
         rows = np.array(sorted(batch.row_of[r] for r in so.num_scheduled_tokens), dtype=np.int64)
         req_ids = [batch.rows[r].req_id for r in rows]
+        for req_id, drafts in so.spec_token_ids.items():   # drafts are host-known inputs
+            row = batch.row_of[req_id]
+            start = int(batch.num_computed[row]) + 1
+            batch.token_ids[row, start:start + len(drafts)] = drafts
         host = self._host_inputs(so, rows, req_ids)
-        sampling = [i for i, r in enumerate(req_ids) if r in so.sampling_req_ids]
-        for i in sampling:
-            assert batch.num_tokens[rows[i]] == host.seq_lens[i], "lost track of " + req_ids[i]
-        plan = self._feedback_plan(host, req_ids, rows) if self.stage.is_first else FeedbackPlan()
-        prev = self.feedback[-1].device_ids() if plan.rows else None
+        layout, logits_rows = self._sample_layout(so, rows, req_ids, host)
+        plan = (self.feedback.plan(batch, host, req_ids, rows, self.poison_feedback_slots)
+                if self.stage.is_first else FeedbackPlan())
+        prev = self.feedback.latest.device_ids() if plan.rows else None
         dev = self.input_prep.build(host, plan, prev)
         batch.num_computed[rows] = host.seq_lens
-        sampling_rows = [int(rows[i]) for i in sampling]
-        for r in sampling_rows:
-            batch.append_placeholder(r)
+        for i, req_id in enumerate(layout.req_ids):
+            if req_id not in layout.drafts:
+                batch.append_placeholder(layout.rows[i])
         meta = self._attention_metadata(host, dev)
-        logits_idx = self.shim.to_device(host.query_start_loc[1:][sampling] - 1)
+        logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
         return StepInputs(dev.input_ids if self.stage.is_first else None, meta, logits_idx,
-                          sampling_rows, [req_ids[i] for i in sampling], plan.dest)
+                          layout, plan.dest)
+
+    def _sample_layout(self, so, rows, req_ids, host: HostInputs):
+        """Which requests sample and which logits rows they need: the last query token, or
+        every query token of a request with drafts (the drafts' positions and one more)."""
+        layout, logits_rows = SampleLayout(), []
+        qsl = host.query_start_loc
+        for i, req_id in enumerate(req_ids):
+            if req_id not in so.sampling_req_ids:
+                continue
+            drafts = so.spec_token_ids.get(req_id, ())
+            row = int(rows[i])
+            assert self.batch.num_tokens[row] + len(drafts) == host.seq_lens[i], \
+                "worker lost track of " + req_id
+            layout.req_ids.append(req_id)
+            layout.rows.append(row)
+            layout.logit_start.append(len(logits_rows))
+            if drafts:
+                layout.drafts[req_id] = list(drafts)
+                logits_rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
+            else:
+                logits_rows.append(int(qsl[i + 1]) - 1)
+        return layout, logits_rows
 
     def _host_inputs(self, so: SchedulerOutput, rows: np.ndarray,
                      req_ids: list[str]) -> HostInputs:
@@ -275,27 +304,6 @@ class ModelRunner:
         return HostInputs(qsl, computed, positions, computed + num_sched, block_tables,
                           batch.token_ids[rows_rep, positions], self.config.block_size)
 
-    def _feedback_plan(self, host: HostInputs, req_ids: list[str],
-                       rows: np.ndarray) -> FeedbackPlan:
-        """Where the previous step's ids go; asserts that they cover every unknown token."""
-        latest = self.feedback[-1] if self.feedback else None
-        plan = FeedbackPlan()
-        computed, qsl = host.num_computed, host.query_start_loc
-        for i, req_id in enumerate(req_ids if latest is not None else ()):
-            j = latest.index.get(req_id)
-            if j is None:
-                continue
-            _, epoch, pos = latest.entries[j]
-            offset = int(pos - computed[i])
-            if epoch == self.batch.rows[rows[i]].epoch and 0 <= offset < qsl[i + 1] - qsl[i]:
-                plan.add(i, j, offset, int(qsl[i] + offset))
-        if self.poison_feedback_slots and plan.dest:
-            host.host_tokens[plan.dest] = 0
-        unknown = host.host_tokens < 0
-        unknown[plan.dest] = False
-        assert not unknown.any(), "a token the host does not know was not fed back"
-        return plan
-
     def _attention_metadata(self, host: HostInputs, dev: DeviceInputs) -> AttentionMetadata:
         qsl, seq_lens = host.query_start_loc, host.seq_lens
         meta = AttentionMetadata(
@@ -308,48 +316,11 @@ class ModelRunner:
         return meta
 
     # -- feedback --------------------------------------------------------------------------------
-    def _push_feedback(self, so, inputs: StepInputs, token_ids: torch.Tensor | None,
-                       wait_fn=None) -> None:
-        entries = []
-        for r, req_id in zip(inputs.sampling_rows, inputs.sampling_req_ids):
-            state = self.batch.rows[r]
-            entries.append((req_id, state.epoch, int(self.batch.num_tokens[r]) - 1))
-        index = {req_id: j for j, req_id in enumerate(inputs.sampling_req_ids)}
-        self.feedback.append(_Feedback(so.step_id, token_ids, entries, index, wait_fn=wait_fn))
-
     def _expect_sampled(self, so, inputs: StepInputs) -> None:
         """Non-last PP stages: the last stage sends the sampled ids back to stage 0."""
-        if self.stage.is_first and inputs.sampling_rows:
-            buf, wait_fn = self.pp.recv_sampled(so, len(inputs.sampling_rows))
-            self._push_feedback(so, inputs, buf, wait_fn)
-
-    def _flush_feedback(self, keep_latest: bool) -> None:
-        while len(self.feedback) > (1 if keep_latest else 0):
-            fb = self.feedback.popleft()
-            for (req_id, epoch, pos), token in zip(fb.entries, fb.host_ids()):
-                self.batch.write_token(req_id, epoch, pos, token)
-
-    # -- sampling metadata -----------------------------------------------------------------------
-    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
-        batch = self.batch
-        states = [batch.rows[r] for r in inputs.sampling_rows]
-        params = [s.sampling_params for s in states]
-        positions = [int(batch.num_tokens[r]) - 1 for r in inputs.sampling_rows]
-        masked = []
-        for s, r, pos in zip(states, inputs.sampling_rows, positions):
-            num_out = pos - s.num_prompt_tokens
-            masked.append(s.stop_token_ids if num_out < s.sampling_params.min_tokens else None)
-        meta = SamplingMetadata(
-            temperature=[p.temperature for p in params], top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
-            seeds=[s.sampling_seed for s in states], positions=positions,
-            num_logprobs=[p.logprobs for p in params],
-            logit_bias=[p.logit_bias for p in params], masked_ids=masked,
-            presence=[p.presence_penalty for p in params],
-            frequency=[p.frequency_penalty for p in params],
-            repetition=[p.repetition_penalty for p in params])
-        if meta.needs_penalties:
-            self._flush_feedback(keep_latest=False)
-            meta.prompt_ids = [batch.prompt_ids(r) for r in inputs.sampling_rows]
-            meta.output_ids = [batch.output_ids(r)[:-1] for r in inputs.sampling_rows]
-        return meta
+        layout = inputs.layout
+        plain = layout.plain
+        if self.stage.is_first and plain:
+            buf, wait_fn = self.pp.recv_sampled(so, len(plain))
+            self.feedback.push(so.step_id, self.batch, [layout.rows[i] for i in plain],
+                               [layout.req_ids[i] for i in plain], buf, wait_fn)

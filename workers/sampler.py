@@ -48,6 +48,8 @@ class SamplingMetadata:
     repetition: list[float]
     prompt_ids: list[list[int]] | None = None   # only when some row has penalties
     output_ids: list[list[int]] | None = None
+    grammar_rows: list[int] | None = None       # structured output: rows to mask ...
+    grammar_mask: torch.Tensor | None = None    # ... [len(grammar_rows), vocab] bool allowed
 
     @property
     def all_greedy(self) -> bool:
@@ -80,6 +82,9 @@ class Sampler:
 
     # -- logits processing -----------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.grammar_rows:
+            rows = torch.tensor(meta.grammar_rows, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~meta.grammar_mask, float("-inf"))
         for i, bias in enumerate(meta.logit_bias):
             if bias:
                 ids = torch.tensor(list(bias), device=logits.device)
@@ -109,19 +114,52 @@ class Sampler:
             if sort:
                 out[idx] = _sample_filtered(scaled, u, meta, group)
             else:
-                out[idx] = _inverse_cdf(scaled.softmax(dim=-1), u)
+                out[idx] = inverse_cdf(scaled.softmax(dim=-1), u)
         return out
 
 
 def _needs_processing(meta: SamplingMetadata) -> bool:
-    return any(meta.logit_bias) or any(meta.masked_ids) or meta.needs_penalties
+    return any(meta.logit_bias) or any(meta.masked_ids) or meta.needs_penalties or \
+        bool(meta.grammar_rows)
+
+
+def unpack_bitmask(bitmask, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """xgrammar's packed int32 bitmask [rows, ceil(vocab / 32)] -> allowed [rows, vocab]."""
+    packed = torch.as_tensor(bitmask, device=device)
+    bits = (packed.unsqueeze(-1) >> torch.arange(32, device=device, dtype=packed.dtype)) & 1
+    return bits.reshape(packed.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> torch.Tensor:
+    """logits [n, vocab]: the same bias on every row (in place)."""
+    if bias:
+        ids = torch.tensor(list(bias), device=logits.device)
+        logits[:, ids] += torch.tensor(list(bias.values()), device=logits.device,
+                                       dtype=logits.dtype)
+    return logits
+
+
+def filtered_probs(scaled: torch.Tensor, params) -> torch.Tensor:
+    """Probabilities in vocab order after one request's top-k / top-p / min-p filters;
+    scaled [n, vocab] = logits / temperature."""
+    probs = scaled.softmax(dim=-1)
+    if params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    keep = ranks < (params.top_k or probs.shape[-1])
+    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < params.top_p
+    keep &= sorted_p >= params.min_p * sorted_p[:, :1]
+    keep[:, 0] = True
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    return torch.zeros_like(probs).scatter(1, order, kept)
 
 
 def _filters(meta: SamplingMetadata, i: int) -> bool:
     return meta.top_k[i] > 0 or meta.top_p[i] < 1.0 or meta.min_p[i] > 0.0
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token whose CDF interval holds u; float64 sums keep the pick exact and stable."""
     cdf = probs.double().cumsum(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
@@ -145,7 +183,7 @@ def _sample_filtered(scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetada
     keep &= probs >= min_p * probs[:, :1]
     keep[:, 0] = True
     kept = torch.where(keep, probs, torch.zeros_like(probs))
-    picked = _inverse_cdf(kept, u)
+    picked = inverse_cdf(kept, u)
     return order.gather(1, picked.unsqueeze(1)).squeeze(1)
 
 

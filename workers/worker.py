@@ -35,12 +35,16 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
 
-    def execute_model(self, so: SchedulerOutput) -> AsyncStepOutput | None:
+    def execute_model(self, so: SchedulerOutput,
+                      defer_sampling: bool = False) -> AsyncStepOutput | None:
         self._num_steps += 1
         if self._fail_at is not None and self._num_steps == self._fail_at:
             raise RuntimeError(f"injected fault at step {self._num_steps} "
                                "(VSERVE_FAULT_INJECT)")
-        return self.runner.execute_model(so)
+        return self.runner.execute_model(so, defer_sampling)
+
+    def sample_tokens(self, step_id: int, grammar_bitmask) -> AsyncStepOutput | None:
+        return self.runner.sample_tokens(step_id, grammar_bitmask)
 
 
 def _fault_step() -> int | None:

@@ -114,11 +114,11 @@ class _RankLoop:
     def _handle(self, msg) -> None:
         kind = msg[0]
         if kind == "execute":
-            out = self.worker.execute_model(msg[1])
-            if self.is_last:
-                self.replies.put(("local", out))
-            elif self.rank == 0:
-                self.replies.put(("remote", None))
+            out = self.worker.execute_model(msg[1], msg[2])
+            if not msg[2]:   # a deferred step replies after its "sample" request
+                self._expect_reply(out)
+        elif kind == "sample":
+            self._expect_reply(self.worker.sample_tokens(msg[1], msg[2]))
         elif kind == "load":
             self.worker.load_model()
             self._direct_reply(None)
@@ -130,6 +130,12 @@ class _RankLoop:
             self._direct_reply(None)
         else:
             raise ValueError(f"unknown worker request {kind!r}")
+
+    def _expect_reply(self, out) -> None:
+        if self.is_last:
+            self.replies.put(("local", out))
+        elif self.rank == 0:
+            self.replies.put(("remote", None))
 
     def _direct_reply(self, value) -> None:
         if self.rank == 0:

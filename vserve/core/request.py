@@ -66,6 +66,9 @@ class Request:
     num_preemptions: int = field(init=False, default=0)
     block_hashes: list[bytes] = field(init=False, default_factory=list)
     stop_reason: int | str | None = field(init=False, default=None)
+    grammar_future: object = field(init=False, default=None)   # compiling (structured output)
+    grammar: object = field(init=False, default=None)          # its matcher, once compiled
+    error: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -94,6 +97,10 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
+
+    @property
+    def use_grammar(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def finish_reason(self) -> str | None:

@@ -46,6 +46,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     num_scheduled_reqs_waiting: int = 0  # how many came from the waiting queue
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # n-gram drafts
+    grammar_req_ids: list[str] = field(default_factory=list)  # sampling, structured output
+    pending_grammar: bool = False   # a grammar request has tokens in flight: defer sampling
+    grammar_bitmask: object = None  # [len(grammar_req_ids), ceil(vocab / 32)] int32 ndarray
 
     @property
     def is_empty(self) -> bool:

@@ -42,6 +42,8 @@ class _StepPlan:
     cached_reqs: list[tuple[Request, list[int], int]] = field(default_factory=list)
     sampling: set[str] = field(default_factory=set)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    grammar_ids: list[str] = field(default_factory=list)
+    pending_grammar: bool = False
     epochs: dict[str, int] = field(default_factory=dict)
     preempted_any: bool = False
     num_prompt_tokens: int = 0
@@ -49,10 +51,12 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 spec: SpeculativeConfig | None = None) -> None:
+                 spec: SpeculativeConfig | None = None, structured=None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.spec = spec
+        self.structured = structured   # StructuredOutputManager (grammar states, bitmasks)
+        self._error_outputs: list[EngineCoreOutput] = []
         self.spec_stats = [0, 0, 0]   # drafts, draft tokens, accepted tokens (since stats)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -132,9 +136,13 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        compiling: list[Request] = []   # grammars not ready yet: they keep their place
         while (self.waiting and plan.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if not self._grammar_ready(req):
+                compiling.append(self.waiting.popleft())
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, plan.budget)
             if self.kv.allocate_slots(req, num_hit + num_new, hits) is None:
@@ -149,6 +157,32 @@ class Scheduler:
             self.running.append(req)
             plan.new_reqs.append(req)
             self._schedule_req(req, num_new, plan)
+        self.waiting.extendleft(reversed(compiling))
+        for req in [r for r in compiling if r.error is not None]:
+            self.waiting.remove(req)
+            self._fail(req)
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """Structured output: admit only once the grammar compiled (off the busy loop)."""
+        if not req.use_grammar or req.grammar is not None:
+            return True
+        future = req.grammar_future
+        if future is None:
+            req.error = "structured outputs are not available in this engine"
+            return False
+        if not future.done():
+            return False
+        try:
+            req.grammar = self.structured.new_state(future.result())
+        except Exception as e:  # an invalid schema or grammar fails only its request
+            req.error = f"structured outputs: cannot compile the grammar: {e}"
+            return False
+        return True
+
+    def _fail(self, req: Request) -> None:
+        self._free(req, RequestStatus.FINISHED_ERROR)
+        self._error_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error",
+                                                    error=req.error))
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to schedule for a running request; 0 when no wanted token can come of it."""
@@ -174,8 +208,8 @@ class Scheduler:
         if spec is None or num_new != 1 or req.num_output_placeholders or \
                 req.num_computed_tokens != req.num_tokens - 1:
             return []
-        if sp.needs_penalties or req.num_output_tokens < sp.min_tokens:
-            return []   # those read the output history position by position
+        if sp.needs_penalties or req.num_output_tokens < sp.min_tokens or req.use_grammar:
+            return []   # those read the output history (or grammar) position by position
         room = min(spec.num_speculative_tokens, budget - 1,
                    self.config.max_model_len - req.num_tokens - 1)
         if sp.max_tokens is not None:
@@ -199,6 +233,10 @@ class Scheduler:
             plan.sampling.add(req.request_id)
             plan.spec_tokens[req.request_id] = list(drafts)
         elif req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            if req.use_grammar:
+                plan.grammar_ids.append(req.request_id)
+                # tokens in flight have not advanced the grammar yet: sample after they commit
+                plan.pending_grammar |= req.num_output_placeholders > 0
             req.num_output_placeholders += 1
             plan.sampling.add(req.request_id)
         self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
@@ -222,6 +260,8 @@ class Scheduler:
             preempted_req_ids=self.preempted_req_ids,
             num_scheduled_reqs_waiting=len(plan.new_reqs),
             spec_token_ids=plan.spec_tokens,
+            grammar_req_ids=plan.grammar_ids,
+            pending_grammar=plan.pending_grammar,
         )
         self.finished_req_ids, self.preempted_req_ids = set(), set()
         self._num_prompt_tokens += plan.num_prompt_tokens
@@ -269,7 +309,7 @@ class Scheduler:
         self, so: SchedulerOutput, ro: RunnerOutput
     ) -> list[EngineCoreOutput]:
         index = {req_id: i for i, req_id in enumerate(ro.req_ids)}
-        outputs = []
+        outputs, self._error_outputs = self._error_outputs, []
         for req_id in so.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.epoch != so.req_epochs[req_id]:
@@ -301,6 +341,10 @@ class Scheduler:
         emitted: list[int] = []
         status = None
         for token_id in token_ids:
+            if req.grammar is not None and not req.grammar.accept(token_id):
+                req.error = f"structured outputs: the grammar rejected token {token_id}"
+                status = RequestStatus.FINISHED_ERROR
+                break
             req.append_output_token(token_id)
             emitted.append(token_id)
             status = self._check_stop(req, token_id)
@@ -313,6 +357,7 @@ class Scheduler:
             self.running.remove(req)
             self._free(req, status)
             out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+            out.error = req.error
         else:
             self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         return out
@@ -332,6 +377,23 @@ class Scheduler:
         if req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    # -- structured output -------------------------------------------------------------------------
+    def fill_grammar_bitmask(self, so: SchedulerOutput) -> None:
+        """Token bitmask rows for the step's sampling grammar requests. Called at once when
+        no grammar request has tokens in flight, else after the previous step committed."""
+        if not so.grammar_req_ids or self.structured is None:
+            return
+        bitmask = self.structured.allocate_bitmask(len(so.grammar_req_ids))
+        for row, req_id in enumerate(so.grammar_req_ids):
+            req = self.requests.get(req_id)
+            if req is not None and req.grammar is not None and \
+                    req.epoch == so.req_epochs[req_id]:
+                self.structured.fill(req.grammar, bitmask, row)
+        so.grammar_bitmask = bitmask
+
+    def has_error_outputs(self) -> bool:
+        return bool(self._error_outputs)
 
     # -- stats and checks --------------------------------------------------------------------------
     def make_stats(self, step_id: int = 0) -> SchedulerStats:

@@ -18,6 +18,7 @@ from vserve.core.request import Request, RequestStatus
 from vserve.core.scheduler import Scheduler
 from vserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from vserve.engine.recorder import StepRecorder, exposed_time
+from vserve.engine.structured_output import StructuredOutputManager
 from vserve.executor import make_executor
 
 logger = logging.getLogger("vserve.engine")
@@ -37,7 +38,9 @@ class EngineCore:
         self.executor.init_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv)
+        m = config.model
+        self.structured = StructuredOutputManager(m.tokenizer, m.vocab_size, m.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, kv, config.speculative, self.structured)
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque = deque()
         self.step_fn = self.step_with_batch_queue if self.depth > 1 else self.step
@@ -58,10 +61,14 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
+        request = Request(
             req.request_id, list(req.prompt_token_ids), req.sampling_params,
             eos_token_ids=tuple(req.eos_token_ids), sampling_seed=req.sampling_seed,
-            cache_salt=req.cache_salt, arrival_time=req.arrival_time))
+            cache_salt=req.cache_salt, arrival_time=req.arrival_time)
+        if request.use_grammar:   # compiles on a worker thread; admitted once ready
+            request.grammar_future = self.structured.submit(
+                req.sampling_params.structured_outputs)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Thread-safe: applied before the next commit (or at once by the busy loop)."""
@@ -87,23 +94,37 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return []
         so = self._schedule()
+        self.scheduler.fill_grammar_bitmask(so)   # nothing in flight: grammars are current
         runner_output = self.executor.execute_model(so)
         return self._commit(so, runner_output)
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
-        """Fill the queue first; when full (or nothing more to schedule), commit the oldest."""
+        """Fill the queue first; when full (or nothing more to schedule), commit the oldest.
+
+        A step whose grammar requests still have tokens in flight is *deferred*: its forward
+        is launched now, but its sampling (with the grammar bitmask) only after the oldest
+        step committed and advanced the grammars."""
         self._apply_aborts()
+        deferred = None
         if self.scheduler.has_requests() and len(self.batch_queue) < self.depth:
             so = self._schedule()
-            future = self.executor.execute_model(so, non_block=True)
-            self.batch_queue.append((future, so))
-            if len(self.batch_queue) < self.depth and self.scheduler.has_requests():
-                return None
+            if so.pending_grammar and self.batch_queue:
+                self.executor.execute_model(so, non_block=True, defer_sampling=True)
+                deferred = so
+            else:
+                self.scheduler.fill_grammar_bitmask(so)
+                self.batch_queue.append((self.executor.execute_model(so, non_block=True), so))
+                if len(self.batch_queue) < self.depth and self.scheduler.has_requests():
+                    return None
         if not self.batch_queue:
             return None
         future, so = self.batch_queue.popleft()
-        runner_output = future.result()
-        return self._commit(so, runner_output)
+        outputs = self._commit(so, future.result())
+        if deferred is not None:
+            self.scheduler.fill_grammar_bitmask(deferred)
+            self.batch_queue.append(
+                (self.executor.sample_tokens(deferred, non_block=True), deferred))
+        return outputs
 
     def _schedule(self):
         start = time.perf_counter()
@@ -122,6 +143,8 @@ class EngineCore:
             return "async scheduling off: " + (self.config.async_off_reason or "depth 1")
         if self._idle:
             return "first step after idle"
+        if self.config.speculative is not None:
+            return "speculative decoding: drafts need the previous step's tokens on the host"
         return "nothing could be scheduled ahead of the previous step"
 
     def _commit(self, so, runner_output) -> list[EngineCoreOutput]:
@@ -152,4 +175,5 @@ class EngineCore:
         return self.scheduler.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

@@ -40,7 +40,13 @@ class Executor:
     def init_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False):
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
+                      defer_sampling: bool = False):
+        """Launch a step; with `defer_sampling` only its forward (no reply until
+        `sample_tokens`)."""
+        raise NotImplementedError
+
+    def sample_tokens(self, so: SchedulerOutput, non_block: bool = False):
         raise NotImplementedError
 
     def check_health(self) -> None:

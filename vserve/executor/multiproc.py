@@ -76,9 +76,17 @@ class MultiprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self._call(("init_kv_cache", num_blocks))
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False):
-        self._send(("execute", so))
-        step_id = so.step_id
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
+                      defer_sampling: bool = False):
+        self._send(("execute", so, defer_sampling))
+        return None if defer_sampling else self._future(so.step_id, non_block)
+
+    def sample_tokens(self, so: SchedulerOutput, non_block: bool = False):
+        """Sampling of a deferred step, with the grammar bitmask known only now."""
+        self._send(("sample", so.step_id, so.grammar_bitmask))
+        return self._future(so.step_id, non_block)
+
+    def _future(self, step_id: int, non_block: bool):
         future = StepFuture(lambda timeout: self._reply_for(step_id, timeout))
         return future if non_block else future.result()
 

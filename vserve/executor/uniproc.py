@@ -21,8 +21,16 @@ class UniProcExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False):
-        out = self.worker.execute_model(so)
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
+                      defer_sampling: bool = False):
+        out = self.worker.execute_model(so, defer_sampling)
+        if defer_sampling:
+            return None
+        future = StepFuture(lambda timeout: out.get())
+        return future if non_block else future.result()
+
+    def sample_tokens(self, so: SchedulerOutput, non_block: bool = False):
+        out = self.worker.sample_tokens(so.step_id, so.grammar_bitmask)
         future = StepFuture(lambda timeout: out.get())
         return future if non_block else future.result()
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
+from vserve.sampling_params import StructuredOutputsParams
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 MAX_N = 128            # most choices per request (vLLM has no limit; we refuse fan-out bombs)
@@ -62,6 +63,12 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_shared(self):
@@ -70,6 +77,33 @@ class SamplingRequest(OpenAIBaseModel):
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
         return self
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """response_format, structured_outputs or the legacy guided_* fields, as one
+        StructuredOutputsParams; more than one kind of constraint is an error."""
+        found = []
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            found.append({"json_object": True})
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            found.append({"json": schema})
+        elif kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported")
+        if self.structured_outputs:
+            found.append(dict(self.structured_outputs))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append({name: value})
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError("only one kind of structured output constraint per request")
+        return StructuredOutputsParams(**found[0])
 
     @property
     def include_usage(self) -> bool:
@@ -129,7 +163,6 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
@@ -140,8 +173,6 @@ class ChatCompletionRequest(SamplingRequest):
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                                  f"{self.top_logprobs}")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than 'text' is not supported")
         if self.tools:
             raise ValueError("tool calling is not supported")
         if self.chat_template is not None:

@@ -119,6 +119,7 @@ def make_sampling_params(req: SamplingRequest, max_tokens: int,
                   spaces_between_special_tokens=req.spaces_between_special_tokens,
                   logit_bias=_logit_bias(req.logit_bias))
     try:
+        kwargs["structured_outputs"] = req.structured_params()
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         param = str(e).split(" ", 1)[0]
