@@ -48,6 +48,19 @@ def prefix_repetition_samples(tokenizer, vocab_size: int, num: int, prefix_len: 
                    output_len) for i in range(num)]
 
 
+def repetitive_samples(tokenizer, vocab_size: int, num: int, input_len: int, output_len: int,
+                       period: int = 16, seed: int = 0) -> list[Sample]:
+    """Prompts made of one random run of `period` tokens repeated: text a model continues by
+    repeating it, where n-gram drafts get accepted."""
+    rng = random.Random(seed)
+    ids = _normal_ids(tokenizer, vocab_size)
+    out = []
+    for _ in range(num):
+        unit = [rng.choice(ids) for _ in range(period)]
+        out.append(Sample((unit * (input_len // period + 1))[:input_len], output_len))
+    return out
+
+
 def sharegpt_samples(path: str, tokenizer, num: int, output_len: int | None = None,
                      seed: int = 0) -> list[Sample]:
     """First human turn as the prompt, the reply's length as the output length; drops samples
@@ -92,6 +105,9 @@ def load_samples(args, tokenizer, vocab_size: int) -> list[Sample]:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
         return sharegpt_samples(args.dataset_path, tokenizer, args.num_prompts,
                                 args.output_len, args.dataset_seed)
+    if name == "repetitive":
+        return repetitive_samples(tokenizer, vocab_size, args.num_prompts, args.input_len,
+                                  args.output_len, seed=args.dataset_seed)
     if name == "prefix-repetition":
         return prefix_repetition_samples(tokenizer, vocab_size, args.num_prompts,
                                          args.prefix_len, args.input_len, args.num_prefixes,
@@ -101,7 +117,7 @@ def load_samples(args, tokenizer, vocab_size: int) -> list[Sample]:
 
 def add_dataset_args(p) -> None:
     p.add_argument("--dataset-name", default="random",
-                   choices=["random", "sharegpt", "prefix-repetition"])
+                   choices=["random", "sharegpt", "prefix-repetition", "repetitive"])
     p.add_argument("--dataset-path", default=None)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int,

@@ -48,6 +48,7 @@ def run(args) -> int:
     report = overlap_report(records, outs)
     result = summary(elapsed, len(outs), num_in, num_out, "vserve", engine_args)
     result["overlap"] = report.to_dict()
+    result.update(spec_figures(llm.engine.last_stats))
     print_summary(result)
     print(report.format())
     _write_outputs(args, result, records, spans)
@@ -85,12 +86,29 @@ def summary(elapsed: float, num_requests: int, num_in: int, num_out: int, backen
     }
 
 
+def spec_figures(stats) -> dict:
+    """Acceptance of n-gram drafts over the run (the engine's counters are cumulative)."""
+    if stats is None or not stats.spec_num_drafts:
+        return {}
+    return {"spec_num_drafts": stats.spec_num_drafts,
+            "spec_num_draft_tokens": stats.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
+            "spec_acceptance_rate": stats.spec_num_accepted_tokens
+            / max(1, stats.spec_num_draft_tokens),
+            "spec_mean_accepted_per_draft": stats.spec_num_accepted_tokens
+            / stats.spec_num_drafts}
+
+
 def print_summary(r: dict) -> None:
     print(f"Throughput: {r['requests_per_second']:.2f} requests/s, "
           f"{r['tokens_per_second']:.2f} total tokens/s, "
           f"{r['output_throughput']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {r['total_num_prompt_tokens']}")
     print(f"Total num output tokens:  {r['total_num_output_tokens']}")
+    if "spec_acceptance_rate" in r:
+        print(f"Draft acceptance rate:    {r['spec_acceptance_rate']:.3f} "
+              f"({r['spec_num_accepted_tokens']} of {r['spec_num_draft_tokens']} draft tokens, "
+              f"{r['spec_mean_accepted_per_draft']:.2f} per speculative step)")
 
 
 def _check_lengths(samples, max_model_len: int) -> None:

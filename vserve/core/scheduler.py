@@ -57,7 +57,7 @@ class Scheduler:
         self.spec = spec
         self.structured = structured   # StructuredOutputManager (grammar states, bitmasks)
         self._error_outputs: list[EngineCoreOutput] = []
-        self.spec_stats = [0, 0, 0]   # drafts, draft tokens, accepted tokens (since stats)
+        self.spec_stats = [0, 0, 0]   # drafts, draft tokens, accepted tokens (cumulative)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -413,7 +413,6 @@ class Scheduler:
             spec_num_accepted_tokens=self.spec_stats[2],
         )
         self._num_prompt_tokens = self._num_generation_tokens = 0
-        self.spec_stats = [0, 0, 0]
         return stats
 
     def check_invariants(self) -> None:

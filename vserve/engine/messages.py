@@ -62,7 +62,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     schedule_times: list[float] = []    # scheduler busy time of each step
     schedule_exposed: list[float] = []  # part of it that no forward was running under
     no_overlap_steps: dict[str, int] = {}  # steps launched with none in flight, by reason
-    spec_num_drafts: int = 0            # since the previous stats message
+    spec_num_drafts: int = 0            # cumulative: speculative steps, draft tokens, accepted
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
 

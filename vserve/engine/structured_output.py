@@ -83,9 +83,10 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         kind, value = params.key
         if kind == "json":
-            return compiler.compile_json_schema(value)
+            # compact JSON: a weak model cannot wander off into endless whitespace
+            return compiler.compile_json_schema(value, any_whitespace=False)
         if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             return compiler.compile_regex(value)
         if kind == "choice":

@@ -25,7 +25,8 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _STEP_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
                  2.0, 5.0)
-_CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+_CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+               "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 class ServerMetrics:
@@ -41,7 +42,13 @@ class ServerMetrics:
             ("generation_tokens", "Generation tokens produced"),
             ("prefix_cache_queries", "Tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "Tokens found in the prefix cache"),
-            ("num_preemptions", "Requests preempted (recomputed later)"))}
+            ("num_preemptions", "Requests preempted (recomputed later)"),
+            ("spec_num_drafts", "Speculative steps (requests verified with n-gram drafts)"),
+            ("spec_num_draft_tokens", "Draft tokens proposed"),
+            ("spec_num_accepted_tokens", "Draft tokens accepted"))}
+        self.no_overlap = Counter("vserve:steps_without_overlap",
+                                  "Steps launched with no other step in flight, by reason",
+                                  ["model_name", "reason"], registry=self.registry)
         self.histograms = {name: self._labelled(Histogram, name, doc, buckets=buckets)
                            for name, doc, buckets in (
             ("time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS),
@@ -81,6 +88,8 @@ class ServerMetrics:
             value = getattr(stats, name)
             self._add(name, max(0, value - self._seen[name]))
             self._seen[name] = max(self._seen[name], value)
+        for reason, count in stats.no_overlap_steps.items():
+            self.no_overlap.labels(self.model_name, reason).inc(count)
         for name, values in (("model_forward_time_seconds", stats.forward_times),
                              ("step_launch_interval_seconds", stats.launch_intervals),
                              ("scheduler_busy_time_seconds", stats.schedule_times),

@@ -1,0 +1,137 @@
+"""Structured output (xgrammar) end to end: JSON schemas validate, sync == async (where
+sampling is deferred until the grammar has seen the in-flight tokens), free requests in a
+mixed batch are untouched, and a bad grammar fails only its request."""
+
+import json
+
+import pytest
+from conftest import make_llm
+from hf_reference import PROMPTS
+
+from vserve import SamplingParams, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]},
+                 "maxItems": 3},
+    },
+    "required": ["answer", "count", "tags"],
+    "additionalProperties": False,
+}
+
+
+def _validate(obj) -> None:
+    assert set(obj) == {"answer", "count", "tags"}
+    assert obj["answer"] in ("yes", "no", "maybe")
+    assert isinstance(obj["count"], int) and 0 <= obj["count"] <= 99
+    assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3
+    assert all(t in ("a", "b", "c") for t in obj["tags"])
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    return {mode: make_llm(model, max_model_len=256, async_scheduling=mode == "async")
+            for mode in ("sync", "async")}
+
+
+def _json_params(**kw):
+    return SamplingParams(max_tokens=80, structured_outputs=StructuredOutputsParams(
+        json=SCHEMA), **{"temperature": 0, **kw})
+
+
+def test_json_schema_outputs_validate_sync_and_async_equal(engines):
+    results = {}
+    for mode, llm in engines.items():
+        outs = llm.generate(PROMPTS, _json_params(), use_tqdm=False)
+        for out in outs:
+            comp = out.outputs[0]
+            assert comp.finish_reason == "stop", comp
+            _validate(json.loads(comp.text))
+        results[mode] = [o.outputs[0].token_ids for o in outs]
+    assert results["sync"] == results["async"]
+
+
+def test_async_defers_sampling_of_grammar_steps(engines):
+    llm = engines["async"]
+    executor = llm.engine.client.core.executor
+    calls = []
+    sample = executor.sample_tokens
+
+    def spy(so, non_block=False):
+        calls.append(so.step_id)
+        return sample(so, non_block)
+
+    executor.sample_tokens = spy
+    try:
+        out = llm.generate(PROMPTS[0], _json_params(), use_tqdm=False)[0]
+    finally:
+        executor.sample_tokens = sample
+    _validate(json.loads(out.outputs[0].text))
+    assert len(calls) >= len(out.outputs[0].token_ids) - 2   # every decode step deferred
+
+
+def test_seeded_sampling_with_schema_validates(engines):
+    for seed in range(4):
+        out = engines["async"].generate(PROMPTS[1], _json_params(temperature=1.0, seed=seed),
+                                        use_tqdm=False)[0]
+        _validate(json.loads(out.outputs[0].text))
+
+
+def test_free_requests_unchanged_by_grammar_neighbours(engines):
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for llm in engines.values():
+        alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, free, use_tqdm=False)]
+        mixed = llm.generate(PROMPTS + PROMPTS[:3], [free] * len(PROMPTS) + [_json_params()] * 3,
+                             use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in mixed[:len(PROMPTS)]] == alone
+        for out in mixed[len(PROMPTS):]:
+            _validate(json.loads(out.outputs[0].text))
+
+
+@pytest.mark.parametrize("kind, value, check", [
+    ("regex", r"[a-z]{3,6}@[a-z]{2,4}\.(com|org)",
+     lambda t: __import__("re").fullmatch(r"[a-z]{3,6}@[a-z]{2,4}\.(com|org)", t)),
+    ("choice", ["red", "green", "blue"], lambda t: t in ("red", "green", "blue")),
+    ("grammar", 'root ::= "(" digit+ ")"\ndigit ::= [0-9]',
+     lambda t: __import__("re").fullmatch(r"\(\d+\)", t)),
+])
+def test_regex_choice_grammar_json_object(engines, kind, value, check):
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(**{kind: value}))
+    for out in engines["async"].generate(PROMPTS[:3], params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+        assert check(out.outputs[0].text), out.outputs[0].text
+
+
+def test_json_object(engines):
+    """Any JSON object: a random model may write endless keys, so only finished outputs are
+    checked, and some must finish."""
+    params = SamplingParams(temperature=0, max_tokens=200,
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+    outs = engines["async"].generate(PROMPTS, params, use_tqdm=False)
+    done = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert done
+    assert all(isinstance(json.loads(c.text), dict) for c in done)
+
+
+def test_bad_grammar_fails_its_request_only(engines):
+    llm = engines["async"]
+    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
+        grammar='root ::= "unterminated'))
+    good = SamplingParams(temperature=0, max_tokens=5)
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [bad, good], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "cannot compile the grammar" in outs[0].outputs[0].stop_reason
+    assert len(outs[1].outputs[0].token_ids) == 5
+    assert llm.engine.client.core.scheduler.kv.pool.num_used_blocks == 0
+
+
+def test_structured_params_validation():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="not a valid schema"):
+        StructuredOutputsParams(json="{not json")
