@@ -6,7 +6,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if not __import__("torch").cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
+if not __import__("torch").cuda.is_available():
+    # Triton decides at import whether to interpret: set before anything imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import build_model  # noqa: E402
 

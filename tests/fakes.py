@@ -188,7 +188,7 @@ def expected_tokens(prompt: list[int], max_tokens: int, eos_after: int | None = 
     return out
 
 
-# -- engine-loop fakes ------------------------------------------------------------------------------
+# -- engine-loop fakes -------------------------------------------------------------------------
 class ControlledFuture:
     """A step future whose resolution the test observes (and can make fail)."""
 

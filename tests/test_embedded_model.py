@@ -1,10 +1,10 @@
 """The embedded default model: the pretrained Gemma-3-270M, converted once from its GGUF."""
 
 import pytest
-from conftest import make_llm
 import torch
+from conftest import make_llm
 
-from vserve import LLM, SamplingParams
+from vserve import SamplingParams
 from vserve.models.resolve import cache_root, embedded_model_path, resolve_model_path
 
 # transformers, fp32, greedy, "The capital of France is" (with BOS); bf16 and llama.cpp agree

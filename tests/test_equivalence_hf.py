@@ -5,7 +5,7 @@ import pytest
 from conftest import make_llm
 from hf_reference import PREFIX_PROMPTS, PROMPTS, hf_greedy
 
-from vserve import LLM, SamplingParams
+from vserve import SamplingParams
 
 MAX_TOKENS = 24
 KINDS = ["llama", "qwen2", "qwen3", "gemma3", "mistral"]

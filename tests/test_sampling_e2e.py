@@ -4,11 +4,11 @@ min_tokens, stop ids and strings, logprobs, n > 1."""
 import math
 
 import pytest
-from conftest import make_llm
 import torch
+from conftest import make_llm
 from hf_reference import PROMPTS
 
-from vserve import LLM, SamplingParams
+from vserve import SamplingParams
 
 
 @pytest.fixture(scope="module")

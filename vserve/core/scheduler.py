@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 from vserve.core.kv_cache_manager import KVCacheManager
 from vserve.core.request import Request, RequestStatus
-from vserve.core.spec_decode import SpeculativeConfig, propose_ngram
 from vserve.core.sched_output import (
     CachedRequestData,
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
 )
+from vserve.core.spec_decode import SpeculativeConfig, propose_ngram
 from vserve.engine.messages import EngineCoreOutput, LogprobsDelta, SchedulerStats
 
 

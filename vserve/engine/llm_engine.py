@@ -7,8 +7,8 @@ import time
 
 from vserve.config import EngineArgs, EngineConfig
 from vserve.engine.output_processor import OutputKind, OutputProcessor
-from vserve.engine.recorder import StepRecord
 from vserve.engine.processor import InputProcessor, Prompt
+from vserve.engine.recorder import StepRecord
 from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
 from vserve.tokenizer import load_tokenizer

@@ -51,7 +51,7 @@ def _generate(args) -> int:
     return 0
 
 
-# -- worker (other hosts of a multi-host pipeline) ---------------------------------------------------
+# -- worker (other hosts of a multi-host pipeline) ----------------------------------------------
 def _worker_parser(sub) -> None:
     p = sub.add_parser("worker", help="run this host's pipeline stages of a multi-host engine")
     add_engine_args(p)

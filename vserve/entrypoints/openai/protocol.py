@@ -13,8 +13,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from vserve.sampling_params import StructuredOutputsParams
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+
+from vserve.sampling_params import StructuredOutputsParams
 
 MAX_N = 128            # most choices per request (vLLM has no limit; we refuse fan-out bombs)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
