@@ -191,3 +191,15 @@ def test_chat_applies_template(llm):
                    SamplingParams(temperature=0, max_tokens=3))[0]
     tok = llm.get_tokenizer()
     assert tok.decode(out.prompt_token_ids) == "<|user|>hello\n<|assistant|>"
+
+
+def test_fast_argmax_equals_argmax_with_ties():
+    from workers.sampler import fast_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(5, 4096 * 8, generator=gen).to(dtype)
+        logits[1, 100] = logits[1, 5000] = logits[1, 30000] = 50.0   # ties: first one wins
+        logits[2, -1] = 60.0
+        assert torch.equal(fast_argmax(logits), logits.float().argmax(dim=-1))
+        assert fast_argmax(logits)[1] == 100

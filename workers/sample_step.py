@@ -54,11 +54,15 @@ class StepSampler:
         plain = layout.plain
         result = SampleResult(None, {}, {})
         if plain:
-            rows = torch.tensor([layout.logit_start[i] for i in plain], device=logits.device)
+            starts = [layout.logit_start[i] for i in plain]
             meta = self.metadata([layout.rows[i] for i in plain])
             self._grammar(meta, [layout.req_ids[i] for i in plain], grammar_req_ids, bitmask,
                           logits.device)
-            out = self.sampler(logits[rows], meta)
+            if starts == list(range(len(logits))):   # no drafts in this step: no gather
+                plain_logits = logits
+            else:
+                plain_logits = logits[torch.tensor(starts, device=logits.device)]
+            out = self.sampler(plain_logits, meta)
             result.plain_ids = out.token_ids
             for k, i in enumerate(plain):
                 if out.logprobs and out.logprobs[k] is not None:
@@ -73,7 +77,7 @@ class StepSampler:
         req_id, row = layout.req_ids[i], layout.rows[i]
         drafts = layout.drafts[req_id]
         state = self.batch.rows[row]
-        raw = logits[layout.logit_start[i]:layout.logit_start[i] + len(drafts) + 1]
+        raw = logits[layout.logit_start[i]:layout.logit_start[i] + len(drafts) + 1].float()
         processed = apply_logit_bias(raw.clone(), state.sampling_params.logit_bias)
         first = int(self.batch.num_tokens[row])          # index of the first token it yields
         tokens = verify(processed, drafts, state.sampling_params, state.sampling_seed, first)

@@ -69,15 +69,17 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        raw = logits
-        logits = self._process(logits.clone() if _needs_processing(meta) else logits, meta)
+        """logits [rows, vocab] in the model's dtype (fp32 only where it is needed)."""
+        wants_logprobs = any(n is not None for n in meta.num_logprobs)
+        if meta.all_greedy and not _needs_processing(meta) and not wants_logprobs:
+            return SamplerOutput(fast_argmax(logits))   # no copy of a [rows, vocab] tensor
+        raw = logits.float()
+        logits = self._process(raw.clone() if _needs_processing(meta) else raw, meta)
         if meta.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = fast_argmax(logits)
         else:
             token_ids = self._sample(logits, meta)
-        logprobs = None
-        if any(n is not None for n in meta.num_logprobs):
-            logprobs = _logprobs(raw, token_ids, meta.num_logprobs)
+        logprobs = _logprobs(raw, token_ids, meta.num_logprobs) if wants_logprobs else None
         return SamplerOutput(token_ids, logprobs)
 
     # -- logits processing -----------------------------------------------------------------------
@@ -98,7 +100,7 @@ class Sampler:
 
     # -- random sampling -------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        out = logits.argmax(dim=-1)
+        out = fast_argmax(logits)
         device = logits.device
         rows = [i for i, t in enumerate(meta.temperature) if t > 0.0]
         plain = [i for i in rows if not _filters(meta, i)]
@@ -116,6 +118,19 @@ class Sampler:
             else:
                 out[idx] = inverse_cdf(scaled.softmax(dim=-1), u)
         return out
+
+
+def fast_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Row-wise argmax in two passes (chunk maxima, then the winning chunk), several times
+    faster than `argmax` over a 262k vocabulary on CPU, and exact: the first maximal index,
+    as `argmax` returns it."""
+    rows, vocab = logits.shape
+    if vocab % chunk or vocab < 4 * chunk:
+        return logits.argmax(dim=-1)
+    chunk_max = logits.view(rows, vocab // chunk, chunk).amax(dim=-1)   # [rows, chunks]
+    best = chunk_max.argmax(dim=-1)                                     # [rows]
+    starts = (best * chunk).unsqueeze(1) + torch.arange(chunk, device=logits.device)
+    return best * chunk + logits.gather(1, starts).argmax(dim=-1)
 
 
 def _needs_processing(meta: SamplingMetadata) -> bool:

@@ -135,16 +135,17 @@ def _attend(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
 
 
 def _attend_matmul(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
-    """Two batched matmuls with fp32 scores; the query heads of one KV head share its K/V
-    (a view, no copy). Fast for short queries (decode), and handles logit softcap."""
+    """Two batched matmuls in the model's dtype (fp32 accumulation inside), softmax in fp32,
+    as transformers' eager attention does; the query heads of one KV head share its K/V (a
+    view, no copy). Fast for short queries (decode), and handles logit softcap."""
     b, h, n, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     groups = h // hkv
     qg = q.reshape(b, hkv, groups * n, d)
-    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * spec.scale
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * spec.scale
     if spec.logit_softcap is not None:
         scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
     scores = scores.view(b, hkv, groups, n, length).masked_fill(~mask.unsqueeze(2),
                                                                 float("-inf"))
-    probs = scores.softmax(-1).view(b, hkv, groups * n, length)
-    return torch.matmul(probs, v.float()).to(q.dtype).view(b, h, n, d)
+    probs = scores.softmax(-1).to(v.dtype).view(b, hkv, groups * n, length)
+    return torch.matmul(probs, v).view(b, h, n, d)

@@ -47,9 +47,14 @@ def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n:]
         first = suffix[0]
+        best: list[int] = []
         for start in range(length - n - 1, -1, -1):
             if tokens[start] == first and tokens[start:start + n] == suffix:
                 follow = tokens[start + n:start + n + k]
-                if follow:
-                    return follow
+                if len(follow) == k:
+                    return follow   # the most recent match with a full continuation
+                if len(follow) > len(best):
+                    best = follow   # a match near the end continues only briefly
+        if best:
+            return best
     return []

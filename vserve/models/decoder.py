@@ -125,7 +125,7 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(h) if self.stage.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)   # model dtype: the sampler widens only when needed
 
     def load_weights(self, weights) -> None:
         loaded = load_weights(self, _tie(weights, self.tie, self.stage.is_last), STACKED,

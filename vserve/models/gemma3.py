@@ -112,7 +112,7 @@ class Gemma3ForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits.float()
+        return logits   # model dtype: the sampler widens only when needed
 
     def load_weights(self, weights) -> None:
         loaded = load_weights(self, _tie(weights, True, self.stage.is_last), STACKED,
