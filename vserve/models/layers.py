@@ -22,10 +22,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # F.rms_norm in fp32 is bitwise the reference's pow/mean/rsqrt, in one fused op
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -37,8 +36,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
