@@ -105,3 +105,9 @@ def test_latency(model, tmp_path):
     assert len(r["latencies"]) == 3
     assert min(r["latencies"]) <= r["percentiles"]["50"] <= max(r["latencies"])
     assert r["overlap"]["num_steps"] >= 3 * 8
+
+
+def test_plot(model, tmp_path):
+    png = tmp_path / "steps.png"
+    _bench("throughput", *_common(model), "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -28,6 +28,13 @@ class IncrementalDetokenizer:
         self.ids = tail
         self.prefix_offset = 0
         self.read_offset = len(tail)
+        # fast tokenizers stream in Rust: one call per token instead of two window decodes
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=tail, skip_special_tokens=self.skip_special)
         self.num_output_tokens = 0
         self.output_text = ""
         self.sent = 0
@@ -51,6 +58,11 @@ class IncrementalDetokenizer:
         return self._find_stop(start)
 
     def _decode_next(self) -> None:
+        if self._stream is not None:
+            text = self._stream.step(self._backend, self.ids[-1])
+            if text:
+                self.output_text += text
+            return
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset],
                         skip_special_tokens=self.skip_special)
