@@ -110,3 +110,49 @@ def test_invariants_under_preemption_and_abort_with_drafts(seed):
 
 def sched_max(driver, req_id):
     return len(driver.outputs[req_id]) if driver.finish.get(req_id) == "length" else 10**6
+
+
+class _RejectingGrammar:
+    """A grammar that accepts `limit` tokens, then rejects (as a buggy mask would let pass)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def accept(self, token_id: int) -> bool:
+        self.limit -= 1
+        return self.limit >= 0
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class _Structured:
+    def new_state(self, compiled):
+        return _RejectingGrammar(compiled)
+
+    def allocate_bitmask(self, num_rows):
+        return [[-1] for _ in range(num_rows)]
+
+    def fill(self, state, bitmask, row):
+        pass
+
+
+def test_grammar_rejection_fails_only_that_request():
+    from concurrent.futures import Future
+
+    from vserve.sampling_params import StructuredOutputsParams
+
+    sched = make_scheduler(async_scheduling=True)
+    sched.structured = _Structured()
+    driver = Driver(sched, depth=2)
+    req = make_request("g", [1, 2, 3], max_tokens=10,
+                       structured_outputs=StructuredOutputsParams(regex="a+"))
+    compiled = Future()
+    compiled.set_result(3)   # the fake grammar accepts three tokens
+    req.grammar_future = compiled
+    driver.add(req)
+    driver.add(make_request("free", [4, 5, 6], max_tokens=6))
+    driver.run()
+    assert driver.finish["g"] == "error" and len(driver.outputs["g"]) == 3
+    assert driver.outputs["free"] == expected_tokens([4, 5, 6], 6)
+    assert sched.kv.pool.num_used_blocks == 0
