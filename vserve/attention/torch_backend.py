@@ -76,7 +76,9 @@ class TorchAttentionBackend:
         starts = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=device)
         token_idx = (starts.unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
         pos = torch.arange(q_len, device=device).view(1, 1, -1, 1)
-        masks = {w: _visible(pos, torch.arange(q_len, device=device), w) for w in windows}
+        # a window at least as long as the prompt is plain causal: no mask tensor needed
+        masks = {w: None if w is None or w >= q_len else
+                 _visible(pos, torch.arange(q_len, device=device), w) for w in windows}
         return _Group("direct", token_idx, len(rows), q_len, None, masks)
 
     def _context_group(self, meta, row, q_len, windows) -> _Group:
@@ -127,10 +129,15 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
-    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B|1, 1, Q, L] (True = visible)."""
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask [B|1, 1, Q, L] (True = visible; None: causal
+    over Q == L)."""
     if spec.logit_softcap is not None:
+        if mask is None:
+            n = q.shape[2]
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None, None]
         return _attend_matmul(q, k, v, mask, spec)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale,
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          scale=spec.scale,
                                           enable_gqa=spec.num_heads != spec.num_kv_heads)
 
 
