@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vserve.core.scheduler import SchedulerConfig
 from vserve.core.spec_decode import SpeculativeConfig
@@ -269,4 +269,4 @@ def _require(ok: bool, message: str) -> None:
 
 
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "ParallelConfig",
-           "DeviceConfig", "SchedulerConfig", "field"]
+           "DeviceConfig", "SchedulerConfig"]

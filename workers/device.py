@@ -50,10 +50,6 @@ class DeviceShim:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-
 
 def tune_host_allocator() -> None:
     """Keep large freed buffers in the heap instead of returning them to the OS.

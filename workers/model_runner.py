@@ -15,7 +15,7 @@ decode-only steps replay a captured CUDA graph (`workers.cuda_graphs`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -58,7 +58,6 @@ class StepInputs:
     meta: AttentionMetadata
     logits_idx: torch.Tensor                       # [num_logits_rows]
     layout: SampleLayout                           # which requests sample, where their logits are
-    feedback_dest: list[int] = field(default_factory=list)
 
 
 class AsyncStepOutput:
@@ -265,7 +264,7 @@ class ModelRunner:
         meta = self._attention_metadata(host, dev)
         logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
         return StepInputs(dev.input_ids if self.stage.is_first else None, meta, logits_idx,
-                          layout, plan.dest)
+                          layout)
 
     def _sample_layout(self, so, rows, req_ids, host: HostInputs):
         """Which requests sample and which logits rows they need: the last query token, or

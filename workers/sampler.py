@@ -161,13 +161,19 @@ def filtered_probs(scaled: torch.Tensor, params) -> torch.Tensor:
     if params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0:
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
-    keep = ranks < (params.top_k or probs.shape[-1])
-    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < params.top_p
-    keep &= sorted_p >= params.min_p * sorted_p[:, :1]
-    keep[:, 0] = True
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    kept = _keep_top(sorted_p, params.top_k or probs.shape[-1], params.top_p, params.min_p)
     return torch.zeros_like(probs).scatter(1, order, kept)
+
+
+def _keep_top(sorted_p: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """sorted_p [n, vocab] probabilities in descending order; limits are scalars or [n, 1].
+    Zeroes what top-k / top-p / min-p drop; the most likely token always stays."""
+    ranks = torch.arange(sorted_p.shape[-1], device=sorted_p.device).unsqueeze(0)
+    keep = ranks < top_k
+    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < top_p   # mass strictly before each token
+    keep &= sorted_p >= min_p * sorted_p[:, :1]
+    keep[:, 0] = True
+    return torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
 
 
 def _filters(meta: SamplingMetadata, i: int) -> bool:
@@ -188,16 +194,13 @@ def _sample_filtered(scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetada
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     vocab = scaled.shape[-1]
-    ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    top_k = torch.tensor([meta.top_k[i] or vocab for i in group], device=device).unsqueeze(1)
-    keep = ranks < top_k
-    top_p = torch.tensor([meta.top_p[i] for i in group], device=device).unsqueeze(1)
-    before = probs.cumsum(dim=-1) - probs          # mass strictly before each token
-    keep &= before < top_p
-    min_p = torch.tensor([meta.min_p[i] for i in group], device=device).unsqueeze(1)
-    keep &= probs >= min_p * probs[:, :1]
-    keep[:, 0] = True
-    kept = torch.where(keep, probs, torch.zeros_like(probs))
+
+    def column(values):
+        return torch.tensor(values, device=device).unsqueeze(1)
+
+    kept = _keep_top(probs, column([meta.top_k[i] or vocab for i in group]),
+                     column([meta.top_p[i] for i in group]),
+                     column([meta.min_p[i] for i in group]))
     picked = inverse_cdf(kept, u)
     return order.gather(1, picked.unsqueeze(1)).squeeze(1)
 

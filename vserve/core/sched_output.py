@@ -44,7 +44,6 @@ class SchedulerOutput:
     sampling_req_ids: set[str]           # scheduled requests whose step yields a token
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
-    num_scheduled_reqs_waiting: int = 0  # how many came from the waiting queue
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # n-gram drafts
     grammar_req_ids: list[str] = field(default_factory=list)  # sampling, structured output
     pending_grammar: bool = False   # a grammar request has tokens in flight: defer sampling

@@ -258,7 +258,6 @@ class Scheduler:
             sampling_req_ids=plan.sampling,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
-            num_scheduled_reqs_waiting=len(plan.new_reqs),
             spec_token_ids=plan.spec_tokens,
             grammar_req_ids=plan.grammar_ids,
             pending_grammar=plan.pending_grammar,

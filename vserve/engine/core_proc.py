@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from vserve.config import EngineConfig
+from vserve.core.request import RequestStatus
 from vserve.engine.core import EngineCore
 from vserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
 
@@ -119,7 +120,7 @@ class EngineCoreProc:
             if kind == "add":
                 self.core.add_request(payload)
             elif kind == "abort":
-                self.core.scheduler.finish_requests(payload, _aborted())
+                self.core.scheduler.finish_requests(payload, RequestStatus.FINISHED_ABORTED)
             elif kind == "utility":
                 self._run_utility(*payload)
             elif kind == "executor_failed":
@@ -195,12 +196,6 @@ class EngineCoreProc:
 
     def _send_now(self, frame: bytes, payload: bytes) -> None:
         self.out_sock.send_multipart([frame, payload])
-
-
-def _aborted():
-    from vserve.core.request import RequestStatus
-
-    return RequestStatus.FINISHED_ABORTED
 
 
 def _error_text(prefix: str, e: BaseException) -> bytes:

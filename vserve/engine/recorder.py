@@ -35,7 +35,6 @@ class StepRecorder:
         self.records: dict[int, StepRecord] = {}
         self.recent: list[StepRecord] = []      # committed since the last `drain_recent`
         self._last_launch = 0.0
-        self._last_forward: tuple[float, float] = (0.0, 0.0)
 
     def scheduled(self, so, start: float, end: float, queue_len: int,
                   no_overlap: str | None = None, after_idle: bool = False) -> None:

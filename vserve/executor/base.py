@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from workers.model_runner import RunnerConfig
@@ -68,4 +66,4 @@ def runner_config(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
         num_gpu_blocks_override=c.num_gpu_blocks_override, enforce_eager=d.enforce_eager)
 
 
-__all__ = ["Executor", "StepFuture", "runner_config", "replace"]
+__all__ = ["Executor", "StepFuture", "runner_config"]
