@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from vserve.models.layers import RotaryEmbedding
+from vserve.models.packed_linear import can_pack, pack_linears
 from vserve.models.registry import model_class
 from vserve.models.stage import StageInfo
 
@@ -28,7 +29,10 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
     model.load_weights(iter_weights(model_path, dtype))
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if can_pack(device, dtype):
+        pack_linears(model)   # bitwise the same outputs, without a weight reorder per call
+    return model
 
 
 def iter_weights(model_path: str, dtype: torch.dtype):
