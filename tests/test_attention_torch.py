@@ -12,6 +12,8 @@ SHAPES = [  # (q_lens, ctx_lens)
     ([7, 1, 12, 1], [7, 9, 40, 1]),           # mixed prefill chunks and decodes
     ([16], [16]),                             # one prefill at a block boundary
     ([3, 5], [19, 64]),                       # chunks with context
+    ([6, 6], [6, 6]),                         # one direct group holds the whole step
+    ([5], [21]),                              # one context chunk holds the whole step
 ]
 
 

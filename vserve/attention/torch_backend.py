@@ -26,11 +26,12 @@ from vserve.attention.base import AttentionLayerSpec, AttentionMetadata, write_k
 @dataclass
 class _Group:
     kind: str                          # "decode" | "direct" | "context"
-    token_idx: torch.Tensor            # [B * Q] query tokens of the group, row-major
-    num_rows: int
+    token_idx: torch.Tensor | None     # [B * Q] query tokens of the group, row-major
+    num_rows: int                      #   (None: the whole step, in order)
     q_len: int
     blocks: torch.Tensor | None        # [B, num_blocks] block ids to gather (None: direct)
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [B|1, 1, Q, L]
+    # per window: [B|1, 1, Q, L]; True = visible, except decode groups: True = hidden
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 class TorchAttentionBackend:
@@ -55,6 +56,8 @@ class TorchAttentionBackend:
             groups.append(self._decode_group(meta, decode, windows))
         for n, rows in direct.items():
             groups.append(self._direct_group(meta, rows, n, windows))
+        if len(groups) == 1 and groups[0].num_rows == meta.num_reqs:
+            groups[0].token_idx = None   # one group holds every token in order: no gathers
         return groups
 
     def _num_blocks(self, length: int) -> int:
@@ -66,7 +69,7 @@ class TorchAttentionBackend:
         nb = self._num_blocks(max(meta.seq_lens_cpu[i] for i in rows))
         seq_lens = meta.seq_lens[rows_t].long().view(-1, 1, 1, 1)      # [B, 1, 1, 1]
         j = torch.arange(nb * self.block_size, device=device)
-        masks = {w: _visible(seq_lens - 1, j, w) for w in windows}       # [B, 1, 1, L]
+        masks = {w: ~_visible(seq_lens - 1, j, w) for w in windows}      # [B, 1, 1, L]
         token_idx = meta.query_start_loc[:-1][rows_t].long()
         return _Group("decode", token_idx, len(rows), 1,
                       meta.block_tables[rows_t, :nb].long(), masks)
@@ -96,21 +99,31 @@ class TorchAttentionBackend:
     def forward(self, spec: AttentionLayerSpec, query, key, value, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)
+        groups = meta.backend_data
+        if groups[0].token_idx is None:
+            return self._group(groups[0], spec, query, key, value, kv_cache).reshape(
+                query.shape[0], -1)
         out = torch.empty_like(query)
-        for g in meta.backend_data:
-            b, n = g.num_rows, g.q_len
-            q = query[g.token_idx].view(b, n, *query.shape[1:]).transpose(1, 2)  # [B,H,Q,D]
-            if g.blocks is None:
-                k = key[g.token_idx].view(b, n, *key.shape[1:])
-                v = value[g.token_idx].view(b, n, *value.shape[1:])
-            else:
-                k = _gather_blocks(kv_cache[0], g.blocks)                       # [B,L,Hkv,D]
-                v = _gather_blocks(kv_cache[1], g.blocks)
-            mask = g.masks[spec.sliding_window]
-            attend = _attend_matmul if g.kind == "decode" else _attend
-            o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)      # [B,H,Q,D]
-            out[g.token_idx] = o.transpose(1, 2).reshape(b * n, *query.shape[1:])
+        for g in groups:
+            out[g.token_idx] = self._group(g, spec, query[g.token_idx], key[g.token_idx],
+                                           value[g.token_idx], kv_cache)
         return out.view(query.shape[0], -1)
+
+    def _group(self, g: _Group, spec, query, key, value, kv_cache) -> torch.Tensor:
+        """Attention for one group's query rows [B * Q, H, D] -> [B * Q, H, D]."""
+        b, n = g.num_rows, g.q_len
+        q = query.view(b, n, *query.shape[1:]).transpose(1, 2)                 # [B,H,Q,D]
+        if g.blocks is None:
+            k, v = key.view(b, n, *key.shape[1:]), value.view(b, n, *value.shape[1:])
+        else:
+            k = _gather_blocks(kv_cache[0], g.blocks)                           # [B,L,Hkv,D]
+            v = _gather_blocks(kv_cache[1], g.blocks)
+        mask = g.masks[spec.sliding_window]
+        if g.kind == "decode":
+            o = _attend_matmul(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)
+        else:
+            o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)   # [B,H,Q,D]
+        return o.transpose(1, 2).reshape(b * n, *query.shape[1:])
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -135,16 +148,17 @@ def _attend(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
         if mask is None:
             n = q.shape[2]
             mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None, None]
-        return _attend_matmul(q, k, v, mask, spec)
+        return _attend_matmul(q, k, v, ~mask, spec)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           scale=spec.scale,
                                           enable_gqa=spec.num_heads != spec.num_kv_heads)
 
 
-def _attend_matmul(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
+def _attend_matmul(q, k, v, hidden, spec: AttentionLayerSpec) -> torch.Tensor:
     """Two batched matmuls in the model's dtype (fp32 accumulation inside), softmax in fp32,
     as transformers' eager attention does; the query heads of one KV head share its K/V (a
-    view, no copy). Fast for short queries (decode), and handles logit softcap."""
+    view, no copy). Fast for short queries (decode), and handles logit softcap.
+    `hidden` [B|1, 1, Q, L] is True where a key is masked out."""
     b, h, n, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     groups = h // hkv
@@ -152,7 +166,7 @@ def _attend_matmul(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * spec.scale
     if spec.logit_softcap is not None:
         scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
-    scores = scores.view(b, hkv, groups, n, length).masked_fill(~mask.unsqueeze(2),
+    scores = scores.view(b, hkv, groups, n, length).masked_fill(hidden.unsqueeze(2),
                                                                 float("-inf"))
     probs = scores.softmax(-1).to(v.dtype).view(b, hkv, groups * n, length)
     return torch.matmul(probs, v).view(b, h, n, d)

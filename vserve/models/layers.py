@@ -28,16 +28,21 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma-style: scale by (1 + weight) in float32, then cast back."""
+    """Gemma-style: scale by (1 + weight) in float32, then cast back. The fp32 scale is
+    computed once after loading and handed to the fused op (bitwise the separate multiply)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.scale: torch.Tensor | None = None
+
+    def post_load(self) -> None:
+        self.scale = 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).type_as(x)
 
 
 def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:

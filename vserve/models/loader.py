@@ -29,6 +29,9 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
     model.load_weights(iter_weights(model_path, dtype))
+    for module in model.modules():
+        if hasattr(module, "post_load"):
+            module.post_load()   # tables derived from the loaded weights
     model = model.eval().requires_grad_(False)
     if can_pack(device, dtype):
         pack_linears(model)   # bitwise the same outputs, without a weight reorder per call
