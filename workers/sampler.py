@@ -13,21 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vserve.core.seeds import splitmix64, uniform_for  # noqa: F401 (re-exported)
 from vserve.engine.messages import LogprobsDelta
-
-_MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def uniform_for(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) that depends only on the seed and the position."""
-    return (splitmix64(splitmix64(seed & _MASK64) ^ position) >> 11) * (1.0 / (1 << 53))
 
 
 @dataclass
@@ -188,21 +175,64 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
+CANDIDATES = 1024   # filtered rows look at this many tokens before sorting the whole vocabulary
+
+
 def _sample_filtered(scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata,
                      group: list[int]) -> torch.Tensor:
+    """top-k / top-p / min-p sampling without sorting the vocabulary when it can be avoided.
+
+    A row's kept tokens are a prefix of its tokens by descending probability (ties: lower id
+    first). The row's top CANDIDATES tokens give that prefix exactly whenever it ends inside
+    them, strictly above the smallest candidate: then every token outside the candidates has
+    a lower probability and is dropped by the full sort too. Other rows take the full sort.
+    Both paths see the same probabilities and the same order, so they pick the same token."""
     device = scaled.device
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
     vocab = scaled.shape[-1]
+    probs = scaled.softmax(dim=-1)
 
-    def column(values):
-        return torch.tensor(values, device=device).unsqueeze(1)
+    def column(values, rows):
+        return torch.tensor([values[group[i]] for i in rows], device=device).unsqueeze(1)
 
-    kept = _keep_top(probs, column([meta.top_k[i] or vocab for i in group]),
-                     column([meta.top_p[i] for i in group]),
-                     column([meta.min_p[i] for i in group]))
-    picked = inverse_cdf(kept, u)
-    return order.gather(1, picked.unsqueeze(1)).squeeze(1)
+    def limits(rows):
+        return (column([k or vocab for k in meta.top_k], rows), column(meta.top_p, rows),
+                column(meta.min_p, rows))
+
+    out = torch.empty(len(group), dtype=torch.long, device=device)
+    rows = list(range(len(group)))
+    if vocab > CANDIDATES:
+        cand_p, cand_ids = _ordered_candidates(probs, CANDIDATES)
+        kept = _keep_top(cand_p, *limits(rows))
+        num_kept = (kept > 0).sum(dim=-1)
+        last = cand_p.gather(1, (num_kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        inside = ((num_kept < CANDIDATES) & (last > cand_p[:, -1])).tolist()
+        done = [i for i in rows if inside[i]]
+        if done:
+            d = torch.tensor(done, device=device)
+            out[d] = cand_ids[d].gather(1, _pick(kept[d], u[d]).unsqueeze(1)).squeeze(1)
+        rows = [i for i in rows if not inside[i]]
+    if rows:
+        r = torch.tensor(rows, device=device)
+        sorted_p, order = probs[r].sort(dim=-1, descending=True, stable=True)
+        kept = _keep_top(sorted_p, *limits(rows))
+        out[r] = order.gather(1, _pick(kept, u[r]).unsqueeze(1)).squeeze(1)
+    return out
+
+
+def _ordered_candidates(probs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` most likely tokens of each row, by descending probability and, among equal
+    probabilities, ascending id (the order of a stable descending sort of the whole row)."""
+    _, ids = probs.topk(count, dim=-1)
+    ids = ids.sort(dim=-1).values
+    p = probs.gather(1, ids)
+    p, pos = p.sort(dim=-1, descending=True, stable=True)
+    return p, ids.gather(1, pos)
+
+
+def _pick(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over kept probabilities in order, never past the last kept token."""
+    num_kept = (kept > 0).sum(dim=-1)
+    return torch.minimum(inverse_cdf(kept, u), (num_kept - 1).clamp(min=0))
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:

@@ -10,9 +10,9 @@ import random
 import time
 
 from vserve.config import EngineConfig
+from vserve.core.seeds import splitmix64
 from vserve.engine.messages import EngineCoreRequest
 from vserve.sampling_params import SamplingParams
-from workers.sampler import splitmix64
 
 Prompt = str | dict | list
 
