@@ -209,13 +209,15 @@ def _sample_filtered(scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetada
         done = [i for i in rows if inside[i]]
         if done:
             d = torch.tensor(done, device=device)
-            out[d] = cand_ids[d].gather(1, _pick(kept[d], u[d]).unsqueeze(1)).squeeze(1)
+            picked = _pick(kept[d], u[d], num_kept[d])
+            out[d] = cand_ids[d].gather(1, picked.unsqueeze(1)).squeeze(1)
         rows = [i for i in rows if not inside[i]]
     if rows:
         r = torch.tensor(rows, device=device)
         sorted_p, order = probs[r].sort(dim=-1, descending=True, stable=True)
         kept = _keep_top(sorted_p, *limits(rows))
-        out[r] = order.gather(1, _pick(kept, u[r]).unsqueeze(1)).squeeze(1)
+        picked = _pick(kept, u[r], (kept > 0).sum(dim=-1))
+        out[r] = order.gather(1, picked.unsqueeze(1)).squeeze(1)
     return out
 
 
@@ -229,9 +231,8 @@ def _ordered_candidates(probs: torch.Tensor, count: int) -> tuple[torch.Tensor, 
     return p, ids.gather(1, pos)
 
 
-def _pick(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _pick(kept: torch.Tensor, u: torch.Tensor, num_kept: torch.Tensor) -> torch.Tensor:
     """Inverse CDF over kept probabilities in order, never past the last kept token."""
-    num_kept = (kept > 0).sum(dim=-1)
     return torch.minimum(inverse_cdf(kept, u), (num_kept - 1).clamp(min=0))
 
 

@@ -68,7 +68,7 @@ def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tenso
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed in float32 on the CPU. Models are built on
-    the meta device; `reset_tables()` fills the tables once the model is materialized."""
+    the meta device; `post_load()` fills the tables once the model is materialized."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> None:
         super().__init__()
@@ -83,7 +83,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
-    def reset_tables(self) -> None:
+    def post_load(self) -> None:
         cos, sin = self._tables()
         self.cos = cos.to(self.cos.device)
         self.sin = sin.to(self.sin.device)

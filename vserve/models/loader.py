@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vserve.models.layers import RotaryEmbedding
 from vserve.models.packed_linear import can_pack, pack_linears
 from vserve.models.registry import model_class
 from vserve.models.stage import StageInfo
@@ -25,13 +24,10 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.reset_tables()
     model.load_weights(iter_weights(model_path, dtype))
     for module in model.modules():
         if hasattr(module, "post_load"):
-            module.post_load()   # tables derived from the loaded weights
+            module.post_load()   # tables: rotary cos/sin, and those derived from the weights
     model = model.eval().requires_grad_(False)
     if can_pack(device, dtype):
         pack_linears(model)   # bitwise the same outputs, without a weight reorder per call
