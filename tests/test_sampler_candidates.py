@@ -1,5 +1,6 @@
 """top-k / top-p / min-p sampling on a candidate set picks exactly the token a full sort of the
-vocabulary picks, and falls back to the full sort when the kept tokens do not fit."""
+vocabulary picks, and falls back to the full sort when the kept tokens do not fit; the filtered
+distribution that verifies speculative drafts is the same on both paths."""
 
 import pytest
 import torch
@@ -95,6 +96,26 @@ def test_candidate_sampling_keeps_the_distribution(monkeypatch):
     freq = torch.bincount(picked, minlength=VOCAB)[:6].float() / n
     assert picked.max().item() < 6
     assert (freq - want).abs().max().item() < 0.03
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_filtered_probs_equal_the_full_sort(params, monkeypatch):
+    """The drafts' verifier filters with the same candidate machinery: the probabilities in
+    vocab order are bitwise those of the full sort, for peaked rows (candidates) and flat
+    ones (fallback) in one call."""
+    from vserve.sampling_params import SamplingParams
+
+    temperature, top_k, top_p, min_p = params
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    logits = _logits(6, 1.0, 3)
+    logits[:3] *= 8.0
+    scaled = logits / temperature
+    monkeypatch.setattr(sampler, "CANDIDATES", 256)
+    fast = sampler.filtered_probs(scaled, sp)
+    monkeypatch.setattr(sampler, "CANDIDATES", VOCAB)
+    full = sampler.filtered_probs(scaled, sp)
+    assert torch.equal(fast, full)
+    assert (fast > 0).sum(dim=-1).min().item() >= 1
 
 
 def test_sampler_imports_on_its_own():

@@ -141,15 +141,25 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> tor
     return logits
 
 
+CANDIDATES = 1024   # filtered rows look at this many tokens before sorting the whole vocabulary
+
+
 def filtered_probs(scaled: torch.Tensor, params) -> torch.Tensor:
     """Probabilities in vocab order after one request's top-k / top-p / min-p filters;
     scaled [n, vocab] = logits / temperature."""
     probs = scaled.softmax(dim=-1)
     if params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0:
         return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    kept = _keep_top(sorted_p, params.top_k or probs.shape[-1], params.top_p, params.min_p)
-    return torch.zeros_like(probs).scatter(1, order, kept)
+    n, vocab = probs.shape
+
+    def column(value):
+        return torch.full((n, 1), value, device=probs.device)
+
+    out = torch.zeros_like(probs)
+    for rows, kept, ids, _ in _kept_tokens(probs, column(params.top_k or vocab),
+                                           column(params.top_p), column(params.min_p)):
+        out[rows] = out[rows].scatter(1, ids, kept)
+    return out
 
 
 def _keep_top(sorted_p: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
@@ -175,50 +185,50 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-CANDIDATES = 1024   # filtered rows look at this many tokens before sorting the whole vocabulary
-
-
 def _sample_filtered(scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata,
                      group: list[int]) -> torch.Tensor:
-    """top-k / top-p / min-p sampling without sorting the vocabulary when it can be avoided.
+    device = scaled.device
+    vocab = scaled.shape[-1]
+
+    def column(values):
+        return torch.tensor([values[i] for i in group], device=device).unsqueeze(1)
+
+    limits = (column([k or vocab for k in meta.top_k]), column(meta.top_p), column(meta.min_p))
+    out = torch.empty(len(group), dtype=torch.long, device=device)
+    for rows, kept, ids, num_kept in _kept_tokens(scaled.softmax(dim=-1), *limits):
+        picked = _pick(kept, u[rows], num_kept)
+        out[rows] = ids.gather(1, picked.unsqueeze(1)).squeeze(1)
+    return out
+
+
+def _kept_tokens(probs: torch.Tensor, top_k, top_p, min_p):
+    """What top-k / top-p / min-p keep of each row ([n, vocab] probabilities, limits [n, 1]),
+    without sorting the vocabulary when it can be avoided.
 
     A row's kept tokens are a prefix of its tokens by descending probability (ties: lower id
     first). The row's top CANDIDATES tokens give that prefix exactly whenever it ends inside
     them, strictly above the smallest candidate: then every token outside the candidates has
     a lower probability and is dropped by the full sort too. Other rows take the full sort.
-    Both paths see the same probabilities and the same order, so they pick the same token."""
-    device = scaled.device
-    vocab = scaled.shape[-1]
-    probs = scaled.softmax(dim=-1)
+    Both paths see the same probabilities in the same order, so their results are the same.
 
-    def column(values, rows):
-        return torch.tensor([values[group[i]] for i in rows], device=device).unsqueeze(1)
-
-    def limits(rows):
-        return (column([k or vocab for k in meta.top_k], rows), column(meta.top_p, rows),
-                column(meta.min_p, rows))
-
-    out = torch.empty(len(group), dtype=torch.long, device=device)
-    rows = list(range(len(group)))
-    if vocab > CANDIDATES:
+    Returns up to two groups (rows [m], kept [m, W], ids [m, W], num_kept [m]): the kept
+    probabilities in that order, zero past the prefix, and their token ids."""
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    groups = []
+    if probs.shape[-1] > CANDIDATES:
         cand_p, cand_ids = _ordered_candidates(probs, CANDIDATES)
-        kept = _keep_top(cand_p, *limits(rows))
+        kept = _keep_top(cand_p, top_k, top_p, min_p)
         num_kept = (kept > 0).sum(dim=-1)
         last = cand_p.gather(1, (num_kept - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        inside = ((num_kept < CANDIDATES) & (last > cand_p[:, -1])).tolist()
-        done = [i for i in rows if inside[i]]
-        if done:
-            d = torch.tensor(done, device=device)
-            picked = _pick(kept[d], u[d], num_kept[d])
-            out[d] = cand_ids[d].gather(1, picked.unsqueeze(1)).squeeze(1)
-        rows = [i for i in rows if not inside[i]]
-    if rows:
-        r = torch.tensor(rows, device=device)
-        sorted_p, order = probs[r].sort(dim=-1, descending=True, stable=True)
-        kept = _keep_top(sorted_p, *limits(rows))
-        picked = _pick(kept, u[r], (kept > 0).sum(dim=-1))
-        out[r] = order.gather(1, picked.unsqueeze(1)).squeeze(1)
-    return out
+        inside = (num_kept < CANDIDATES) & (last > cand_p[:, -1])
+        if bool(inside.any()):
+            groups.append((rows[inside], kept[inside], cand_ids[inside], num_kept[inside]))
+        rows = rows[~inside]
+    if rows.numel():
+        sorted_p, order = probs[rows].sort(dim=-1, descending=True, stable=True)
+        kept = _keep_top(sorted_p, top_k[rows], top_p[rows], min_p[rows])
+        groups.append((rows, kept, order, (kept > 0).sum(dim=-1)))
+    return groups
 
 
 def _ordered_candidates(probs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
