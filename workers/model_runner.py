@@ -112,6 +112,8 @@ class ModelRunner:
                                 self.device, self.config.max_model_len)
         self.windows = {self.model.layer_specs[i].sliding_window
                         for i in range(self.stage.start_layer, self.stage.end_layer)}
+        if hasattr(self.backend, "kernel"):   # bf16 CPU: fused decode attention
+            self.backend.kernel = getattr(self.model, "kernel", None)
 
     def kv_bytes_per_block(self) -> int:
         per_layer = 0

@@ -3,7 +3,9 @@
 Per step, `prepare` sorts the batch into groups that each need one attention call per layer:
 
 * decode rows (one query token each): one padded batch; whole KV blocks are gathered through
-  the block tables and attention is two batched matmuls (GQA without copying K/V);
+  the block tables and attention is two batched matmuls (GQA without copying K/V). With the
+  fused CPU kernels (bf16, `kernel` set by the model runner) one kernel call reads the paged
+  cache in place instead;
 * prefills without earlier context, grouped by length: one `scaled_dot_product_attention` per
   length on this step's own K/V (nothing to gather);
 * prefill chunks with context (chunked prefill, prefix hits): one call per request against
@@ -32,6 +34,7 @@ class _Group:
     blocks: torch.Tensor | None        # [B, num_blocks] block ids to gather (None: direct)
     # per window: [B|1, 1, Q, L]; True = visible, except decode groups: True = hidden
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    seq_lens: torch.Tensor | None = None   # decode groups: [B] int64 context lengths
 
 
 class TorchAttentionBackend:
@@ -39,6 +42,7 @@ class TorchAttentionBackend:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        self.kernel = None   # vserve.cpu_ops module for bf16 CPU models
 
     # -- per step ------------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata, windows: set[int | None]) -> list[_Group]:
@@ -67,12 +71,15 @@ class TorchAttentionBackend:
         device = meta.block_tables.device
         rows_t = torch.tensor(rows, device=device)
         nb = self._num_blocks(max(meta.seq_lens_cpu[i] for i in rows))
-        seq_lens = meta.seq_lens[rows_t].long().view(-1, 1, 1, 1)      # [B, 1, 1, 1]
-        j = torch.arange(nb * self.block_size, device=device)
-        masks = {w: ~_visible(seq_lens - 1, j, w) for w in windows}      # [B, 1, 1, L]
+        seq_lens = meta.seq_lens[rows_t].long()
+        masks = {}
+        if self.kernel is None:   # the kernel masks by position itself
+            j = torch.arange(nb * self.block_size, device=device)
+            masks = {w: ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, j, w)   # [B, 1, 1, L]
+                     for w in windows}
         token_idx = meta.query_start_loc[:-1][rows_t].long()
         return _Group("decode", token_idx, len(rows), 1,
-                      meta.block_tables[rows_t, :nb].long(), masks)
+                      meta.block_tables[rows_t, :nb].long(), masks, seq_lens)
 
     def _direct_group(self, meta, rows, q_len, windows) -> _Group:
         device = meta.block_tables.device
@@ -111,6 +118,10 @@ class TorchAttentionBackend:
 
     def _group(self, g: _Group, spec, query, key, value, kv_cache) -> torch.Tensor:
         """Attention for one group's query rows [B * Q, H, D] -> [B * Q, H, D]."""
+        if g.kind == "decode" and self.kernel is not None:
+            return self.kernel.decode_attention(
+                query.contiguous(), kv_cache[0], kv_cache[1], g.blocks, g.seq_lens,
+                spec.sliding_window or -1, spec.scale, spec.logit_softcap or 0.0)
         b, n = g.num_rows, g.q_len
         q = query.view(b, n, *query.shape[1:]).transpose(1, 2)                 # [B,H,Q,D]
         if g.blocks is None:

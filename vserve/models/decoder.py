@@ -54,6 +54,7 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(d, eps) if qk_norm else None
         self.k_norm = RMSNorm(d, eps) if qk_norm else None
         self.attn = Attention(spec, layer_idx)
+        self.kernel = None
 
     def forward(self, x, rope, kv_caches, meta, backend):
         t = x.shape[0]
@@ -63,7 +64,7 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
+        q, k = apply_rotary(q, k, rope, self.kernel)
         return self.o_proj(self.attn(q, k, v, kv_caches, meta, backend))
 
 
@@ -80,11 +81,12 @@ class DecoderLayer(nn.Module):
         self.mlp.gate_up_proj = FusedLinear(hf_config.hidden_size, [inter, inter], bias=mlp_bias)
         self.mlp.down_proj = nn.Linear(inter, hf_config.hidden_size, bias=mlp_bias)
         self.act = getattr(hf_config, "hidden_act", "silu")
+        self.kernel = None
 
     def forward(self, h, rope, kv_caches, meta, backend):
         h = h + self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
         return h + gated_mlp(self.post_attention_layernorm(h), self.mlp.gate_up_proj,
-                             self.mlp.down_proj, self.act)
+                             self.mlp.down_proj, self.act, self.kernel)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -114,15 +116,27 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         inv_freq, scaling = rope_inv_freq(hf_config)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
+        self.kernel = None
+        self.fused = None   # FusedDecode, set when the CPU kernels are attached
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches,
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, hidden states [T, hidden] otherwise."""
         h = self.model.embed_tokens(inputs) if self.stage.is_first else inputs
         rope = self.rotary.cos_sin(positions, h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, rope, kv_caches, meta, backend)
+        if self.fused is not None and self.fused.can_run(meta, backend):
+            h = self.fused.run(h, [rope], kv_caches, meta)
+        else:
+            for layer in self.model.layers:
+                h = layer(h, rope, kv_caches, meta, backend)
         return self.model.norm(h) if self.stage.is_last else h
+
+    def fused_norms(self, layer: DecoderLayer):
+        """Norm weights, norm style, rotary table and eps of `layer` for the fused kernel."""
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if layer.self_attn.q_norm is not None:
+            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+        return [n.weight for n in norms], 0, 0, norms[0].eps
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)   # model dtype: the sampler widens only when needed

@@ -30,6 +30,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
         self.attn = Attention(spec, layer_idx)
+        self.kernel = None
 
     def forward(self, x, rope, kv_caches, meta, backend):
         t = x.shape[0]
@@ -37,7 +38,7 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope)
+        q, k = apply_rotary(q, k, rope, self.kernel)
         return self.o_proj(self.attn(q, k, v, kv_caches, meta, backend))
 
 
@@ -56,13 +57,14 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.act = hf_config.hidden_activation
         self.sliding = spec.sliding_window is not None
+        self.kernel = None
 
     def forward(self, h, ropes, kv_caches, meta, backend):
         rope = ropes[1] if self.sliding else ropes[0]
         attn = self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
         h = h + self.post_attention_layernorm(attn)
         mlp = gated_mlp(self.pre_feedforward_layernorm(h), self.mlp.gate_up_proj,
-                        self.mlp.down_proj, self.act)
+                        self.mlp.down_proj, self.act, self.kernel)
         return h + self.post_feedforward_layernorm(mlp)
 
 
@@ -95,6 +97,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(*rope_inv_freq(hf_config, t), max_positions)
             for t in ("full_attention", "sliding_attention"))
+        self.kernel = None
+        self.fused = None   # FusedDecode, set when the CPU kernels are attached
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches,
                 meta: AttentionMetadata, backend) -> torch.Tensor:
@@ -104,9 +108,19 @@ class Gemma3ForCausalLM(nn.Module):
         else:
             h = inputs
         ropes = [r.cos_sin(positions, h.dtype) for r in self.rotaries]
-        for layer in self.model.layers:
-            h = layer(h, ropes, kv_caches, meta, backend)
+        if self.fused is not None and self.fused.can_run(meta, backend):
+            h = self.fused.run(h, ropes, kv_caches, meta)
+        else:
+            for layer in self.model.layers:
+                h = layer(h, ropes, kv_caches, meta, backend)
         return self.model.norm(h) if self.stage.is_last else h
+
+    def fused_norms(self, layer: Gemma3DecoderLayer):
+        """Norm scales, norm style, rotary table and eps of `layer` for the fused kernel."""
+        norms = [layer.input_layernorm, layer.post_attention_layernorm,
+                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm,
+                 layer.self_attn.q_norm, layer.self_attn.k_norm]
+        return [n.scale for n in norms], 1, int(layer.sliding), norms[0].eps
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

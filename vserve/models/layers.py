@@ -1,7 +1,9 @@
 """Building blocks shared by the model files: norms, rotary embedding, attention wrapper.
 
 Numerics follow the Hugging Face reference implementations exactly (norms in float32, rotary
-tables computed in float32 and cast), so fp32 greedy outputs are token-identical.
+tables computed in float32 and cast), so fp32 greedy outputs are token-identical. bf16 models
+on the CPU set `kernel` to the fused CPU kernels (vserve.cpu_ops), which compute the same ops
+with the same bf16 rounding points in one call each.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.rms_norm(x, self.weight, 0, self.eps)
         # F.rms_norm in fp32 is bitwise the reference's pow/mean/rsqrt, in one fused op
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * h.to(x.dtype)
@@ -36,11 +41,14 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
         self.scale: torch.Tensor | None = None
+        self.kernel = None
 
     def post_load(self) -> None:
         self.scale = 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.rms_norm(x, self.scale, 1, self.eps)
         scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
         return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).type_as(x)
 
@@ -94,9 +102,12 @@ class RotaryEmbedding(nn.Module):
                 self.sin[positions].to(dtype).unsqueeze(1))
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin,
+                 kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D] rotated by the step's (cos, sin)."""
     cos, sin = cos_sin
+    if kernel is not None:
+        return kernel.rotary(q, cos, sin), kernel.rotary(k, cos, sin)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -123,7 +134,13 @@ class Attention(nn.Module):
         return backend.forward(self.spec, q, k, v, kv_caches[self.layer_idx], meta)
 
 
-def gated_mlp(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, act: str) -> torch.Tensor:
+KERNEL_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+
+
+def gated_mlp(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, act: str,
+              kernel=None) -> torch.Tensor:
+    if kernel is not None and act in KERNEL_ACTIVATIONS:
+        return down(kernel.act_mul(gate_up(x), KERNEL_ACTIVATIONS[act]))
     gate, up = gate_up(x).chunk(2, dim=-1)
     if act in ("silu", "swish"):
         h = F.silu(gate)

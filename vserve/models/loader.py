@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vserve import cpu_ops
+from vserve.models.fused_decode import attach_kernel
 from vserve.models.packed_linear import can_pack, pack_linears
 from vserve.models.registry import model_class
 from vserve.models.stage import StageInfo
@@ -30,7 +32,11 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
             module.post_load()   # tables: rotary cos/sin, and those derived from the weights
     model = model.eval().requires_grad_(False)
     if can_pack(device, dtype):
-        pack_linears(model)   # bitwise the same outputs, without a weight reorder per call
+        kernel = cpu_ops.load()
+        # bitwise the same outputs, without a weight reorder per call
+        pack_linears(model, keep_plain=kernel is not None)
+        if kernel is not None:
+            attach_kernel(model, kernel)
     return model
 
 

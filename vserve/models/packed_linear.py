@@ -23,15 +23,20 @@ from vserve.config import cpu_has_bf16
 class PackedLinear(nn.Module):
     """A linear layer whose weight lives only in oneDNN's blocked layout."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_plain: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shard_sizes = getattr(linear, "shard_sizes", None)   # FusedLinear's split
         # one reorder for every batch size: the hint only picks the packing, not the result
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # the row-major weight, for the CPU kernels' one-row gemv (vserve.cpu_ops)
+        self.plain = linear.weight.detach() if keep_plain else None
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.packed, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -44,13 +49,14 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, keep_plain: bool = False) -> int:
     """Replace every nn.Linear of `model` by a PackedLinear; returns how many were packed.
-    The original weights are released (a tied lm_head keeps the embedding's own copy)."""
+    The original weights are released unless `keep_plain` (the CPU kernels' gemv reads them;
+    a tied lm_head's plain weight is the embedding table itself)."""
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, nn.Linear)]
     for name, linear in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, PackedLinear(linear))
+        setattr(parent, leaf, PackedLinear(linear, keep_plain))
     return len(targets)

@@ -1,0 +1,89 @@
+"""Fused bf16 kernels for the CPU path (`decode.cpp`), compiled on first use.
+
+At batch 1 a decode step of a small model is dominated not by its matmuls but by the ~100
+small torch ops per layer around them (norms that decompose into eight ops, rotary, the two
+tiny attention matmuls), each paying dispatch and Python overhead. These kernels do that work
+in one call each, and `decoder_layer` runs a whole layer of a decode step in one call.
+
+The extension is built with the system C++ compiler the first time a bf16 CPU model loads
+(about 30 s), into `~/.cache/vserve/cpu_ops/`, keyed by the source and the torch version;
+later loads reuse it. Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager
+torch path. Only bf16 uses these kernels: fp32 stays on the ops whose results equal
+transformers'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode.cpp")
+_state: dict[str, object] = {}
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("VSERVE_CPU_OPS", "1") not in ("0", "false", "off")
+
+
+def _cpu_flags() -> bytes:
+    """The instruction sets the build targets (-march=native): a cache shared by different
+    CPUs must not hand one a binary built for the other."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "").encode()
+    except OSError:
+        return platform.processor().encode()
+
+
+def build_dir() -> Path:
+    key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    root = Path(os.environ.get("VSERVE_CACHE", Path.home() / ".cache" / "vserve"))
+    return root / "cpu_ops" / digest
+
+
+def load():
+    """The compiled module, or None when it is disabled or cannot be built (logged once)."""
+    if "module" in _state:
+        return _state["module"]
+    module = None
+    if enabled_by_env():
+        try:
+            module = _build()
+        except Exception as exc:   # no compiler, headers or linker: the eager path still works
+            log.warning("vserve CPU kernels unavailable, using eager torch ops: %s", exc)
+    _state["module"] = module
+    return module
+
+
+def _build():
+    from torch.utils.cpp_extension import load as load_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.glob("*.so")):
+        log.info("building vserve CPU kernels into %s (once, about 30 s)", folder)
+    _ninja_on_path()
+    return load_extension(f"vserve_cpu_ops_{folder.name}", [str(SOURCE)],
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                          verbose=False)
+
+
+def _ninja_on_path() -> None:
+    """torch builds extensions with the `ninja` on PATH; a virtualenv that is not activated
+    does not put its own (the `ninja` dependency) there."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path

@@ -1,0 +1,340 @@
+// Fused bf16 CPU kernels: norms, rotary, gated activation, paged decode attention, a one-row
+// gemv, and one whole decoder layer of a decode step that strings them together with the
+// oneDNN linears (vserve/cpu_ops/__init__.py builds this file; tests/test_cpu_ops.py).
+//
+// Every kernel computes what the eager torch code it replaces computes, rounding to bf16 at
+// the same points (each elementwise op rounds its result; norms and softmax run in fp32).
+// Reductions accumulate in fp32 in their own order, so results may differ from the eager ops
+// in the last bf16 bit. A bf16 CPU model uses these kernels on every step, prefill and decode,
+// and `decoder_layer` calls exactly the kernels the per-op path calls, so a step's outputs do
+// not depend on which of the two paths ran it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int kLanes = 16;
+
+inline float f(bf16 x) { return static_cast<float>(x); }
+inline bf16 b(float x) { return static_cast<bf16>(x); }
+
+// fp32 dot product of two bf16 vectors, 16 independent lanes (vectorizes without fast-math)
+inline float dot_bf16(const bf16* a, const float* qf, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += qf[i + l] * f(a[i + l]);
+  float s = 0;
+  for (; i < n; ++i) s += qf[i] * f(a[i]);
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+inline float sum_squares(const bf16* x, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) { float v = f(x[i + l]); acc[l] += v * v; }
+  float s = 0;
+  for (; i < n; ++i) { float v = f(x[i]); s += v * v; }
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
+// style 0 (Llama): bf16(weight * bf16(x * r)); style 1 (Gemma): bf16(x * r * scale_fp32)
+void rms_row(const bf16* x, bf16* out, int64_t n, const void* w, int64_t style, float eps) {
+  float r = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  if (style == 1) {
+    const float* s = static_cast<const float*>(w);
+    for (int64_t i = 0; i < n; ++i) out[i] = b(f(x[i]) * r * s[i]);
+  } else {
+    const bf16* s = static_cast<const bf16*>(w);
+    for (int64_t i = 0; i < n; ++i) out[i] = b(f(s[i]) * f(b(f(x[i]) * r)));
+  }
+}
+
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+// x [T, n] or [T, H, n] bf16 (rows of a token dense, any token stride) -> normalized,
+// contiguous; weight: fp32 scale (style 1, Gemma) or bf16 weight (style 0, Llama)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, int64_t style, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && (x.dim() == 2 || x.dim() == 3),
+              "rms_norm: x must be bf16 [T, n] or [T, H, n]");
+  int64_t n = x.size(-1), heads = x.dim() == 3 ? x.size(1) : 1, t = x.size(0);
+  TORCH_CHECK(x.stride(-1) == 1 && (x.dim() == 2 || x.stride(1) == n),
+              "rms_norm: the rows of a token must be dense");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n &&
+              weight.scalar_type() == (style == 1 ? at::kFloat : at::kBFloat16),
+              "rms_norm: weight has the wrong size or dtype for its style");
+  auto out = at::empty(x.sizes(), x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const void* wp = weight.data_ptr();
+  int64_t ts = x.stride(0);
+  at::parallel_for(0, t * heads, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      rms_row(xp + (r / heads) * ts + (r % heads) * n, op + r * n, n, wp, style, (float)eps);
+  });
+  return out;
+}
+
+// x [T, H, D] (any row stride between tokens), cos/sin [T, rot] bf16: rotate-half rotary of
+// the first `rot` dims as bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)); returns [T, H, D]
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 &&
+              x.stride(1) == x.size(2), "rotary: x must be bf16 [T, H, D] with dense heads");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  int64_t t = x.size(0), h = x.size(1), d = x.size(2), rot = cos.size(-1), half = rot / 2;
+  auto out = at::empty({t, h, d}, x.options());
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const bf16* cp = cos.data_ptr<bf16>();
+  const bf16* sp = sin.data_ptr<bf16>();
+  int64_t xs = x.stride(0);
+  at::parallel_for(0, t * h, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      int64_t ti = r / h, hi_ = r % h;
+      const bf16* xr = xp + ti * xs + hi_ * d;
+      const bf16* c = cp + ti * rot;
+      const bf16* s = sp + ti * rot;
+      bf16* o = op + r * d;
+      for (int64_t i = 0; i < rot; ++i) {
+        float other = i < half ? -f(xr[i + half]) : f(xr[i - half]);
+        o[i] = b(f(b(f(xr[i]) * f(c[i]))) + f(b(other * f(s[i]))));
+      }
+      for (int64_t i = rot; i < d; ++i) o[i] = xr[i];
+    }
+  });
+  return out;
+}
+
+// gate_up [T, 2I] bf16 -> act(gate) * up; act 0 = silu, 1 = gelu (tanh). The ATen ops the
+// eager model runs (vectorized tanh / exp), so the result is bitwise the eager one.
+at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) {
+  int64_t inter = gate_up.size(-1) / 2;
+  auto gate = gate_up.narrow(-1, 0, inter), up = gate_up.narrow(-1, inter, inter);
+  return (act == 1 ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(up);
+}
+
+// One query token per row. q [B, H, D] bf16; caches [num_blocks, block_size, Hkv, D] bf16;
+// block_tables [B, >= blocks] int; seq_lens [B] int (the query is the last position).
+// scores = bf16(q . k) * scale (fp32), optional softcap, window mask, fp32 softmax, probs
+// rounded to bf16, out = bf16(sum p * v) -- the eager two-matmul attention's rounding points.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, int64_t window, double scale,
+                            double softcap) {
+  check_bf16(q, "q");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "caches must be bfloat16");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+              k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
+              v_cache.strides() == k_cache.strides(), "caches must have dense blocks");
+  auto bt = block_tables.to(at::kLong);
+  auto sl = seq_lens.to(at::kLong);
+  int64_t nb = q.size(0), h = q.size(1), d = q.size(2);
+  int64_t block = k_cache.size(1), hkv = k_cache.size(2), groups = h / hkv;
+  int64_t bstride = k_cache.stride(0), tstride = k_cache.stride(1);
+  auto out = at::empty({nb, h, d}, q.options());
+  const bf16* qp = q.data_ptr<bf16>();
+  const bf16* kp = k_cache.data_ptr<bf16>();
+  const bf16* vp = v_cache.data_ptr<bf16>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  int64_t bt_cols = bt.size(1);
+  bf16* op = out.data_ptr<bf16>();
+  float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  at::parallel_for(0, nb * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(groups * d), acc(groups * d), scores;
+    for (int64_t item = lo; item < hi; ++item) {
+      int64_t r = item / hkv, g = item % hkv;
+      int64_t len = slp[r], qpos = len - 1;
+      int64_t first = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
+      int64_t n = len - first;
+      scores.assign(groups * n, 0.0f);
+      for (int64_t j = 0; j < groups * d; ++j) qf[j] = f(qp[(r * h + g * groups) * d + j]);
+      for (int64_t p = first; p < len; ++p) {
+        const bf16* kr = kp + btp[r * bt_cols + p / block] * bstride + (p % block) * tstride +
+                         g * d;
+        for (int64_t qh = 0; qh < groups; ++qh) {
+          float s = f(b(dot_bf16(kr, qf.data() + qh * d, d))) * fscale;
+          if (cap > 0) s = std::tanh(s / cap) * cap;
+          scores[qh * n + (p - first)] = s;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t qh = 0; qh < groups; ++qh) {
+        float* sc = scores.data() + qh * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
+        float total = 0;
+        for (int64_t j = 0; j < n; ++j) { sc[j] = std::exp(sc[j] - m); total += sc[j]; }
+        for (int64_t j = 0; j < n; ++j) sc[j] = f(b(sc[j] / total));
+      }
+      for (int64_t p = first; p < len; ++p) {
+        const bf16* vr = vp + btp[r * bt_cols + p / block] * bstride + (p % block) * tstride +
+                         g * d;
+        for (int64_t qh = 0; qh < groups; ++qh) {
+          float pr = scores[qh * n + (p - first)];
+          float* a = acc.data() + qh * d;
+          for (int64_t j = 0; j < d; ++j) a[j] += pr * f(vr[j]);
+        }
+      }
+      for (int64_t j = 0; j < groups * d; ++j) op[(r * h + g * groups) * d + j] = b(acc[j]);
+    }
+  });
+  return out;
+}
+
+namespace {
+
+inline float bits_to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &u, sizeof(out));
+  return out;
+}
+
+// rows [n0, n1) of y[N] = W[N, K] x[K], x already widened to fp32; 2 x 16 lanes keep the
+// FMAs independent (and vectorizable without reassociating a single sum)
+void gemv_rows(const uint16_t* w, const float* xf, const bf16* bias, bf16* y, int64_t n0,
+               int64_t n1, int64_t k) {
+  constexpr int L = 2 * kLanes;
+  for (int64_t r = n0; r < n1; ++r) {
+    const uint16_t* wr = w + r * k;
+    float acc[L] = {};
+    int64_t i = 0;
+    for (; i + L <= k; i += L)
+      for (int l = 0; l < L; ++l) acc[l] += xf[i + l] * bits_to_float(wr[i + l]);
+    float s = 0;
+    for (; i < k; ++i) s += xf[i] * bits_to_float(wr[i]);
+    for (int l = 0; l < L; ++l) s += acc[l];
+    if (bias != nullptr) s += f(bias[r]);
+    y[r] = b(s);
+  }
+}
+
+}  // namespace
+
+// x [1, K] bf16, weight [N, K] bf16 row-major -> x W^T (+ bias) [1, N] bf16, accumulated in
+// fp32 and rounded once. One row's matmul only streams the weight from memory: each thread
+// reads its own contiguous slice of rows in plain order, which the prefetchers follow at
+// full bandwidth (oneDNN's blocked kernel reaches ~70% of it at this shape).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias) {
+  check_bf16(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == weight.size(1) &&
+              x.scalar_type() == at::kBFloat16, "gemv: x must be bf16 [1, K]");
+  int64_t k = x.size(1), n = weight.size(0);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto out = at::empty({1, n}, x.options());
+  const bf16* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_bf16(*bias, "bias");
+    TORCH_CHECK(bias->numel() == n, "gemv: bias size");
+    bp = bias->data_ptr<bf16>();
+  }
+  auto w = reinterpret_cast<const uint16_t*>(weight.data_ptr<bf16>());
+  const float* xp = xf.data_ptr<float>();
+  bf16* yp = out.data_ptr<bf16>();
+  at::parallel_for(0, n, 256, [&](int64_t lo, int64_t hi) {
+    gemv_rows(w, xp, bp, yp, lo, hi, k);
+  });
+  return out;
+}
+
+namespace {
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias) {
+  // the oneDNN kernel on a weight prepacked by mkldnn::_reorder_linear_weight, as PackedLinear
+  static auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        c10::string_view, c10::List<std::optional<at::Scalar>>,
+                        std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
+
+}  // namespace
+
+// PackedLinear.forward with the kernels attached: gemv for one row, oneDNN otherwise
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& plain,
+                  const std::optional<at::Tensor>& bias) {
+  return x.size(0) == 1 ? gemv(x, plain, bias) : onednn_linear(x, packed, bias);
+}
+
+// One decoder layer for decode rows (one token each), the same ops in the same order as the
+// eager model with these kernels. style 1 = Gemma (fp32 norm scales: input, post-attention,
+// pre-feedforward, post-feedforward[, q, k]); style 0 = Llama/Qwen (bf16 norm weights: input,
+// post-attention[, q, k]). weights: packed qkv, o, gate_up, down; plain: the same weights in
+// row-major [N, K] for gemv; biases: one per weight.
+at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& weights,
+                         const std::vector<at::Tensor>& plain,
+                         const std::vector<std::optional<at::Tensor>>& biases,
+                         const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
+                         const at::Tensor& slots, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t window, double scale, double softcap,
+                         double eps, int64_t style, int64_t act) {
+  TORCH_CHECK(weights.size() == 4 && plain.size() == 4 && biases.size() == 4,
+              "decoder_layer: 4 linears");
+  int64_t t = h.size(0), qd = num_heads * head_dim, kd = num_kv_heads * head_dim;
+  size_t plain_norms = style == 1 ? 4 : 2;
+  TORCH_CHECK(norms.size() == plain_norms || norms.size() == plain_norms + 2,
+              "decoder_layer: wrong number of norms");
+  auto x = rms_norm(h, norms[0], style, eps);
+  auto qkv = linear(x, weights[0], plain[0], biases[0]);
+  auto q = qkv.narrow(1, 0, qd).view({t, num_heads, head_dim});
+  auto k = qkv.narrow(1, qd, kd).view({t, num_kv_heads, head_dim});
+  auto v = qkv.narrow(1, qd + kd, kd).view({t, num_kv_heads, head_dim});
+  if (norms.size() == plain_norms + 2) {
+    q = rms_norm(q, norms[plain_norms], style, eps);
+    k = rms_norm(k, norms[plain_norms + 1], style, eps);
+  }
+  q = rotary(q, cos, sin);
+  k = rotary(k, cos, sin);
+  kv_cache[0].view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, k);
+  kv_cache[1].view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, v);
+  auto attn = decode_attention(q, kv_cache[0], kv_cache[1], block_tables, seq_lens, window,
+                               scale, softcap).view({t, qd});
+  auto o = linear(attn, weights[1], plain[1], biases[1]);
+  at::Tensor mlp_in, out;
+  if (style == 1) {
+    out = h + rms_norm(o, norms[1], style, eps);
+    mlp_in = rms_norm(out, norms[2], style, eps);
+  } else {
+    out = h + o;
+    mlp_in = rms_norm(out, norms[1], style, eps);
+  }
+  auto gate_up = linear(mlp_in, weights[2], plain[2], biases[2]);
+  auto down = linear(act_mul(gate_up, act), weights[3], plain[3], biases[3]);
+  return style == 1 ? out + rms_norm(down, norms[3], style, eps) : out + down;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("rotary", &rotary);
+  m.def("act_mul", &act_mul);
+  m.def("decode_attention", &decode_attention);
+  m.def("decoder_layer", &decoder_layer);
+  m.def("gemv", &gemv);
+  m.def("linear", &linear);
+}

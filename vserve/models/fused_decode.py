@@ -1,0 +1,76 @@
+"""Decode steps through the fused CPU kernels: one `decoder_layer` call per layer.
+
+A step whose rows all decode one token runs each layer as a single call into vserve.cpu_ops
+(norms, packed linears, rotary, KV write, paged attention, activation, residuals), instead of
+~60 torch ops. It calls the same kernels in the same order as the per-op path the model takes
+for every other step, so its outputs are bitwise those of that path (tests/test_cpu_ops.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vserve.attention.base import AttentionMetadata
+from vserve.models.layers import KERNEL_ACTIVATIONS
+from vserve.models.packed_linear import PackedLinear
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    weights: list[torch.Tensor]             # packed qkv, o, gate_up, down
+    plain: list[torch.Tensor]               # the same, row-major (one-row gemv)
+    biases: list[torch.Tensor | None]
+    norms: list[torch.Tensor]               # in the order decoder_layer documents per style
+    layer_idx: int                          # index into the KV cache list
+    rope: int                               # which of the step's rotary tables
+    consts: tuple                           # heads, kv heads, head dim, window, scale,
+                                            # softcap, eps, norm style, activation
+
+
+class FusedDecode:
+    def __init__(self, kernel, layers: list[FusedLayer]) -> None:
+        self.kernel = kernel
+        self.layers = layers
+
+    @staticmethod
+    def can_run(meta: AttentionMetadata, backend) -> bool:
+        return meta.max_query_len == 1 and backend.name == "torch"
+
+    def run(self, h: torch.Tensor, ropes, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        tables, seq_lens = meta.block_tables.long(), meta.seq_lens.long()
+        slots, layer_fn = meta.slot_mapping, self.kernel.decoder_layer
+        for f in self.layers:
+            cos, sin = ropes[f.rope]
+            h = layer_fn(h, f.weights, f.plain, f.biases, f.norms, kv_caches[f.layer_idx], slots,
+                         tables, seq_lens, cos, sin, *f.consts)
+        return h
+
+
+def build_fused(model, kernel) -> FusedDecode | None:
+    """The fused plan of `model`'s layers, or None when a layer cannot run fused (weights
+    not packed, an activation the kernel lacks)."""
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        if not all(isinstance(m, PackedLinear) and m.plain is not None for m in linears) or \
+                layer.act not in KERNEL_ACTIVATIONS:
+            return None
+        norms, style, rope, eps = model.fused_norms(layer)
+        spec = attn.attn.spec
+        consts = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window or -1,
+                  spec.scale, spec.logit_softcap or 0.0, eps, style, KERNEL_ACTIVATIONS[layer.act])
+        layers.append(FusedLayer([m.packed for m in linears], [m.plain for m in linears],
+                                 [m.bias for m in linears], norms,
+                                 attn.attn.layer_idx, rope, consts))
+    return FusedDecode(kernel, layers)
+
+
+def attach_kernel(model, kernel) -> None:
+    """Point every module that can use the CPU kernels at them, and plan fused decode."""
+    for module in model.modules():
+        if hasattr(module, "kernel"):
+            module.kernel = kernel
+    model.fused = build_fused(model, kernel)
