@@ -1,15 +1,16 @@
 """Fused bf16 kernels for the CPU path (`decode.cpp`), compiled on first use.
 
-At batch 1 a decode step of a small model is dominated not by its matmuls but by the ~100
-small torch ops per layer around them (norms that decompose into eight ops, rotary, the two
-tiny attention matmuls), each paying dispatch and Python overhead. These kernels do that work
-in one call each, and `decoder_layer` runs a whole layer of a decode step in one call.
+At batch 1 a decode step of a small model is dominated not by its matmuls' arithmetic but by
+streaming their weights and by the ~100 small torch ops per layer around them (norms that
+decompose into eight ops, rotary, two tiny attention matmuls), each paying dispatch and Python
+overhead. These kernels do that work in one call each, read a one-row matmul's weight at full
+memory bandwidth, and `decoder_layer` runs a whole layer of a decode step in one call.
 
 The extension is built with the system C++ compiler the first time a bf16 CPU model loads
-(about 30 s), into `~/.cache/vserve/cpu_ops/`, keyed by the source and the torch version;
-later loads reuse it. Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager
-torch path. Only bf16 uses these kernels: fp32 stays on the ops whose results equal
-transformers'.
+(about 30 s), into `$XDG_CACHE_HOME/vserve/cpu_ops/` (default `~/.cache`), keyed by the
+source, the torch version and the CPU's instruction sets; later loads reuse it. Without a
+compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. Only bf16 uses these
+kernels: fp32 stays on the ops whose results equal transformers'.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _cpu_flags() -> bytes:
 def build_dir() -> Path:
     key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()
     digest = hashlib.sha256(key).hexdigest()[:12]
-    root = Path(os.environ.get("VSERVE_CACHE", Path.home() / ".cache" / "vserve"))
-    return root / "cpu_ops" / digest
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "vserve" / "cpu_ops" / digest
 
 
 def load():
