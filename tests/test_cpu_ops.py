@@ -18,8 +18,11 @@ from vserve import SamplingParams, cpu_ops
 from vserve.attention.base import AttentionLayerSpec
 from vserve.attention.torch_backend import _attend_matmul, _gather_blocks, _visible
 from vserve.models import loader
+from vserve.models.fused_decode import FusedDecode
 from vserve.models.layers import _rotate
+from vserve.models.loader import load_model
 from vserve.models.packed_linear import can_pack
+from vserve.models.stage import StageInfo
 
 BF = torch.bfloat16
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -116,6 +119,25 @@ def test_decode_attention_matches_the_gathered_two_matmul_path(ops, heads, kv_he
     _one_ulp_close(out, ref, max_diff_frac=0.05, atol=2 ** -8 * v_cache.abs().max().item())
 
 
+def test_decode_attention_reads_sliced_int64_block_tables(ops):
+    torch.manual_seed(7)
+    k_cache = torch.randn(12, 4, 1, 32).to(BF)
+    v_cache = torch.randn(12, 4, 1, 32).to(BF)
+    big = torch.randperm(12).view(2, 6)                        # int64, rows 6 apart
+    tables, seq_lens = big[:, :3], torch.tensor([9, 12])      # a non-contiguous slice
+    q = torch.randn(2, 2, 32).to(BF)
+    want = ops.decode_attention(q, k_cache, v_cache, tables.contiguous().to(torch.int32),
+                                seq_lens, -1, 0.2, 0.0)
+    assert torch.equal(ops.decode_attention(q, k_cache, v_cache, tables, seq_lens, -1, 0.2,
+                                            0.0), want)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        ops.decode_attention(q, k_cache, v_cache, tables, torch.tensor([9, 13]), -1, 0.2, 0.0)
+    with pytest.raises(RuntimeError, match="one block-table row"):
+        ops.decode_attention(q, k_cache, v_cache, tables[:1], seq_lens, -1, 0.2, 0.0)
+    with pytest.raises(RuntimeError, match="rot <= head dim"):
+        ops.rotary(q, torch.ones(2, 1, 64, dtype=BF), torch.ones(2, 1, 64, dtype=BF))
+
+
 @pytest.mark.parametrize("k", [64, 640, 100])               # 100: a tail past the lanes
 def test_gemv_rounds_the_exact_product_once(ops, k):
     torch.manual_seed(5)
@@ -136,11 +158,12 @@ def test_linear_takes_gemv_for_one_row_and_onednn_otherwise(ops):
     torch.manual_seed(6)
     w, bias = torch.randn(96, 64).to(BF), torch.randn(96).to(BF)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    for rows in (1, 2, 17):
-        x = torch.randn(rows, 64).to(BF)
-        want = (ops.gemv(x, w, bias) if rows == 1 else
-                torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
-        assert torch.equal(ops.linear(x, packed, w, bias), want)
+    one = torch.randn(1, 64).to(BF)
+    assert torch.equal(ops.linear(one, packed, w, bias), ops.gemv(one, w, bias))
+    _one_ulp_close(ops.linear(one, packed, w, bias), F.linear(one, w, bias), max_diff_frac=0.05)
+    for x in (torch.randn(2, 64).to(BF), torch.randn(17, 64).to(BF), torch.randn(1, 3, 64).to(BF)):
+        want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        assert torch.equal(ops.linear(x, packed, w, bias), want)     # oneDNN, bitwise
 
 
 def test_build_failure_falls_back_to_eager(monkeypatch, caplog):
@@ -157,12 +180,14 @@ def test_build_failure_falls_back_to_eager(monkeypatch, caplog):
 PROMPTS = [[5, 17, 99, 3, 42, 7], [8] * 20, list(range(30, 60))]
 
 
-def _generate(model_dir, prompts, fused=True, batch=True, max_tokens=24):
-    llm = make_llm(model_dir, dtype="bfloat16", max_model_len=128)
-    model = llm.engine.client.core.executor.worker.runner.model
-    kernel = model.kernel
-    if not fused:
-        model.fused = None
+def _generate(model_dir, prompts, fused=True, batch=True, max_tokens=24, **engine):
+    llm = make_llm(model_dir, dtype="bfloat16", max_model_len=128, **engine)
+    kernel = None
+    if not engine.get("multiprocess"):   # in-process runner: inspect and switch the path
+        model = llm.engine.client.core.executor.worker.runner.model
+        kernel = model.kernel
+        if not fused:
+            model.fused = None
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     outs = (llm.generate(requests, sp, use_tqdm=False) if batch else
@@ -176,11 +201,15 @@ def _generate(model_dir, prompts, fused=True, batch=True, max_tokens=24):
 
 @needs_packing
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "mistral"])
-def test_fused_decode_is_bitwise_the_per_op_kernel_path(kind, tiny_model_dir):
+def test_fused_decode_is_bitwise_the_per_op_kernel_path(kind, tiny_model_dir, monkeypatch):
+    calls = []
+    run = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
     # one request at a time: every decode step has one row, the gemv row count
     kernel, fused = _generate(tiny_model_dir(kind), PROMPTS, batch=False)
+    assert kernel is not None and len(calls) == len(PROMPTS) * 23   # every decode step
     _, per_op = _generate(tiny_model_dir(kind), PROMPTS, fused=False, batch=False)
-    assert kernel is not None
+    assert len(calls) == len(PROMPTS) * 23
     assert fused == per_op      # token ids and every top-3 logprob, exactly
     _, fused_b = _generate(tiny_model_dir(kind), PROMPTS)
     _, per_op_b = _generate(tiny_model_dir(kind), PROMPTS, fused=False)
@@ -200,3 +229,30 @@ def test_kernels_generate_the_eager_greedy_tokens(kind, tiny_model_dir, monkeypa
         # 0.004 (gemma3) over these 72 tokens; the runner-up tokens may swap on near ties
         for token, a, b in zip(ids_k, lps_k, lps_e):
             assert abs(a[token] - b[token]) < 0.1
+
+
+@needs_packing
+@pytest.mark.parametrize("kind", ["gemma3", "llama"])
+def test_fused_plan_of_each_pipeline_stage(kind, tiny_model_dir):
+    from transformers import AutoConfig
+
+    path = tiny_model_dir(kind)
+    hf_config = AutoConfig.from_pretrained(path)
+    n = hf_config.num_hidden_layers
+    for rank in (0, 1):
+        stage = StageInfo.split(n, 2, rank)
+        model = load_model(path, hf_config, stage, BF, torch.device("cpu"), 128)
+        assert [f.layer_idx for f in model.fused.layers] == list(range(stage.start_layer,
+                                                                       stage.end_layer))
+        head = getattr(model, "lm_head", None)
+        if head is not None and getattr(model, "tie", False) and stage.is_first:
+            assert head.plain is model.model.embed_tokens.weight   # no second copy
+
+
+@needs_packing
+def test_pipeline_parallel_with_kernels_is_bitwise_one_stage(tiny_model_dir):
+    _, one = _generate(tiny_model_dir("gemma3"), PROMPTS, batch=False, max_tokens=12)
+    _, two = _generate(tiny_model_dir("gemma3"), PROMPTS, batch=False, max_tokens=12,
+                       multiprocess=True, distributed_executor_backend="mp",
+                       pipeline_parallel_size=2)
+    assert one == two

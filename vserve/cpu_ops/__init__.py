@@ -8,9 +8,9 @@ memory bandwidth, and `decoder_layer` runs a whole layer of a decode step in one
 
 The extension is built with the system C++ compiler the first time a bf16 CPU model loads
 (about 30 s), into `$XDG_CACHE_HOME/vserve/cpu_ops/` (default `~/.cache`), keyed by the
-source, the torch version and the CPU's instruction sets; later loads reuse it. Without a
-compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. Only bf16 uses these
-kernels: fp32 stays on the ops whose results equal transformers'.
+source, the torch and Python versions and the CPU's instruction sets; later loads reuse it.
+Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. Only bf16
+uses these kernels: fp32 stays on the ops whose results equal transformers'.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -44,7 +45,8 @@ def _cpu_flags() -> bytes:
 
 
 def build_dir() -> Path:
-    key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags()
+    key = (SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()
+           + _cpu_flags())
     digest = hashlib.sha256(key).hexdigest()[:12]
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "vserve" / "cpu_ops" / digest

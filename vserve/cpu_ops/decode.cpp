@@ -100,6 +100,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
   int64_t t = x.size(0), h = x.size(1), d = x.size(2), rot = cos.size(-1), half = rot / 2;
+  TORCH_CHECK(rot % 2 == 0 && rot <= d && cos.numel() == t * rot && sin.sizes() == cos.sizes(),
+              "rotary: cos and sin must be [T, (1,) rot] with an even rot <= head dim");
   auto out = at::empty({t, h, d}, x.options());
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
@@ -145,9 +147,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
               k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
               v_cache.strides() == k_cache.strides(), "caches must have dense blocks");
-  auto bt = block_tables.to(at::kLong);
-  auto sl = seq_lens.to(at::kLong);
+  auto bt = block_tables.to(at::kLong).contiguous();
+  auto sl = seq_lens.to(at::kLong).contiguous();
   int64_t nb = q.size(0), h = q.size(1), d = q.size(2);
+  TORCH_CHECK(q.dim() == 3 && d == k_cache.size(3) && h % k_cache.size(2) == 0,
+              "decode_attention: q must be [B, H, D] with H a multiple of the KV heads");
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == nb && sl.numel() == nb,
+              "decode_attention: one block-table row and one length per query row");
+
   int64_t block = k_cache.size(1), hkv = k_cache.size(2), groups = h / hkv;
   int64_t bstride = k_cache.stride(0), tstride = k_cache.stride(1);
   auto out = at::empty({nb, h, d}, q.options());
@@ -157,6 +164,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* slp = sl.data_ptr<int64_t>();
   int64_t bt_cols = bt.size(1);
+  for (int64_t r = 0; r < nb; ++r)
+    TORCH_CHECK(slp[r] >= 0 && slp[r] <= bt_cols * block,
+                "decode_attention: a sequence is longer than its block table");
   bf16* op = out.data_ptr<bf16>();
   float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, nb * hkv, 1, [&](int64_t lo, int64_t hi) {
@@ -277,7 +287,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 // PackedLinear.forward with the kernels attached: gemv for one row, oneDNN otherwise
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& plain,
                   const std::optional<at::Tensor>& bias) {
-  return x.size(0) == 1 ? gemv(x, plain, bias) : onednn_linear(x, packed, bias);
+  return x.dim() == 2 && x.size(0) == 1 ? gemv(x, plain, bias)
+                                         : onednn_linear(x, packed, bias);
 }
 
 // One decoder layer for decode rows (one token each), the same ops in the same order as the

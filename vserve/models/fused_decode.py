@@ -36,7 +36,9 @@ class FusedDecode:
 
     @staticmethod
     def can_run(meta: AttentionMetadata, backend) -> bool:
-        return meta.max_query_len == 1 and backend.name == "torch"
+        # one token per request, in request order (decoder_layer pairs token r with row r)
+        return (meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs
+                and backend.name == "torch")
 
     def run(self, h: torch.Tensor, ropes, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         tables, seq_lens = meta.block_tables.long(), meta.seq_lens.long()

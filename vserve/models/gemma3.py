@@ -94,6 +94,7 @@ class Gemma3ForCausalLM(nn.Module):
             self.model.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)
+        self.tie = True   # Gemma 3 always ties the head to the embedding
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(*rope_inv_freq(hf_config, t), max_positions)
             for t in ("full_attention", "sliding_attention"))
@@ -129,7 +130,7 @@ class Gemma3ForCausalLM(nn.Module):
         return logits   # model dtype: the sampler widens only when needed
 
     def load_weights(self, weights) -> None:
-        loaded = load_weights(self, _tie(weights, True, self.stage.is_last), STACKED,
+        loaded = load_weights(self, _tie(weights, self.tie, self.stage.is_last), STACKED,
                               lambda name: rename_layer(_strip(name), self.stage))
         check_all_loaded(self, loaded)
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from vserve import cpu_ops
 from vserve.models.fused_decode import attach_kernel
-from vserve.models.packed_linear import can_pack, pack_linears
+from vserve.models.packed_linear import can_pack, pack_linears, share_tied_head
 from vserve.models.registry import model_class
 from vserve.models.stage import StageInfo
 
@@ -36,6 +36,7 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
         # bitwise the same outputs, without a weight reorder per call
         pack_linears(model, keep_plain=kernel is not None)
         if kernel is not None:
+            share_tied_head(model)
             attach_kernel(model, kernel)
     return model
 

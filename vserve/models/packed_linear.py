@@ -51,8 +51,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module, keep_plain: bool = False) -> int:
     """Replace every nn.Linear of `model` by a PackedLinear; returns how many were packed.
-    The original weights are released unless `keep_plain` (the CPU kernels' gemv reads them;
-    a tied lm_head's plain weight is the embedding table itself)."""
+    The original weights are released unless `keep_plain` (the CPU kernels' one-row gemv
+    reads them; `share_tied_head` then drops the tied lm_head's copy)."""
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, nn.Linear)]
     for name, linear in targets:
@@ -60,3 +60,13 @@ def pack_linears(model: nn.Module, keep_plain: bool = False) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, PackedLinear(linear, keep_plain))
     return len(targets)
+
+
+def share_tied_head(model: nn.Module) -> None:
+    """A tied lm_head's row-major weight equals the embedding table (the loader copies the same
+    checkpoint tensor into both): read the table instead of holding a second copy."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(model.model, "embed_tokens", None)
+    if (getattr(model, "tie", False) and isinstance(head, PackedLinear)
+            and head.plain is not None and embed is not None):
+        head.plain = embed.weight
