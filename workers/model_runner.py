@@ -313,7 +313,10 @@ class ModelRunner:
             seq_lens=dev.seq_lens, block_tables=dev.block_tables,
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
             max_query_len=int(np.diff(qsl).max()), max_seq_len=int(seq_lens.max()))
-        meta.backend_data = self.backend.prepare(meta, self.windows)
+        fused = getattr(self.model, "fused", None)
+        if fused is None or not fused.can_run(meta, self.backend):
+            # (a fused decode step reads the paged cache itself: no gathers or masks to plan)
+            meta.backend_data = self.backend.prepare(meta, self.windows)
         return meta
 
     # -- feedback --------------------------------------------------------------------------------

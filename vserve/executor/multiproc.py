@@ -14,6 +14,7 @@ import os
 import pickle
 import socket
 import threading
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
@@ -22,6 +23,13 @@ from vserve.executor.base import Executor, StepFuture, runner_config
 from workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.executor")
+
+# libgomp (torch's OpenMP runtime) lets an idle pool thread spin for 300k iterations after each
+# parallel region, milliseconds on this class of CPU. Between steps that spinning holds a core
+# the engine core and the front end need on a small machine, and the next step starts late;
+# 10k spins still bridge the short gaps between one step's own parallel regions. A value the
+# user sets wins.
+WORKER_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 
 
 class WorkerError(RuntimeError):
@@ -61,7 +69,8 @@ class MultiprocExecutor(Executor):
             proc = ctx.Process(target=worker_main, args=(runner_config(config, rank), setup,
                                                          *conns),
                                name=f"vserve-worker-{rank}", daemon=True)
-            proc.start()
+            with _environment(WORKER_ENV_DEFAULTS):   # read by the child's runtime at start
+                proc.start()
             self.procs.append(proc)
         req_r.close()
         resp_w.close()
@@ -156,6 +165,18 @@ class MultiprocExecutor(Executor):
         if not self._closing and self.on_failure is not None:
             dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
             self.on_failure(f"worker process died: rank/exit code {dead}")
+
+
+@contextmanager
+def _environment(defaults: dict[str, str]):
+    """`defaults` in os.environ (where unset) for the duration: a spawned child inherits them."""
+    added = {k: v for k, v in defaults.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _threads_per_worker(num_local: int) -> int:
