@@ -71,8 +71,9 @@ def _build():
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.glob("*.so")):
-        log.info("building vserve CPU kernels into %s (once, about 30 s)", folder)
+    if not any(folder.glob("*.so")):   # shown at the default log level: a 30 s pause
+        log.warning("building vserve's CPU kernels into %s (once per machine, about 30 s)",
+                    folder)
     _ninja_on_path()
     return load_extension(f"vserve_cpu_ops_{folder.name}", [str(SOURCE)],
                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
