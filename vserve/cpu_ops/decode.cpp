@@ -15,7 +15,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -27,15 +26,17 @@ constexpr int kLanes = 16;
 inline float f(bf16 x) { return static_cast<float>(x); }
 inline bf16 b(float x) { return static_cast<bf16>(x); }
 
-// fp32 dot product of two bf16 vectors, 16 independent lanes (vectorizes without fast-math)
-inline float dot_bf16(const bf16* a, const float* qf, int64_t n) {
-  float acc[kLanes] = {0};
+// fp32 dot product of a bf16 vector with an fp32 one in L independent lanes (vectorizes
+// without fast-math): attention's q . k (16 lanes) and the gemv's rows (32)
+template <int L>
+inline float dot_bf16(const bf16* a, const float* xf, int64_t n) {
+  float acc[L] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += qf[i + l] * f(a[i + l]);
+  for (; i + L <= n; i += L)
+    for (int l = 0; l < L; ++l) acc[l] += xf[i + l] * f(a[i + l]);
   float s = 0;
-  for (; i < n; ++i) s += qf[i] * f(a[i]);
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; i < n; ++i) s += xf[i] * f(a[i]);
+  for (int l = 0; l < L; ++l) s += acc[l];
   return s;
 }
 
@@ -149,9 +150,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
               v_cache.strides() == k_cache.strides(), "caches must have dense blocks");
   auto bt = block_tables.to(at::kLong).contiguous();
   auto sl = seq_lens.to(at::kLong).contiguous();
-  int64_t nb = q.size(0), h = q.size(1), d = q.size(2);
-  TORCH_CHECK(q.dim() == 3 && d == k_cache.size(3) && h % k_cache.size(2) == 0,
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "decode_attention: q must be [B, H, D] with H a multiple of the KV heads");
+  int64_t nb = q.size(0), h = q.size(1), d = q.size(2);
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == nb && sl.numel() == nb,
               "decode_attention: one block-table row and one length per query row");
 
@@ -182,7 +183,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
         const bf16* kr = kp + btp[r * bt_cols + p / block] * bstride + (p % block) * tstride +
                          g * d;
         for (int64_t qh = 0; qh < groups; ++qh) {
-          float s = f(b(dot_bf16(kr, qf.data() + qh * d, d))) * fscale;
+          float s = f(b(dot_bf16<kLanes>(kr, qf.data() + qh * d, d))) * fscale;
           if (cap > 0) s = std::tanh(s / cap) * cap;
           scores[qh * n + (p - first)] = s;
         }
@@ -213,27 +214,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 namespace {
 
-inline float bits_to_float(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float out;
-  std::memcpy(&out, &u, sizeof(out));
-  return out;
-}
-
-// rows [n0, n1) of y[N] = W[N, K] x[K], x already widened to fp32; 2 x 16 lanes keep the
-// FMAs independent (and vectorizable without reassociating a single sum)
-void gemv_rows(const uint16_t* w, const float* xf, const bf16* bias, bf16* y, int64_t n0,
+// rows [n0, n1) of y[N] = W[N, K] x[K] (+ bias), x already widened to fp32; 2 x 16 lanes keep
+// the FMAs independent
+void gemv_rows(const bf16* w, const float* xf, const bf16* bias, bf16* y, int64_t n0,
                int64_t n1, int64_t k) {
-  constexpr int L = 2 * kLanes;
   for (int64_t r = n0; r < n1; ++r) {
-    const uint16_t* wr = w + r * k;
-    float acc[L] = {};
-    int64_t i = 0;
-    for (; i + L <= k; i += L)
-      for (int l = 0; l < L; ++l) acc[l] += xf[i + l] * bits_to_float(wr[i + l]);
-    float s = 0;
-    for (; i < k; ++i) s += xf[i] * bits_to_float(wr[i]);
-    for (int l = 0; l < L; ++l) s += acc[l];
+    float s = dot_bf16<2 * kLanes>(w + r * k, xf, k);
     if (bias != nullptr) s += f(bias[r]);
     y[r] = b(s);
   }
@@ -259,7 +245,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias->numel() == n, "gemv: bias size");
     bp = bias->data_ptr<bf16>();
   }
-  auto w = reinterpret_cast<const uint16_t*>(weight.data_ptr<bf16>());
+  const bf16* w = weight.data_ptr<bf16>();
   const float* xp = xf.data_ptr<float>();
   bf16* yp = out.data_ptr<bf16>();
   at::parallel_for(0, n, 256, [&](int64_t lo, int64_t hi) {
