@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_llm
+from conftest import greedy_with_logprobs, make_llm
 
-from vserve import SamplingParams, cpu_ops
+from vserve import cpu_ops
 from vserve.attention.base import AttentionLayerSpec
 from vserve.attention.torch_backend import _attend_matmul, _gather_blocks, _visible
 from vserve.models import loader
@@ -188,13 +188,7 @@ def _generate(model_dir, prompts, fused=True, batch=True, max_tokens=24, **engin
         kernel = model.kernel
         if not fused:
             model.fused = None
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    outs = (llm.generate(requests, sp, use_tqdm=False) if batch else
-            [llm.generate([r], sp, use_tqdm=False)[0] for r in requests])
-    result = [(o.outputs[0].token_ids,
-               [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-              for o in outs]
+    result = greedy_with_logprobs(llm, prompts, max_tokens, one_at_a_time=not batch)
     llm.shutdown()
     return kernel, result
 

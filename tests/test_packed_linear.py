@@ -4,10 +4,9 @@ outputs are bitwise those of F.linear, layer by layer and end to end."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_llm
+from conftest import greedy_with_logprobs, make_llm
 from torch import nn
 
-from vserve import SamplingParams
 from vserve.models import loader
 from vserve.models.packed_linear import PackedLinear, can_pack, pack_linears
 from vserve.models.stage import FusedLinear
@@ -56,11 +55,7 @@ def _greedy(model_dir, prompts):
     llm = make_llm(model_dir, dtype="bfloat16", max_model_len=128)
     packed = any(isinstance(m, PackedLinear)
                  for m in llm.engine.client.core.executor.worker.runner.model.modules())
-    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    result = [(o.outputs[0].token_ids,
-               [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-              for o in outs]
+    result = greedy_with_logprobs(llm, prompts, max_tokens=12)
     llm.shutdown()
     return packed, result
 
