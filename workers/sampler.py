@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vserve.core.seeds import splitmix64, uniform_for  # noqa: F401 (re-exported)
+from vserve.core.seeds import uniform_for
 from vserve.engine.messages import LogprobsDelta
 
 

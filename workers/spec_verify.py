@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from vserve.core.seeds import uniform_for
 from vserve.engine.messages import LogprobsDelta
 from vserve.sampling_params import SamplingParams
-from workers.sampler import filtered_probs, inverse_cdf, uniform_for
+from workers.sampler import filtered_probs, inverse_cdf
 
 _ACCEPT_STREAM = 0x5BD1E995
 
