@@ -44,14 +44,23 @@ class _FakeReq:
     tokens: list[int]
     num_prompt: int
     eos_after: int | None
+    period: int | None = None
 
 
 class FakeRunner:
+    """`periods` gives some requests their own period (others use `period`). With
+    `check_grammar`, a step's grammar bitmask (from `FakeStructured`) must have been filled
+    after the grammar accepted every earlier output of its request, else `execute` raises."""
+
     def __init__(self, eos_after: dict[str, int] | None = None,
-                 period: int | None = None) -> None:
+                 period: int | None = None, periods: dict[str, int] | None = None,
+                 check_grammar: bool = False) -> None:
+        self.check_grammar = check_grammar
+        self.num_grammar_rows = 0
         self.reqs: dict[str, _FakeReq] = {}
         self.eos_after = eos_after or {}
         self.period = period
+        self.periods = periods or {}
         self.steps: list[SchedulerOutput] = []
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -61,11 +70,14 @@ class FakeRunner:
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id] = _FakeReq(new.epoch, list(new.token_ids),
                                              new.num_prompt_tokens,
-                                             self.eos_after.get(new.req_id))
+                                             self.eos_after.get(new.req_id),
+                                             self.periods.get(new.req_id, self.period))
         ro = RunnerOutput(so.step_id)
         for req_id in so.num_scheduled_tokens:
             req = self.reqs[req_id]
             assert req.epoch == so.req_epochs[req_id], "worker and scheduler disagree on epoch"
+            if self.check_grammar and req_id in so.grammar_req_ids:
+                self._check_mask(so, req_id, len(req.tokens) - req.num_prompt)
             if req_id in so.sampling_req_ids:
                 out = self._verify(req, so.spec_token_ids.get(req_id, []))
                 req.tokens.extend(out)
@@ -73,12 +85,20 @@ class FakeRunner:
                 ro.sampled_token_ids.append(out)
         return ro
 
+    def _check_mask(self, so: SchedulerOutput, req_id: str, num_outputs: int) -> None:
+        marks = so.grammar_bitmask
+        masked_at = marks[so.grammar_req_ids.index(req_id)] if marks is not None else None
+        assert masked_at == num_outputs, (
+            f"step {so.step_id}: {req_id}'s bitmask was filled after its grammar accepted "
+            f"{masked_at} outputs, but it samples output #{num_outputs}")
+        self.num_grammar_rows += 1
+
     def _verify(self, req: _FakeReq, drafts: list[int]) -> list[int]:
         """Greedy verification: accept drafts while they equal the model's own pick, then
         add the model's pick at the first mismatch (or after the last draft)."""
         seq, out = list(req.tokens), []
         for draft in drafts + [None]:
-            token = fake_token(seq, req.eos_after, req.num_prompt, self.period)
+            token = fake_token(seq, req.eos_after, req.num_prompt, req.period)
             out.append(token)
             seq.append(token)
             if token != draft:
@@ -207,17 +227,22 @@ class ControlledFuture:
 
 
 class FakeExecutor:
-    """Executor whose model is FakeRunner; records launches and resolutions."""
+    """Executor whose model is FakeRunner; records launches and resolutions. A step launched
+    with `defer_sampling` runs (and samples) only at `sample_tokens`, which must follow
+    before any other launch, as the real worker's single deferred slot requires."""
 
     def __init__(self, num_blocks: int = 64, runner: FakeRunner | None = None,
                  fail_at_step: int | None = None) -> None:
         self.runner = runner or FakeRunner()
         self.blocks = num_blocks
         self.launched: list[int] = []
+        self.deferred_ids: list[int] = []
+        self.masked_at_launch: list[int] = []   # bitmask filled before the forward launched
         self.resolve_order: list[int] = []
         self.on_resolve: list = []
         self.fail_at_step = fail_at_step
         self.max_in_flight = 0
+        self._deferred = None
 
     def num_kv_blocks(self) -> int:
         return self.blocks
@@ -226,7 +251,22 @@ class FakeExecutor:
         pass
 
     def execute_model(self, so, non_block: bool = False, defer_sampling: bool = False):
+        assert self._deferred is None, "a step launched before the deferred one sampled"
         self.launched.append(so.step_id)
+        if so.grammar_bitmask is not None:
+            self.masked_at_launch.append(so.step_id)
+        if defer_sampling:
+            self._deferred = so
+            self.deferred_ids.append(so.step_id)
+            return None
+        return self._run(so, non_block)
+
+    def sample_tokens(self, so, non_block: bool = False):
+        assert self._deferred is so, "sample_tokens for a step that was not deferred"
+        self._deferred = None
+        return self._run(so, non_block)
+
+    def _run(self, so, non_block: bool):
         error = None
         if self.fail_at_step == len(self.launched):
             error = RuntimeError(f"forward failed at step {so.step_id}")
@@ -242,9 +282,47 @@ class FakeExecutor:
         pass
 
 
+class FakeGrammar:
+    """Accepts every token and counts them."""
+
+    def __init__(self) -> None:
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        self.num_accepted += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class FakeStructured:
+    """Stands in for StructuredOutputManager: a bitmask row records how many tokens its
+    request's grammar had accepted when the row was filled (FakeRunner checks it)."""
+
+    def submit(self, params):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(None)
+        return future
+
+    def new_state(self, compiled) -> FakeGrammar:
+        return FakeGrammar()
+
+    def allocate_bitmask(self, num_rows: int) -> list:
+        return [None] * num_rows
+
+    def fill(self, state: FakeGrammar, bitmask: list, row: int) -> None:
+        bitmask[row] = state.num_accepted
+
+    def shutdown(self) -> None:
+        pass
+
+
 def fake_engine_config(async_scheduling: bool = True, pp: int = 1, block_size: int = 4,
                        max_model_len: int = 128, max_num_batched_tokens: int = 64,
-                       max_num_seqs: int = 8):
+                       max_num_seqs: int = 8, speculative=None):
     from vserve.config import (
         CacheConfig,
         DeviceConfig,
@@ -263,7 +341,7 @@ def fake_engine_config(async_scheduling: bool = True, pp: int = 1, block_size: i
                         ParallelConfig(pipeline_parallel_size=pp,
                                        distributed_executor_backend="mp" if pp > 1 else "uni"),
                         DeviceConfig(), async_scheduling,
-                        None if async_scheduling else "off in this test")
+                        None if async_scheduling else "off in this test", speculative)
 
 
 def core_request(req_id: str, prompt: list[int], max_tokens: int = 8, **sampling):

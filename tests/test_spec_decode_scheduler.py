@@ -156,3 +156,72 @@ def test_grammar_rejection_fails_only_that_request():
     assert driver.finish["g"] == "error" and len(driver.outputs["g"]) == 3
     assert driver.outputs["free"] == expected_tokens([4, 5, 6], 6)
     assert sched.kv.pool.num_used_blocks == 0
+
+
+# -- overlap: only requests whose next step may carry drafts wait for their previous step --------
+NO_MATCH = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2)
+
+
+def _no_draft_workload(kind: str, rng: random.Random):
+    """Requests that get no drafts: random ids with no repeated 2-gram (no match for NO_MATCH),
+    or repetitive ones (drafts would be accepted) with penalties or min_tokens still active."""
+    if kind == "no-match":
+        prompts = {f"r{i}": random_prompt(rng, 8) for i in range(5)}
+        for p in prompts.values():
+            seq = p + expected_tokens(p, 12)
+            bigrams = list(zip(seq, seq[1:]))
+            assert len(set(bigrams)) == len(bigrams)   # the premise: no n-gram match at all
+        return [make_request(k, p, max_tokens=12) for k, p in prompts.items()]
+    reqs = []
+    for i in range(4):
+        prompt = random_prompt(rng, 3) * 3
+        extra = {"repetition_penalty": 1.2} if i % 2 else {"min_tokens": 12}
+        reqs.append(make_request(f"{kind}{i}", prompt, max_tokens=12, **extra))
+    return reqs
+
+
+def _steps(spec, kind, depth, period=None):
+    sched = make_scheduler(async_scheduling=depth > 1, spec=spec)
+    driver = Driver(sched, FakeRunner(period=period), depth=depth)
+    for req in _no_draft_workload(kind, random.Random(7)):
+        driver.add(req)
+    driver.run()
+    return driver, [dict(so.num_scheduled_tokens) for so in driver.runner.steps]
+
+
+@pytest.mark.parametrize("kind, spec, depth, period", [
+    ("no-match", NO_MATCH, 2, None), ("static", SPEC, 2, 3), ("static", SPEC, 3, 3)])
+def test_requests_without_drafts_overlap_as_without_spec(kind, spec, depth, period):
+    driver, steps = _steps(spec, kind, depth, period)
+    plain_driver, plain_steps = _steps(None, kind, depth, period)
+    sync_driver, _ = _steps(spec, kind, 1, period)
+    assert driver.sched.spec_stats[0] == 0
+    assert steps == plain_steps                    # the same steps, each request in the same
+    assert driver.outputs == plain_driver.outputs == sync_driver.outputs
+    assert driver.sched.num_draft_waits == 0
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_request_with_drafts_waits_only_for_its_own_previous_step(depth):
+    rng = random.Random(3)
+    sched = make_scheduler(async_scheduling=True, spec=SPEC, max_model_len=96)
+    driver = Driver(sched, FakeRunner(periods={"rep": PERIOD}), depth=depth)
+    prompts = {"rep": random_prompt(rng, PERIOD) * 2}
+    driver.add(make_request("rep", prompts["rep"], max_tokens=40))
+    for i in range(3):   # never draft (penalties): they must be in every step, as without spec
+        prompts[f"pen{i}"] = random_prompt(rng, PERIOD) * 2
+        driver.add(make_request(f"pen{i}", prompts[f"pen{i}"], max_tokens=30,
+                                repetition_penalty=1.1))
+    driver.run()
+    for k, p in prompts.items():
+        assert driver.outputs[k] == expected_tokens(p, 40 if k == "rep" else 30,
+                                                    period=PERIOD if k == "rep" else None)
+    assert sched.spec_stats[0] > 0 and sched.spec_stats[2] > 0
+    steps = driver.runner.steps
+    for req_id in prompts:
+        ids = [so.step_id for so in steps if req_id in so.num_scheduled_tokens]
+        gaps = {b - a for a, b in zip(ids, ids[1:])}
+        if req_id.startswith("pen"):
+            assert gaps == {1}, (req_id, ids)
+        else:   # after a step with drafts it skips only the steps scheduled while in flight
+            assert max(gaps) <= depth, (req_id, ids)

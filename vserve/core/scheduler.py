@@ -58,6 +58,8 @@ class Scheduler:
         self.structured = structured   # StructuredOutputManager (grammar states, bitmasks)
         self._error_outputs: list[EngineCoreOutput] = []
         self.spec_stats = [0, 0, 0]   # drafts, draft tokens, accepted tokens (cumulative)
+        self._lag_cache: dict[str, tuple[int, bool]] = {}   # req id -> (length, n-gram match)
+        self.num_draft_waits = 0   # requests held back for their previous step (cumulative)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -194,28 +196,68 @@ class Scheduler:
             return 0
         if req.num_tokens + ph >= self.config.max_model_len:
             return 0
-        if self.spec is not None and ph > 0:
-            return 0   # drafts need every earlier id on the host: one step at a time
+        if self.spec is not None and ph > 0 and self._waits_for_drafts(req, ph):
+            self.num_draft_waits += 1
+            return 0   # its next step may carry drafts: they need every earlier id on the host
         pending = req.num_tokens - req.num_computed_tokens
         if self.config.async_scheduling:
             pending += ph
         return max(0, min(pending, budget))
 
+    # -- n-gram drafts -----------------------------------------------------------------------------
+    # Whether the step that samples position p = N + PH may carry drafts is decided from the
+    # ids before p - 1 (the "lagged" match), which are on the host while one step without
+    # drafts is still in flight. So a request with no match overlaps its steps as without
+    # drafts, one with a match waits for its own previous step only, and sync and async runs
+    # draft at the same positions (seeded sampling gives the same tokens in both).
     def _propose(self, req: Request, num_new: int, budget: int) -> list[int]:
         """N-gram drafts for a decoding request whose ids are all known (no step in flight).
         Never more than can yield wanted tokens (max_tokens, max_model_len, the budget)."""
-        spec, sp = self.spec, req.sampling_params
+        spec = self.spec
         if spec is None or num_new != 1 or req.num_output_placeholders or \
-                req.num_computed_tokens != req.num_tokens - 1:
+                req.num_computed_tokens != req.num_tokens - 1 or self._never_drafts(req, 0):
             return []
-        if sp.needs_penalties or req.num_output_tokens < sp.min_tokens or req.use_grammar:
-            return []   # those read the output history (or grammar) position by position
-        room = min(spec.num_speculative_tokens, budget - 1,
-                   self.config.max_model_len - req.num_tokens - 1)
-        if sp.max_tokens is not None:
-            room = min(room, sp.max_tokens - req.num_output_tokens - 1)
-        return propose_ngram(req.all_token_ids, spec.prompt_lookup_min,
-                             spec.prompt_lookup_max, room)
+        room = min(self._draft_room(req, 0), budget - 1)
+        if room <= 0 or not self._lagged_match(req, 0):
+            return []
+        return propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                             room)
+
+    def _waits_for_drafts(self, req: Request, ph: int) -> bool:
+        """A request with `ph` placeholders in flight waits for them iff its next step may
+        carry drafts (or a step in flight may carry some: its positions are not known yet)."""
+        if self._never_drafts(req, ph):
+            return False   # no step of it carried drafts, and this one will not either
+        if ph > 1:
+            return True    # several steps in flight, or one with drafts (it reserved 1 + k)
+        return self._draft_room(req, ph) > 0 and self._lagged_match(req, ph)
+
+    def _never_drafts(self, req: Request, ph: int) -> bool:
+        """No drafts at this position, nor at any earlier one: penalties, min_tokens and
+        grammars read the output history (or grammar) position by position; a prefill has
+        no output yet."""
+        sp = req.sampling_params
+        num_out = req.num_output_tokens + ph
+        return num_out == 0 or num_out < sp.min_tokens or sp.needs_penalties or req.use_grammar
+
+    def _draft_room(self, req: Request, ph: int) -> int:
+        room = min(self.spec.num_speculative_tokens,
+                   self.config.max_model_len - (req.num_tokens + ph) - 1)
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens - (req.num_output_tokens + ph) - 1)
+        return room
+
+    def _lagged_match(self, req: Request, ph: int) -> bool:
+        """An n-gram match on the ids before the one this step feeds (cached per position)."""
+        length = req.num_tokens + ph - 1
+        cached = self._lag_cache.get(req.request_id)
+        if cached is None or cached[0] != length:
+            spec = self.spec
+            tokens = req.all_token_ids if length == req.num_tokens else \
+                req.all_token_ids[:length]
+            found = bool(propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, 1))
+            cached = self._lag_cache[req.request_id] = (length, found)
+        return cached[1]
 
     def _schedule_req(self, req: Request, num_new: int, plan: _StepPlan,
                       drafts: list[int] = ()) -> None:
@@ -302,6 +344,7 @@ class Scheduler:
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
+        self._lag_cache.pop(req.request_id, None)
 
     # -- commit ----------------------------------------------------------------------------------
     def update_from_output(
@@ -390,6 +433,16 @@ class Scheduler:
                     req.epoch == so.req_epochs[req_id]:
                 self.structured.fill(req.grammar, bitmask, row)
         so.grammar_bitmask = bitmask
+
+    def grammar_behind(self, so: SchedulerOutput) -> bool:
+        """Whether a grammar request of `so` still has an older step in flight, whose tokens
+        its grammar has not accepted yet (its bitmask must wait for that step's commit)."""
+        for req_id in so.grammar_req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req.epoch == so.req_epochs[req_id] and \
+                    req.inflight_step_ids[0] != so.step_id:
+                return True
+        return False
 
     def has_error_outputs(self) -> bool:
         return bool(self._error_outputs)
