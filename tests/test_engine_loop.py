@@ -2,9 +2,18 @@
 controls (scenarios 18-23 of the async-scheduling reference)."""
 
 import pytest
-from fakes import FakeExecutor, FakeRunner, core_request, expected_tokens, fake_engine_config
+from fakes import (
+    FakeExecutor,
+    FakeRunner,
+    FakeStructured,
+    core_request,
+    expected_tokens,
+    fake_engine_config,
+)
 
-from vserve.engine.core import EngineCore
+from vserve.core.spec_decode import SpeculativeConfig
+from vserve.engine.core import GRAMMAR_WAIT, EngineCore
+from vserve.sampling_params import StructuredOutputsParams
 
 
 def _core(depth_async=True, pp=1, executor=None, **cfg):
@@ -106,3 +115,93 @@ def test_s23_futures_resolve_fifo_from_mp_executor(tiny_model_dir):
         sched.check_invariants()
     finally:
         llm.shutdown()
+
+
+# -- structured output: the bitmask of a step waits for every older step of its requests --------
+def _grammar_core(depth, runner, async_on=True):
+    core = _core(async_on, executor=FakeExecutor(runner=runner))
+    core.depth = depth   # the queue depth alone, whatever PP does with its steps
+    core.structured = core.scheduler.structured = FakeStructured()
+    return core
+
+
+def _by_request(outputs):
+    by_req = {}
+    for o in outputs:
+        by_req.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return by_req
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_grammar_bitmask_sees_every_earlier_token_at_any_depth(depth):
+    """A grammar request admitted while another step is in flight sits in several queued
+    steps at depth >= 3; each of its bitmasks must be filled after its grammar accepted every
+    earlier output (B1), and after the step's forward was launched (B7a)."""
+    runner = FakeRunner(check_grammar=True)
+    core = _grammar_core(depth, runner, async_on=depth > 1)
+    prompts = {"a": [1, 2, 3], "g0": [4, 5, 6], "g1": [7, 8], "g2": [9, 10, 11, 12]}
+    core.add_request(core_request("a", prompts["a"], max_tokens=12))
+    outputs = core.step_fn() or []   # a's first step is in flight when the grammars arrive
+    grammar = StructuredOutputsParams(regex="[a-z]+")
+    for k in ("g0", "g1", "g2"):
+        core.add_request(core_request(k, prompts[k], max_tokens=10, structured_outputs=grammar))
+    outputs += _drain(core)
+    ex = core.executor
+    assert _by_request(outputs) == {k: expected_tokens(p, 12 if k == "a" else 10)
+                                    for k, p in prompts.items()}
+    assert runner.num_grammar_rows == 30
+    assert ex.resolve_order == ex.launched and ex.max_in_flight <= depth
+    assert ex.masked_at_launch == []   # every bitmask was filled while its forward ran
+    records = core.recorder.take()
+    waited = {r.step_id for r in records if r.no_overlap == GRAMMAR_WAIT}
+    assert waited == {so.step_id for so in runner.steps if so.pending_grammar}
+    assert bool(waited) == (depth > 1)
+    assert core.make_stats().no_overlap_steps.get(GRAMMAR_WAIT, 0) == len(waited)
+
+
+# -- speculative decoding: requests without drafts overlap as without it -----------------------
+NO_MATCH = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2)
+SPEC_WAIT = "speculative decoding: drafts need the previous step's tokens on the host"
+
+
+def _spec_run(async_on, spec, prompts, period=None, penalties=False):
+    core = _core(async_on, speculative=spec,
+                 executor=FakeExecutor(runner=FakeRunner(period=period)))
+    extra = {"repetition_penalty": 1.2} if penalties else {}
+    for k, p in prompts.items():
+        core.add_request(core_request(k, p, max_tokens=12, **extra))
+    outputs = _by_request(_drain(core))
+    steps = [dict(so.num_scheduled_tokens) for so in core.executor.runner.steps]
+    reasons = [r.no_overlap for r in core.recorder.take() if r.num_tokens]
+    return outputs, steps, reasons, core
+
+
+@pytest.mark.parametrize("case", ["no-match", "penalties"])
+def test_spec_configured_no_draft_workload_runs_as_without_spec(case):
+    """With speculative_config set and no request able to draft, the engine runs the same
+    steps with the same overlap as without it, and the same tokens as the sync run."""
+    if case == "no-match":   # random ids: no repeated 2-gram (checked), so no n-gram drafts
+        spec, period, penalties = NO_MATCH, None, False
+        prompts = {f"r{i}": [(37 * i + 11 * j) % 997 for j in range(8)] for i in range(4)}
+        for p in prompts.values():
+            seq = p + expected_tokens(p, 12)
+            assert len(set(zip(seq, seq[1:]))) == len(seq) - 1
+    else:                    # repetitive text (drafts would match), but penalties
+        spec, period, penalties = SpeculativeConfig(), 3, True
+        prompts = {f"r{i}": [i + 1, i + 2, i + 3] * 3 for i in range(4)}
+    outputs, steps, reasons, core = _spec_run(True, spec, prompts, period, penalties)
+    plain = _spec_run(True, None, prompts, period, penalties)
+    sync = _spec_run(False, spec, prompts, period, penalties)
+    assert core.scheduler.spec_stats[0] == 0
+    assert steps == plain[1] and reasons == plain[2]
+    assert SPEC_WAIT not in reasons
+    assert outputs == plain[0] == sync[0]
+    assert len(core.executor.launched) == len(plain[3].executor.launched)
+
+
+def test_spec_wait_is_reported_for_a_request_with_drafts():
+    prompts = {"rep": [5, 6, 7] * 4}
+    outputs, steps, reasons, core = _spec_run(True, SpeculativeConfig(), prompts, period=3)
+    assert outputs == {"rep": expected_tokens(prompts["rep"], 12, period=3)}
+    assert core.scheduler.spec_stats[0] > 0
+    assert SPEC_WAIT in reasons

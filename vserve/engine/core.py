@@ -23,6 +23,8 @@ from vserve.executor import make_executor
 
 logger = logging.getLogger("vserve.engine")
 
+GRAMMAR_WAIT = "structured output: sampling waits for older steps to advance the grammar"
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor=None) -> None:
@@ -47,6 +49,8 @@ class EngineCore:
         self._aborts: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.recorder = StepRecorder()
         self._idle = True   # nothing ran since the engine last ran out of work
+        self._draft_waits = 0   # the scheduler's count of requests held back for drafts ...
+        self._held_for_drafts = False   # ... and whether the last schedule held one back
         self._log_mode()
 
     def _log_mode(self) -> None:
@@ -94,16 +98,14 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return []
         so = self._schedule()
-        self.scheduler.fill_grammar_bitmask(so)   # nothing in flight: grammars are current
-        runner_output = self.executor.execute_model(so)
-        return self._commit(so, runner_output)
+        return self._commit(so, self._launch(so).result())   # nothing in flight before it
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
         """Fill the queue first; when full (or nothing more to schedule), commit the oldest.
 
         A step whose grammar requests still have tokens in flight is *deferred*: its forward
-        is launched now, but its sampling (with the grammar bitmask) only after the oldest
-        step committed and advanced the grammars."""
+        is launched now, but its sampling (with the grammar bitmask) only after every older
+        step that carries one of them has committed and advanced its grammar."""
         self._apply_aborts()
         deferred = None
         if self.scheduler.has_requests() and len(self.batch_queue) < self.depth:
@@ -112,38 +114,57 @@ class EngineCore:
                 self.executor.execute_model(so, non_block=True, defer_sampling=True)
                 deferred = so
             else:
-                self.scheduler.fill_grammar_bitmask(so)
-                self.batch_queue.append((self.executor.execute_model(so, non_block=True), so))
+                self.batch_queue.append((self._launch(so), so))
                 if len(self.batch_queue) < self.depth and self.scheduler.has_requests():
                     return None
         if not self.batch_queue:
             return None
-        future, so = self.batch_queue.popleft()
-        outputs = self._commit(so, future.result())
+        outputs = self._commit_oldest()
         if deferred is not None:
+            while self.scheduler.grammar_behind(deferred):   # at depth >= 3: in later ones too
+                assert self.batch_queue, "a grammar request's older step is not in the queue"
+                outputs += self._commit_oldest()
             self.scheduler.fill_grammar_bitmask(deferred)
             self.batch_queue.append(
                 (self.executor.sample_tokens(deferred, non_block=True), deferred))
         return outputs
 
+    def _launch(self, so):
+        """Launch a step whose grammars are current; their bitmask is filled while the
+        forward runs (its sampling waits for it)."""
+        if not so.grammar_req_ids:
+            return self.executor.execute_model(so, non_block=True)
+        self.executor.execute_model(so, non_block=True, defer_sampling=True)
+        self.scheduler.fill_grammar_bitmask(so)
+        return self.executor.sample_tokens(so, non_block=True)
+
+    def _commit_oldest(self) -> list[EngineCoreOutput]:
+        future, so = self.batch_queue.popleft()
+        return self._commit(so, future.result())
+
     def _schedule(self):
         start = time.perf_counter()
         so = self.scheduler.schedule()
         self.recorder.scheduled(so, start, time.perf_counter(), len(self.batch_queue),
-                                self._no_overlap_reason(), self._idle)
+                                self._no_overlap_reason(so), self._idle)
         self._idle = False
+        self._draft_waits, waits = self.scheduler.num_draft_waits, self._draft_waits
+        self._held_for_drafts = self._draft_waits != waits
         return so
 
-    def _no_overlap_reason(self) -> str | None:
-        """Why this step is launched with no other step in flight (the device waits for the
-        host); None when it overlaps an earlier step."""
-        if self.batch_queue:
+    def _no_overlap_reason(self, so) -> str | None:
+        """Why this step's device work waits for the host: no other step with tokens is in
+        flight when it launches, or its sampling waits for older steps' tokens; None when
+        it overlaps an earlier step."""
+        if so.pending_grammar and self.batch_queue:
+            return GRAMMAR_WAIT
+        if any(queued.total_num_scheduled_tokens for _, queued in self.batch_queue):
             return None
         if self.depth == 1:
             return "async scheduling off: " + (self.config.async_off_reason or "depth 1")
         if self._idle:
             return "first step after idle"
-        if self.config.speculative is not None:
+        if self._held_for_drafts:
             return "speculative decoding: drafts need the previous step's tokens on the host"
         return "nothing could be scheduled ahead of the previous step"
 
