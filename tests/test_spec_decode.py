@@ -73,6 +73,21 @@ def test_seeded_sampling_with_drafts_is_reproducible(model):
     assert first == again and first[2] == alone
 
 
+def test_seeded_sampling_with_drafts_equal_sync_and_async(model):
+    """Sync and async runs draft at the same positions (the decision is taken on ids known
+    in both), so seeded sampling, whose tokens depend on the drafts, gives the same tokens."""
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for async_on in (False, True):
+        llm = make_llm(model, max_model_len=512, async_scheduling=async_on,
+                       speculative_config=SPEC)
+        outs[async_on] = [o.outputs[0].token_ids
+                          for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        assert llm.engine.client.core.scheduler.spec_stats[0] > 0
+        llm.shutdown()
+    assert outs[False] == outs[True]
+
+
 def test_rejection_sampling_keeps_the_target_distribution():
     """Draft d at position 0: the first emitted token follows p0 exactly, and after an
     accepted draft the next one follows p1."""
