@@ -21,6 +21,34 @@ def test_propose_ngram():
     assert propose_ngram([7, 7], 1, 3, 0) == []
 
 
+def _reference_ngram(tokens, min_n, max_n, k):
+    """The proposer's rule, written as the plain loop over start positions."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        best = []
+        for start in range(length - n - 1, -1, -1):
+            if k > 0 and tokens[start:start + n] == tokens[length - n:]:
+                follow = tokens[start + n:start + n + k]
+                if len(follow) == k:
+                    return follow
+                best = follow if len(follow) > len(best) else best
+        if best:
+            return best
+    return []
+
+
+def test_propose_ngram_equals_the_plain_loop():
+    rng = random.Random(0)
+    for _ in range(5000):
+        vocab = rng.choice([2, 3, 20, 300, 2**31 - 1])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        if rng.random() < 0.3:
+            tokens = tokens[:len(tokens) // 2] * 2 + tokens[:rng.randint(0, 3)]
+        lo = rng.randint(1, 4)
+        hi, k = rng.randint(lo, 5), rng.randint(0, 5)
+        assert propose_ngram(tokens, lo, hi, k) == _reference_ngram(tokens, lo, hi, k), tokens
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_outputs_equal_plain_run_and_drafts_are_accepted(depth):
     rng = random.Random(depth)
