@@ -25,7 +25,9 @@ class StepRecord:
     forward_end: float = 0.0
     ready: float = 0.0
     launch_interval: float = 0.0   # since the previous launch (0 for the first after idle)
-    no_overlap: str | None = None  # why no other step was in flight when this one launched
+    no_overlap: str | None = None  # why the device waited for the host: no other step with
+    #                                tokens in flight at launch, or its sampling waited for older
+    #                                steps (a grammar)
 
 
 class StepRecorder:
