@@ -148,8 +148,8 @@ class EngineCore:
         self.recorder.scheduled(so, start, time.perf_counter(), len(self.batch_queue),
                                 self._no_overlap_reason(so), self._idle)
         self._idle = False
-        self._draft_waits, waits = self.scheduler.num_draft_waits, self._draft_waits
-        self._held_for_drafts = self._draft_waits != waits
+        waits = self.scheduler.num_draft_waits
+        self._held_for_drafts, self._draft_waits = waits != self._draft_waits, waits
         return so
 
     def _no_overlap_reason(self, so) -> str | None:
