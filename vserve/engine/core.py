@@ -144,6 +144,9 @@ class EngineCore:
 
     def _schedule(self):
         start = time.perf_counter()
+        # nothing was running (an in-process client stops stepping once its requests finish,
+        # leaving only an empty step in the queue): this step starts after idle
+        self._idle |= not self.scheduler.running
         so = self.scheduler.schedule()
         self.recorder.scheduled(so, start, time.perf_counter(), len(self.batch_queue),
                                 self._no_overlap_reason(so), self._idle)
