@@ -205,3 +205,20 @@ def test_spec_wait_is_reported_for_a_request_with_drafts():
     assert outputs == {"rep": expected_tokens(prompts["rep"], 12, period=3)}
     assert core.scheduler.spec_stats[0] > 0
     assert SPEC_WAIT in reasons
+
+
+def test_first_step_of_a_new_wave_is_reported_after_idle():
+    """The in-process client stops stepping once its requests finish, leaving an empty step
+    (the finished ids) queued; the next wave's first step did not overlap anything."""
+    core = _core(True)
+    core.add_request(core_request("a", [1, 2, 3], max_tokens=4))
+    finished = False
+    while not finished:
+        finished = any(o.finish_reason for o in core.step_fn() or [])
+    assert core.batch_queue and not core.scheduler.running
+    core.recorder.take()
+    core.add_request(core_request("b", [4, 5, 6], max_tokens=4))
+    _drain(core)
+    first = core.recorder.take()[0]
+    assert first.num_tokens and first.no_overlap == "first step after idle"
+    assert first.launch_interval == 0.0
