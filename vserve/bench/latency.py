@@ -7,7 +7,8 @@ import statistics
 import time
 
 from vserve.bench.datasets import random_samples
-from vserve.bench.overlap import overlap_report, percentile, write_plot, write_trace
+from vserve.bench.overlap import overlap_report, percentile
+from vserve.bench.trace import write_plot, write_trace
 from vserve.entrypoints.cli_args import add_engine_args, engine_args_from
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)

@@ -6,7 +6,8 @@ import json
 import time
 
 from vserve.bench.datasets import add_dataset_args, load_samples
-from vserve.bench.overlap import overlap_report, write_plot, write_trace
+from vserve.bench.overlap import overlap_report
+from vserve.bench.trace import write_plot, write_trace
 from vserve.entrypoints.cli_args import add_engine_args, engine_args_from
 
 

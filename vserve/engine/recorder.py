@@ -7,7 +7,7 @@ and result-ready times (its own clock; on one host `perf_counter` is shared by p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -26,6 +26,9 @@ class StepRecord:
     ready: float = 0.0
     launch_interval: float = 0.0   # since the previous launch (0 for the first after idle)
     no_overlap: str | None = None  # why no other step was in flight when this one launched
+    # (start, end) of the forward on each PP stage, first to last; empty: one stage, whose
+    # forward is forward_start..forward_end
+    stage_forwards: list[tuple[float, float]] = field(default_factory=list)
 
 
 class StepRecorder:
@@ -56,6 +59,7 @@ class StepRecorder:
         if timing is not None:
             rec.recv, rec.forward_start = timing.recv, timing.forward_start
             rec.forward_end, rec.ready = timing.forward_end, timing.ready
+            rec.stage_forwards = list(timing.stage_forwards)
         if len(self.recent) < self.max_records:
             self.recent.append(rec)
 
