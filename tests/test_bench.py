@@ -114,3 +114,49 @@ def test_plot(model, tmp_path):
     png = tmp_path / "steps.png"
     _bench("throughput", *_common(model), "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_throughput_compare_sync(model, tmp_path):
+    """--compare-sync: the same workload sync, then async, in one process; the sync run
+    calibrates the async run's overlap report and the JSON carries both and the ratio."""
+    out_json = tmp_path / "cmp.json"
+    stdout = _bench("throughput", *_common(model), "--temperature", "0", "--compare-sync",
+                    "--output-json", str(out_json))
+    assert stdout.count("Overlap report") == 2 and "Async speedup over sync:" in stdout
+    r = json.loads(out_json.read_text())
+    c = r["compare_sync"]
+    sync = c["sync_result"]
+    assert (sync["async_scheduling"], sync["executor"]) == (False, "uni")
+    assert (r["async_scheduling"], r["executor"]) == (True, "mp")
+    assert sync["total_num_output_tokens"] == r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
+    assert c["metric"] == "output_throughput"
+    assert c["sync"] == sync["output_throughput"] and c["async"] == r["output_throughput"]
+    assert c["async_speedup"] == pytest.approx(r["output_throughput"] / sync["output_throughput"])
+    assert r["overlap"]["calibration"] == "the sync run"
+    assert sync["overlap"]["calibration"] == "this run's quiet steps"
+    # every sync forward is quiet: it calibrates itself, step for step
+    assert sync["overlap"]["calibrated_steps"] == sync["overlap"]["num_steps"]
+    assert sync["overlap"]["forward_slowdown"] == pytest.approx(1.0)
+
+
+def test_latency_compare_sync(model, tmp_path):
+    out_json = tmp_path / "lat_cmp.json"
+    stdout = _bench("latency", "--model", model, "--dtype", "float32", "--max-model-len",
+                    "256", "--batch-size", "2", "--input-len", "16", "--output-len", "6",
+                    "--num-iters-warmup", "1", "--num-iters", "2", "--compare-sync",
+                    "--output-json", str(out_json))
+    assert "Async speedup over sync:" in stdout
+    r = json.loads(out_json.read_text())
+    c = r["compare_sync"]
+    assert c["metric"] == "avg_latency" and r["async_scheduling"] is True
+    assert c["sync_result"]["async_scheduling"] is False
+    assert c["async_speedup"] == pytest.approx(c["sync_result"]["avg_latency"]
+                                               / r["avg_latency"])
+
+
+def test_compare_sync_refuses_a_sync_only_run(model):
+    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", "throughput",
+           *_common(model), "--compare-sync", "--no-async-scheduling"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--compare-sync runs both modes; drop --no-async-scheduling" in proc.stderr

@@ -113,7 +113,7 @@ def test_efficiency_falls_as_the_forward_stretches():
     assert scores == sorted(scores, reverse=True) and len(set(scores)) == len(scores)
 
 
-# -- calibration ------------------------------------------------------------------------------------
+# -- calibration -----------------------------------------------------------------------------------
 def test_calibrates_on_the_runs_own_quiet_steps():
     """Without a sync run: an async run's quiet step (launched after idle, nothing beside it)
     of the same shape calibrates the stretched ones."""
@@ -159,7 +159,7 @@ def _shift(r, ids, dt):
     return r
 
 
-# -- PP ------------------------------------------------------------------------------------------------
+# -- PP --------------------------------------------------------------------------------------------
 G = 0.003   # each stage's forward
 
 
