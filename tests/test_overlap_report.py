@@ -44,7 +44,7 @@ def async_run(n=N, stretch=0.0):
     records = []
     for k in range(n):
         f = (k * fwd, (k + 1) * fwd)
-        sched_start = (k - 1) * fwd + C if k else -S
+        sched_start = (k - 1) * fwd + C   # step 0: before anything runs
         commit = ((k + 2) * fwd, (k + 2) * fwd + C) if k + 2 < n else (f[1], f[1] + C)
         interval = fwd if k else 0.0
         records.append(_record(k, (sched_start, sched_start + S), f, commit, interval))
@@ -172,8 +172,7 @@ def pp_run(n=N, pipelined=True):
     for k in range(n):
         s0 = (k * period, k * period + G)
         s1 = (s0[1], s0[1] + G)
-        sched = (s0[0] - S - 0.0002, s0[0] - 0.0002) if k == 0 else \
-            ((k - 1) * period + C, (k - 1) * period + C + S)
+        sched = ((k - 1) * period + C, (k - 1) * period + C + S)
         commit = (s1[1], s1[1] + C)
         records.append(_record(k, sched, s1, commit, period if k else 0.0, stages=(s0, s1)))
     return records
@@ -227,3 +226,45 @@ def test_report_dict_keeps_the_old_figure_under_its_own_name():
     d = overlap_report(async_run(stretch=S + C), calibration=sync_run()).to_dict()
     assert "stretched_forward_over_interval" in d and "overlap_efficiency" in d
     assert d["overlap_efficiency"] != d["stretched_forward_over_interval"]
+
+
+def test_a_calibration_slower_than_the_run_is_flagged():
+    """A sync run on a busier machine calibrates forwards longer than the run's own: the
+    report says so instead of presenting an efficiency above 1 as a result."""
+    rep = overlap_report(async_run(), calibration=sync_run(fwd=2 * F))
+    assert rep.forward_slowdown == pytest.approx(0.5)
+    assert rep.warning and "not to be trusted" in rep.format()
+    assert overlap_report(async_run(), calibration=sync_run()).warning is None
+
+
+def spec_like_run(n=N):
+    """Async with nothing schedulable ahead (drafts wait for the previous step's tokens):
+    after each launch an empty step is launched at once, and the next busy step only after
+    the commit. One step at a time, like sync, with no reason recorded by the engine."""
+    records, t, last_launch, step_id = [], 0.0, None, 0
+    for _ in range(n):
+        launch = t + S
+        interval = launch - last_launch if last_launch is not None else 0.0
+        f = (launch, launch + F)
+        records.append(_record(step_id, (t, launch), f, (f[1], f[1] + C), interval))
+        empty = StepRecord(step_id + 1, 0, 0, 1, launch + 1e-5, launch + 2e-5,
+                           launch_interval=2e-5)
+        records.append(empty)
+        t, last_launch, step_id = f[1] + C, empty.schedule_end, step_id + 2
+    for r, nxt in zip(records, records[1:]):
+        nxt.launch_interval = nxt.schedule_end - r.schedule_end if nxt.launch_interval else 0
+    return records
+
+
+def test_empty_steps_between_do_not_shorten_the_interval():
+    rep = overlap_report(spec_like_run())
+    assert rep.num_steps == N
+    assert rep.overlap_efficiency == pytest.approx(F / (F + S + C))
+    assert rep.steps_without_overlap == {}
+    assert rep.serialized_steps == N - 1
+
+
+def test_serialized_steps_by_the_timestamps():
+    assert overlap_report(sync_run()).serialized_steps == N - 1
+    assert overlap_report(async_run()).serialized_steps == 0
+    assert overlap_report(pp_run()).serialized_steps == 0

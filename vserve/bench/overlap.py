@@ -20,8 +20,8 @@ same batch shape with no host work beside it:
 * forward slowdown = sum of forwards / sum of their calibrated forwards: > 1 when host work
   beside the forward stretched it.
 * overlap efficiency (the headline) = sum of the bottleneck stage's calibrated forwards / sum
-  of the launch intervals that follow their steps: the share of each step that unstretched
-  device work fills. For one workload the calibrated forwards are fixed, so a run with longer
+  of the times from each step's launch to the next busy step's (empty steps launched between
+  count as part of it): the share of each step that unstretched device work fills. For one workload the calibrated forwards are fixed, so a run with longer
   steps always scores lower.
 * host hidden, net = (host time covered by some forward - the forwards' stretch) / host time,
   the stretch being total forward time x (1 - 1 / slowdown): host work that merely moved onto
@@ -34,7 +34,8 @@ few of, and on host work the engine core records (the worker's reply thread is n
 so `--compare-sync` is the sound source. With PP the interval of a stage runs from one step's
 forward start on that stage to the next step's; the bottleneck is the stage with the longest
 mean forward. The report also gives TPOT p50 / p99 and the steps launched with no other step
-in flight, by the reason the engine gave. The timeline of the same records: `vserve.bench.trace`.
+in flight: by the reason the engine gave, and by the timestamps (launched after every earlier
+step committed; an empty step in the queue hides such a step from the engine's count). The timeline of the same records: `vserve.bench.trace`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from vserve.bench.trace import busy_steps, is_busy
 from vserve.engine.recorder import StepRecord
 
 QUIET_SHARE = 0.02   # host work may stretch a quiet forward by at most this share
+FASTER_THAN_CALIBRATION = 0.9   # a slowdown below this: the calibration is not to be trusted
 Span = tuple[float, float]
 ShapeKey = tuple[int, int, int]   # (PP stage, num tokens, num seqs)
 
@@ -84,6 +86,8 @@ class OverlapReport:
     bottleneck_stage: int = 0
     stages: list[dict] = field(default_factory=list)
     steps_without_overlap: dict[str, int] = field(default_factory=dict)
+    serialized_steps: int = 0              # by the timestamps: nothing in flight beside them
+    warning: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,9 +118,12 @@ class OverlapReport:
                  ("Steps without overlap:", str(sum(self.steps_without_overlap.values())))]
         rows += [(f"  {reason}", str(n))
                  for reason, n in sorted(self.steps_without_overlap.items())]
+        rows.append(("  by the timestamps (no step in flight):", str(self.serialized_steps)))
         lines = ["{s:{c}^64}".format(s=" Overlap report ", c="=")]
         lines += [f"{label:<50}{value:>14}" if len(label) <= 50 else f"{label}  {value}"
                   for label, value in rows]
+        if self.warning:
+            lines.append(f"Warning: {self.warning}")
         return "\n".join(lines + ["=" * 64])
 
 
@@ -185,7 +192,8 @@ def overlap_report(records: list[StepRecord], request_outputs=(),
     records = sorted(records, key=lambda r: r.step_id)
     steps = busy_steps(records)
     calib = calibrated_forwards(calibration if calibration is not None else records)
-    stages = _stage_figures(steps, records, calib)
+    following = _following_busy(records)
+    stages = _stage_figures(steps, following, calib)
     bottleneck = max(stages, key=lambda s: s.mean_forward_ms).stage if stages else 0
     slowdown, matched = _slowdown(steps, calib)
     host = _host_figures(records, steps)
@@ -202,7 +210,7 @@ def overlap_report(records: list[StepRecord], request_outputs=(),
     return OverlapReport(
         num_steps=len(steps), mean_forward_ms=mean_fwd * 1e3,
         mean_launch_interval_ms=mean_int * 1e3,
-        overlap_efficiency=_efficiency(records, bottleneck, calib),
+        overlap_efficiency=_efficiency(steps, following, bottleneck, calib),
         forward_slowdown=slowdown, calibrated_steps=matched,
         calibration="the sync run" if calibration is not None else "this run's quiet steps",
         host_total_ms=host[0] * 1e3, host_hidden_ms=host[1] * 1e3,
@@ -211,7 +219,15 @@ def overlap_report(records: list[StepRecord], request_outputs=(),
         stretched_forward_over_interval=(mean_fwd / mean_int) if mean_int else 0.0,
         tpot_p50_ms=percentile(tpots, 50), tpot_p99_ms=percentile(tpots, 99),
         bottleneck_stage=bottleneck, stages=[asdict(s) for s in stages],
-        steps_without_overlap=_no_overlap_reasons(steps))
+        steps_without_overlap=_no_overlap_reasons(steps),
+        serialized_steps=serialized_steps(steps), warning=_warning(slowdown))
+
+
+def _warning(slowdown: float | None) -> str | None:
+    if slowdown is not None and slowdown < FASTER_THAN_CALIBRATION:
+        return ("forwards ran faster than their calibration (a busier machine or a cold "
+                "start during it): the calibrated figures are not to be trusted")
+    return None
 
 
 def _key(r: StepRecord, stage: int) -> ShapeKey:
@@ -230,15 +246,28 @@ def _slowdown(steps: list[StepRecord], calib: dict) -> tuple[float | None, int]:
     return (measured / base if base > 0 else None), matched
 
 
-def _efficiency(records: list[StepRecord], stage: int, calib: dict) -> float | None:
-    """Calibrated forwards of `stage` over the launch intervals that follow their steps."""
+def _efficiency(steps: list[StepRecord], following: dict, stage: int,
+                calib: dict) -> float | None:
+    """Calibrated forwards of `stage` over the time from each step's launch to the next busy
+    step's (empty steps launched in between count as part of the interval)."""
     base = interval = 0.0
-    for r, nxt in zip(records, records[1:]):
-        b = calib.get(_key(r, stage))
-        if is_busy(r) and nxt.launch_interval > 0 and b is not None:
+    for r in steps:
+        b, nxt = calib.get(_key(r, stage)), following.get(r.step_id)
+        if b is not None and nxt is not None:
             base += b
-            interval += nxt.launch_interval
+            interval += nxt.schedule_end - r.schedule_end
     return base / interval if interval > 0 else None
+
+
+def serialized_steps(steps: list[StepRecord]) -> int:
+    """Busy steps launched when every earlier busy step had already committed: nothing ran
+    beside them, whatever the engine's reasons say (the first step is not counted)."""
+    count, last_commit = 0, None
+    for r in steps:
+        if last_commit is not None and r.schedule_end >= last_commit:
+            count += 1
+        last_commit = max(last_commit or 0.0, r.commit_end or r.forward_end)
+    return count
 
 
 def _host_figures(records: list[StepRecord], steps: list[StepRecord]) -> tuple[float, ...]:
@@ -254,11 +283,10 @@ def _host_figures(records: list[StepRecord], steps: list[StepRecord]) -> tuple[f
             sched_total - sched_hidden)
 
 
-def _stage_figures(steps: list[StepRecord], records: list[StepRecord],
+def _stage_figures(steps: list[StepRecord], following: dict,
                    calib: dict) -> list[StageFigures]:
     """Per PP stage: mean forward, mean start-to-start interval, mean calibrated forward."""
     num_stages = max((len(stage_spans(r)) for r in steps), default=0)
-    following = _following_busy(records)
     out = []
     for stage in range(num_stages):
         rows = [r for r in steps if len(stage_spans(r)) > stage]
