@@ -21,8 +21,8 @@ same batch shape with no host work beside it:
   beside the forward stretched it.
 * overlap efficiency (the headline) = sum of the bottleneck stage's calibrated forwards / sum
   of the times from each step's launch to the next busy step's (empty steps launched between
-  count as part of it): the share of each step that unstretched device work fills. For one workload the calibrated forwards are fixed, so a run with longer
-  steps always scores lower.
+  count as part of it): the share of each step that unstretched device work fills. For one
+  workload the calibrated forwards are fixed, so a run with longer steps always scores lower.
 * host hidden, net = (host time covered by some forward - the forwards' stretch) / host time,
   the stretch being total forward time x (1 - 1 / slowdown): host work that merely moved onto
   the forward's cores hides nothing.
@@ -35,7 +35,8 @@ so `--compare-sync` is the sound source. With PP the interval of a stage runs fr
 forward start on that stage to the next step's; the bottleneck is the stage with the longest
 mean forward. The report also gives TPOT p50 / p99 and the steps launched with no other step
 in flight: by the reason the engine gave, and by the timestamps (launched after every earlier
-step committed; an empty step in the queue hides such a step from the engine's count). The timeline of the same records: `vserve.bench.trace`.
+step committed; an empty step in the queue hides such a step from the engine's count). The
+timeline of the same records: `vserve.bench.trace`.
 """
 
 from __future__ import annotations
