@@ -268,3 +268,14 @@ def test_serialized_steps_by_the_timestamps():
     assert overlap_report(sync_run()).serialized_steps == N - 1
     assert overlap_report(async_run()).serialized_steps == 0
     assert overlap_report(pp_run()).serialized_steps == 0
+
+
+def test_trace_has_a_lane_per_pp_stage():
+    from vserve.bench.trace import chrome_trace
+
+    events = chrome_trace(pp_run(n=4))["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"PP stage 0", "PP stage 1", "forward", "schedule"} <= lanes
+    stage = [e for e in events if e["name"] == "stage forward"]
+    assert len(stage) == 8
+    assert all(e["dur"] == pytest.approx(G * 1e6) for e in stage)

@@ -1,8 +1,9 @@
 """The timeline of a run from its step records: a Chrome trace and a per-step plot.
 
 `chrome_trace` turns the records into a Chrome trace (chrome://tracing, Perfetto): one CPU
-lane per process (front end: detokenize; engine core: schedule, update) and a device lane per
-worker (forward), so the overlap report's figures can be checked against the timeline.
+lane per process (front end: detokenize; engine core: schedule, update) and a device lane for
+the forward (and one per PP stage when the stages report their own spans), so the overlap
+report's figures can be checked against the timeline.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def busy_steps(records: list[StepRecord]) -> list[StepRecord]:
 
 
 FRONTEND_PID, ENGINE_PID, WORKER_PID = 1, 2, 3
+STAGE_TID = 10   # worker lanes of the PP stages' own forwards, when the stages report them
 
 
 def chrome_trace(records: list[StepRecord], detokenize_spans=()) -> dict:
@@ -42,6 +44,11 @@ def chrome_trace(records: list[StepRecord], detokenize_spans=()) -> dict:
         if r.commit_end:
             slice_("update", ENGINE_PID, 2, r.commit_start, r.commit_end, **info)
         slice_("forward", WORKER_PID, 1, r.forward_start, r.forward_end, **info)
+        for stage, (start, end) in enumerate(r.stage_forwards):
+            slice_("stage forward", WORKER_PID, STAGE_TID + stage, start, end, **info)
+    num_stages = max((len(r.stage_forwards) for r in steps), default=0)
+    events += [{"name": "thread_name", "ph": "M", "pid": WORKER_PID, "tid": STAGE_TID + i,
+                "args": {"name": f"PP stage {i}"}} for i in range(num_stages)]
     for start, end in detokenize_spans:
         slice_("detokenize", FRONTEND_PID, 1, start, end)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
