@@ -64,7 +64,7 @@ def test_fully_exposed_host_work():
     assert rep.host_hidden_ms == pytest.approx(0.0, abs=1e-9)
     assert rep.host_hidden_net_share == pytest.approx(0.0, abs=1e-9)
     assert rep.forward_slowdown == pytest.approx(1.0)
-    assert rep.calibrated_steps == N and rep.calibration == "this run's quiet steps"
+    assert rep.calibrated_steps == N - 1 and rep.calibration == "this run's quiet steps"
     assert rep.overlap_efficiency == pytest.approx(F / (F + S + C))
     assert rep.steps_without_overlap == {"async scheduling off: test": N}
 
@@ -77,7 +77,7 @@ def test_fully_hidden_host_work():
     assert rep.forward_slowdown == pytest.approx(1.0)
     assert rep.host_hidden_net_share == pytest.approx((N - 1) / N)
     assert rep.overlap_efficiency == pytest.approx(1.0)
-    assert rep.calibration == "the sync run" and rep.calibrated_steps == N
+    assert rep.calibration == "the sync run" and rep.calibrated_steps == N - 1
 
 
 def test_stretched_forward_shows_slowdown_and_does_not_score_higher():
@@ -117,12 +117,23 @@ def test_efficiency_falls_as_the_forward_stretches():
 def test_calibrates_on_the_runs_own_quiet_steps():
     """Without a sync run: an async run's quiet step (launched after idle, nothing beside it)
     of the same shape calibrates the stretched ones."""
-    quiet = sync_run(n=1, reason="first step after idle")
-    run = quiet + [_shift(r, 1, 1.0) for r in async_run(stretch=S + C)]
-    rep = overlap_report(run)
-    assert rep.calibration == "this run's quiet steps" and rep.calibrated_steps == N + 1
-    expected = (F + N * (F + S + C)) / ((N + 1) * F)
+    quiet = sync_run(n=1, t0=1.0, first_id=N, reason="first step after idle")
+    rep = overlap_report(async_run(stretch=S + C) + quiet)
+    # the run's first step is left out (start-up costs); the quiet one counts
+    assert rep.calibration == "this run's quiet steps" and rep.calibrated_steps == N
+    expected = ((N - 1) * (F + S + C) + F) / (N * F)
     assert rep.forward_slowdown == pytest.approx(expected)
+
+
+def test_a_cold_first_step_is_left_out():
+    """Start-up costs land on each run's first step (here 100x and 30x the forward): they
+    neither calibrate nor count as slowdown."""
+    calibration, run = sync_run(), async_run()
+    calibration[0].forward_end += 99 * F
+    run[0].forward_end += 29 * F
+    rep = overlap_report(run, calibration=calibration)
+    assert rep.forward_slowdown == pytest.approx(1.0)
+    assert rep.overlap_efficiency == pytest.approx(1.0)
 
 
 def test_no_quiet_step_and_no_sync_run_gives_no_score():

@@ -16,7 +16,8 @@ same batch shape with no host work beside it:
 * calibrated forward, per batch shape (PP stage, num tokens, num seqs): the mean quiet forward
   of that shape in the calibration records, those of a sync run of the same workload and
   engine args (`--compare-sync`) when there is one, else this run's own quiet steps. Steps
-  whose shape has none are left out of the figures below (`calibrated_steps` counts the rest).
+  whose shape has none are left out of the figures below (`calibrated_steps` counts the rest),
+  and so is each run's first step, which carries one-time start-up costs.
 * forward slowdown = sum of forwards / sum of their calibrated forwards: > 1 when host work
   beside the forward stretched it.
 * overlap efficiency (the headline) = sum of the bottleneck stage's calibrated forwards / sum
@@ -178,11 +179,16 @@ def calibrated_forwards(records: list[StepRecord]) -> dict[ShapeKey, float]:
     """Mean quiet forward per (stage, num tokens, num seqs)."""
     host = Coverage(host_spans(records))
     quiet: dict[ShapeKey, list[float]] = {}
-    for r in busy_steps(records):
+    for r in warm_steps(records):
         for stage, (start, end) in enumerate(stage_spans(r)):
             if end > start and host.covered(start, end) <= QUIET_SHARE * (end - start):
                 quiet.setdefault((stage, r.num_tokens, r.num_reqs), []).append(end - start)
     return {key: statistics.fmean(v) for key, v in quiet.items()}
+
+
+def warm_steps(records: list[StepRecord]) -> list[StepRecord]:
+    """The busy steps but a run's first, which carries one-time start-up costs."""
+    return busy_steps(sorted(records, key=lambda r: r.step_id))[1:]
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -196,7 +202,7 @@ def overlap_report(records: list[StepRecord], request_outputs=(),
     following = _following_busy(records)
     stages = _stage_figures(steps, following, calib)
     bottleneck = max(stages, key=lambda s: s.mean_forward_ms).stage if stages else 0
-    slowdown, matched = _slowdown(steps, calib)
+    slowdown, matched = _slowdown(steps[1:], calib)
     host = _host_figures(records, steps)
     fwd_total = sum(e - s for r in steps for s, e in stage_spans(r))
     net = None
@@ -211,7 +217,7 @@ def overlap_report(records: list[StepRecord], request_outputs=(),
     return OverlapReport(
         num_steps=len(steps), mean_forward_ms=mean_fwd * 1e3,
         mean_launch_interval_ms=mean_int * 1e3,
-        overlap_efficiency=_efficiency(steps, following, bottleneck, calib),
+        overlap_efficiency=_efficiency(steps[1:], following, bottleneck, calib),
         forward_slowdown=slowdown, calibrated_steps=matched,
         calibration="the sync run" if calibration is not None else "this run's quiet steps",
         host_total_ms=host[0] * 1e3, host_hidden_ms=host[1] * 1e3,
