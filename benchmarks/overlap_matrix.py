@@ -10,8 +10,8 @@ fresh `vserve bench throughput` process, greedy, EOS ignored.
   PP=1 sync and async, with the PP=2 bottleneck stage's launch interval over its forward.
 * host-bound: a tinier fp32 Llama (hidden 64, 2 layers, vocab 4096), 256 prompts x 32 in /
   96 out, max_num_seqs 256, where host work is large next to the forward: sync in-process,
-  sync worker processes, async (run with --compare-sync, so its overlap report is calibrated
-  on a sync run in the same process). Async / best sync.
+  sync worker processes, async (run with --compare-sync: its overlap report is calibrated on
+  a sync run with the same executor in the same process). Async / best sync.
 * spec: async with and without an n-gram `speculative_config`, on a workload where no request
   can draft (min_tokens = output length, in both cells); spec / plain output tok/s, and the
   steps the spec cell ran without overlap because of drafts.
@@ -226,7 +226,7 @@ def host_bound_rows(args) -> dict:
                **{f"output_throughput[{k}]": v for k, v in tput.items()}}
     print("\n".join(lines))
     print(f"\nhost-bound: async / best sync = {_f(summary['async_over_best_sync'], 3)} "
-          f"(async / sync uni in the async cell's own process: "
+          f"(async / sync mp in the async cell's own process: "
           f"{_f(summary['async_over_sync_same_process'], 3)})")
     return {"cells": [{"mode": k, **r} for k, runs in res.items() for r in runs],
             "summary": summary}

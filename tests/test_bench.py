@@ -1,5 +1,6 @@
 """`vserve bench throughput | latency` on a tiny model: printed fields, JSON, trace, report."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -126,7 +127,8 @@ def test_throughput_compare_sync(model, tmp_path):
     r = json.loads(out_json.read_text())
     c = r["compare_sync"]
     sync = c["sync_result"]
-    assert (sync["async_scheduling"], sync["executor"]) == (False, "uni")
+    # the same executor in both runs: async's default (worker processes on a CPU)
+    assert (sync["async_scheduling"], sync["executor"]) == (False, "mp")
     assert (r["async_scheduling"], r["executor"]) == (True, "mp")
     assert sync["total_num_output_tokens"] == r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
     assert c["metric"] == "output_throughput"
@@ -160,3 +162,15 @@ def test_compare_sync_refuses_a_sync_only_run(model):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--compare-sync runs both modes; drop --no-async-scheduling" in proc.stderr
+
+
+def test_compare_sync_keeps_an_explicit_executor(model):
+    from vserve.bench.compare import mode_engine_args
+    from vserve.config import EngineArgs
+
+    sync, async_ = mode_engine_args(EngineArgs(model=model, distributed_executor_backend="uni"))
+    assert (sync.async_scheduling, sync.distributed_executor_backend) == (False, "uni")
+    assert (async_.async_scheduling, async_.distributed_executor_backend) == (True, "uni")
+    sync, async_ = mode_engine_args(EngineArgs(model=model, dtype="float32"))
+    assert sync.distributed_executor_backend == async_.distributed_executor_backend == "mp"
+    assert dataclasses.replace(sync, async_scheduling=True) == async_

@@ -1,8 +1,10 @@
 """`--compare-sync` of `vserve bench throughput | latency`: the same workload run twice in one
-process, async scheduling off and then on, every other engine argument as given (an executor
-left unset takes each mode's default: in-process for sync, worker processes for async on a
-CPU). The sync run's step records calibrate the async run's overlap report (see
-`vserve.bench.overlap`), and the result gains the ratio of the two.
+process, async scheduling off and then on, every other engine argument the same. That
+includes the executor: one left unset becomes async's default (worker processes on a CPU) in
+both runs, so the two forwards run in the same process layout and the sync run's step
+records can calibrate the async run's overlap report (see `vserve.bench.overlap`). Async
+against the *best* sync configuration (in-process or worker processes) is the host-bound row
+of `benchmarks/overlap_matrix.py`. The result gains the ratio of the two runs.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ from vserve.config import EngineArgs
 def add_compare_arg(p) -> None:
     p.add_argument("--compare-sync", action="store_true",
                    help="run the workload with async scheduling off, then on (same engine "
-                        "args otherwise), in this process; print both and async's speedup")
+                        "args and executor otherwise), in this process; print both and "
+                        "async's speedup")
 
 
 def mode_engine_args(engine_args: EngineArgs) -> tuple[EngineArgs, EngineArgs]:
     """(sync, async) engine args for --compare-sync."""
     if engine_args.async_scheduling is False:
         raise ValueError("--compare-sync runs both modes; drop --no-async-scheduling")
-    return (dataclasses.replace(engine_args, async_scheduling=False),
-            dataclasses.replace(engine_args, async_scheduling=True))
+    async_args = dataclasses.replace(engine_args, async_scheduling=True)
+    if async_args.distributed_executor_backend is None:
+        backend = async_args.create_engine_config().parallel.distributed_executor_backend
+        async_args = dataclasses.replace(async_args, distributed_executor_backend=backend)
+    return dataclasses.replace(async_args, async_scheduling=False), async_args
 
 
 def run_both(run_one: Callable, engine_args: EngineArgs):
