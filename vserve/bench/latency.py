@@ -14,7 +14,8 @@ from vserve.bench.compare import (
     run_both,
 )
 from vserve.bench.datasets import random_samples
-from vserve.bench.overlap import overlap_report, percentile
+from vserve.bench.overlap import overlap_report
+from vserve.bench.stats import percentile
 from vserve.bench.trace import write_plot, write_trace
 from vserve.entrypoints.cli_args import add_engine_args, engine_args_from
 

@@ -46,6 +46,7 @@ import bisect
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from vserve.bench.stats import percentile, request_tpots
 from vserve.bench.trace import busy_steps, is_busy
 from vserve.engine.recorder import StepRecord
 
@@ -61,10 +62,6 @@ class StageFigures:
     mean_forward_ms: float
     mean_interval_ms: float            # forward start to the next step's, on this stage
     calibrated_forward_ms: float | None
-
-    @property
-    def interval_over_forward(self) -> float:
-        return self.mean_interval_ms / self.mean_forward_ms if self.mean_forward_ms else 0.0
 
 
 @dataclass
@@ -330,23 +327,3 @@ def _no_overlap_reasons(steps: list[StepRecord]) -> dict[str, int]:
         if r.no_overlap:
             reasons[r.no_overlap] = reasons.get(r.no_overlap, 0) + 1
     return reasons
-
-
-def request_tpots(request_outputs) -> list[float]:
-    """Per request: (last token time - first token time) / (output tokens - 1), in ms."""
-    out = []
-    for ro in request_outputs:
-        m = ro.metrics
-        n = sum(len(c.token_ids) for c in ro.outputs) // max(1, len(ro.outputs))
-        if n > 1 and "first_token_time" in m:
-            out.append((m["last_token_time"] - m["first_token_time"]) / (n - 1) * 1e3)
-    return out
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
