@@ -7,7 +7,7 @@ and result-ready times (its own clock; on one host `perf_counter` is shared by p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -24,11 +24,11 @@ class StepRecord:
     forward_start: float = 0.0
     forward_end: float = 0.0
     ready: float = 0.0
+    # (start, end) of each PP stage's own forward, first to last; empty: one stage, whose
+    # forward is forward_start..forward_end
+    stage_forwards: tuple[tuple[float, float], ...] = ()
     launch_interval: float = 0.0   # since the previous launch (0 for the first after idle)
     no_overlap: str | None = None  # why no other step was in flight when this one launched
-    # (start, end) of the forward on each PP stage, first to last; empty: one stage, whose
-    # forward is forward_start..forward_end
-    stage_forwards: list[tuple[float, float]] = field(default_factory=list)
 
 
 class StepRecorder:
@@ -58,8 +58,8 @@ class StepRecorder:
         timing = getattr(runner_output, "timing", None)
         if timing is not None:
             rec.recv, rec.forward_start = timing.recv, timing.forward_start
+            rec.stage_forwards = tuple(timing.stage_forwards)
             rec.forward_end, rec.ready = timing.forward_end, timing.ready
-            rec.stage_forwards = list(timing.stage_forwards)
         if len(self.recent) < self.max_records:
             self.recent.append(rec)
 
