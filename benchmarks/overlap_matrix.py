@@ -202,9 +202,9 @@ def pp_summary(res: dict[str, list]) -> dict:
 
 
 def bottleneck_ratio(result: dict) -> float:
-    """The bottleneck PP stage's interval over its forward. Until the stages report their
-    own spans the report sees one stage: the last, whose forward includes its wait for the
-    previous stage's hidden states."""
+    """The bottleneck PP stage's interval over its forward. Until every stage reports its own
+    span (`StepTiming.stage_forwards`) the report sees one stage: the last, the span the
+    worker times as the step's forward."""
     ov = result["overlap"]
     stage = ov["stages"][ov["bottleneck_stage"]]
     return stage["mean_interval_ms"] / max(stage["mean_forward_ms"], 1e-9)
