@@ -140,7 +140,7 @@ def test_no_quiet_step_and_no_sync_run_gives_no_score():
     rep = overlap_report(async_run(stretch=S + C))
     assert rep.overlap_efficiency is None and rep.forward_slowdown is None
     assert rep.host_hidden_net_share is None and rep.calibrated_steps == 0
-    assert "n/a" in rep.format()
+    assert "n/a" in rep.format() and "none (--compare-sync calibrates)" in rep.format()
     assert rep.stretched_forward_over_interval == pytest.approx(1.0)
 
 

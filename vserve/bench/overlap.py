@@ -100,7 +100,8 @@ class OverlapReport:
             ("Overlap efficiency (calibrated fwd / interval):",
              _fmt(self.overlap_efficiency, 3)),
             (f"  calibrated on {self.calibration}:",
-             f"{self.calibrated_steps}/{self.num_steps} steps"),
+             f"{self.calibrated_steps}/{self.num_steps} steps" if self.calibrated_steps
+             else "none (--compare-sync calibrates)"),
             ("Host time hidden, net of the slowdown:", _fmt(self.host_hidden_net_share, 3)),
             ("Host time total (schedule + commit, ms):", f"{self.host_total_ms:.2f}"),
             ("  under a forward (ms):", f"{self.host_hidden_ms:.2f}"),
