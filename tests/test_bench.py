@@ -1,5 +1,6 @@
 """`vserve bench throughput | latency` on a tiny model: printed fields, JSON, trace, report."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -36,7 +37,10 @@ def test_throughput_vserve_json_trace_and_report(model, tmp_path):
                      r"[\d.]+ output tokens/s", stdout)
     assert f"Total num output tokens:  {NUM_PROMPTS * OUT_LEN}" in stdout
     for label in ("Mean model forward time (ms):", "Mean step launch interval (ms):",
-                  "Overlap efficiency (forward / interval):", "hidden under a forward",
+                  "Forward slowdown under overlap:",
+                  "Overlap efficiency (calibrated fwd / interval):",
+                  "Host time hidden, net of the slowdown:", "under a forward (ms):",
+                  "Stretched fwd / interval (old, not a score):",
                   "TPOT p50 (ms):", "TPOT p99 (ms):", "Steps without overlap:"):
         assert label in stdout
     r = json.loads(out_json.read_text())
@@ -47,8 +51,8 @@ def test_throughput_vserve_json_trace_and_report(model, tmp_path):
     assert r["requests_per_second"] == pytest.approx(NUM_PROMPTS / r["elapsed_time"])
     ov = r["overlap"]
     assert ov["num_steps"] >= OUT_LEN
-    assert ov["schedule_hidden_ms"] + ov["schedule_exposed_ms"] == pytest.approx(
-        ov["schedule_total_ms"])
+    assert ov["host_hidden_ms"] + ov["host_exposed_ms"] == pytest.approx(ov["host_total_ms"])
+    assert ov["schedule_exposed_ms"] <= ov["schedule_total_ms"] <= ov["host_total_ms"]
     _check_trace(json.loads(trace.read_text()), ov)
 
 
@@ -111,3 +115,75 @@ def test_plot(model, tmp_path):
     png = tmp_path / "steps.png"
     _bench("throughput", *_common(model), "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_throughput_compare_sync(model, tmp_path):
+    """--compare-sync: the same workload sync, then async, in one process; the sync run
+    calibrates the async run's overlap report and the JSON carries both and the ratio."""
+    out_json = tmp_path / "cmp.json"
+    stdout = _bench("throughput", *_common(model), "--temperature", "0", "--compare-sync",
+                    "--output-json", str(out_json))
+    assert stdout.count("Overlap report") == 2 and "Async speedup over sync:" in stdout
+    r = json.loads(out_json.read_text())
+    c = r["compare_sync"]
+    sync = c["sync_result"]
+    # the same executor in both runs: async's default (worker processes on a CPU)
+    assert (sync["async_scheduling"], sync["executor"]) == (False, "mp")
+    assert (r["async_scheduling"], r["executor"]) == (True, "mp")
+    assert sync["total_num_output_tokens"] == r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
+    assert c["metric"] == "output_throughput"
+    assert c["sync"] == sync["output_throughput"] and c["async"] == r["output_throughput"]
+    assert c["async_speedup"] == pytest.approx(r["output_throughput"] / sync["output_throughput"])
+    assert r["overlap"]["calibration"] == "the sync run"
+    assert sync["overlap"]["calibration"] == "this run's quiet steps"
+    # every sync forward is quiet: it calibrates itself, step for step (but the first)
+    assert sync["overlap"]["calibrated_steps"] == sync["overlap"]["num_steps"] - 1
+    assert sync["overlap"]["forward_slowdown"] == pytest.approx(1.0)
+
+
+def test_latency_compare_sync(model, tmp_path):
+    out_json = tmp_path / "lat_cmp.json"
+    stdout = _bench("latency", "--model", model, "--dtype", "float32", "--max-model-len",
+                    "256", "--batch-size", "2", "--input-len", "16", "--output-len", "6",
+                    "--num-iters-warmup", "1", "--num-iters", "2", "--compare-sync",
+                    "--output-json", str(out_json))
+    assert "Async speedup over sync:" in stdout
+    r = json.loads(out_json.read_text())
+    c = r["compare_sync"]
+    assert c["metric"] == "avg_latency" and r["async_scheduling"] is True
+    assert c["sync_result"]["async_scheduling"] is False
+    assert c["async_speedup"] == pytest.approx(c["sync_result"]["avg_latency"]
+                                               / r["avg_latency"])
+
+
+def test_compare_sync_refuses_a_sync_only_run(model):
+    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", "throughput",
+           *_common(model), "--compare-sync", "--no-async-scheduling"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--compare-sync runs both modes; drop --no-async-scheduling" in proc.stderr
+
+
+def test_compare_sync_keeps_an_explicit_executor(model):
+    from vserve.bench.compare import mode_engine_args
+    from vserve.config import EngineArgs
+
+    sync, async_ = mode_engine_args(EngineArgs(model=model, distributed_executor_backend="uni"))
+    assert (sync.async_scheduling, sync.distributed_executor_backend) == (False, "uni")
+    assert (async_.async_scheduling, async_.distributed_executor_backend) == (True, "uni")
+    sync, async_ = mode_engine_args(EngineArgs(model=model, dtype="float32"))
+    assert sync.distributed_executor_backend == async_.distributed_executor_backend == "mp"
+    assert dataclasses.replace(sync, async_scheduling=True) == async_
+
+
+@pytest.mark.parametrize("min_tokens", [0, OUT_LEN])
+def test_min_tokens_keeps_requests_from_drafting(model, tmp_path, min_tokens):
+    """The spec row of the overlap matrix: with min_tokens = the output length no request can
+    draft, on prompts (a repeated run of tokens) where n-gram drafts are proposed otherwise."""
+    out_json = tmp_path / "spec.json"
+    _bench("throughput", *_common(model), "--dataset-name", "repetitive", "--temperature", "0",
+           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+           "--min-tokens", str(min_tokens), "--output-json", str(out_json))
+    r = json.loads(out_json.read_text())
+    assert r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
+    assert (r.get("spec_num_drafts", 0) > 0) == (min_tokens == 0)

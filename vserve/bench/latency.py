@@ -6,8 +6,17 @@ import json
 import statistics
 import time
 
+from vserve.bench.compare import (
+    add_compare_arg,
+    comparison,
+    mode_fields,
+    print_comparison,
+    run_both,
+)
 from vserve.bench.datasets import random_samples
-from vserve.bench.overlap import overlap_report, percentile, write_plot, write_trace
+from vserve.bench.overlap import overlap_report
+from vserve.bench.stats import percentile
+from vserve.bench.trace import write_plot, write_trace
 from vserve.entrypoints.cli_args import add_engine_args, engine_args_from
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -25,44 +34,21 @@ def add_parser(sub) -> None:
     p.add_argument("--output-json", default=None)
     p.add_argument("--trace", default=None)
     p.add_argument("--plot", default=None)
+    add_compare_arg(p)
     add_engine_args(p)
     p.set_defaults(func=run, enable_prefix_caching=False)
 
 
 def run(args) -> int:
-    from vserve import LLM, SamplingParams
-
     engine_args = engine_args_from(args)
-    llm = LLM(**vars(engine_args))
-    samples = random_samples(llm.get_tokenizer(), llm.config.model.vocab_size,
-                             args.batch_size, args.input_len, args.output_len)
-    prompts = [{"prompt_token_ids": s.prompt_ids} for s in samples]
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0,
-                            ignore_eos=True, max_tokens=args.output_len)
-    for _ in range(args.num_iters_warmup):
-        llm.generate(prompts, params, use_tqdm=False)
-    llm.engine.take_step_records()
-    llm.engine.take_detokenize_spans()
-    latencies, outs = [], []
-    for _ in range(args.num_iters):
-        start = time.perf_counter()
-        outs += llm.generate(prompts, params, use_tqdm=False)
-        latencies.append(time.perf_counter() - start)
-    records = llm.engine.take_step_records()
-    spans = llm.engine.take_detokenize_spans()
-    report = overlap_report(records, outs)
-    result = {
-        "avg_latency": statistics.fmean(latencies),
-        "std_latency": statistics.pstdev(latencies),
-        "latencies": latencies,
-        "percentiles": {str(p): percentile(latencies, p) for p in PERCENTILES},
-        "overlap": report.to_dict(),
-    }
-    print(f"Avg latency: {result['avg_latency']:.6f} seconds")
-    print(f"Std latency: {result['std_latency']:.6f} seconds")
-    for p in PERCENTILES:
-        print(f"{p}% percentile latency: {result['percentiles'][str(p)]:.6f} seconds")
-    print(report.format())
+    if not args.compare_sync:
+        result, records, spans = _run_once(args, engine_args)
+    else:
+        sync, (result, records, spans) = run_both(
+            lambda ea, calibration: _run_once(args, ea, calibration), engine_args)
+        result["compare_sync"] = comparison(sync[0], result, "avg_latency", False)
+        result["compare_sync"]["sync_result"] = sync[0]
+        print_comparison(result["compare_sync"], "s")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
@@ -70,5 +56,46 @@ def run(args) -> int:
         write_trace(args.trace, records, spans)
     if args.plot:
         write_plot(args.plot, records)
-    llm.shutdown()
     return 0
+
+
+def _run_once(args, engine_args, calibration=None) -> tuple[dict, list, list]:
+    """Warm-up and timed iterations on a fresh engine; prints the latencies and the report."""
+    from vserve import LLM, SamplingParams
+
+    llm = LLM(**vars(engine_args))
+    try:
+        samples = random_samples(llm.get_tokenizer(), llm.config.model.vocab_size,
+                                 args.batch_size, args.input_len, args.output_len)
+        prompts = [{"prompt_token_ids": s.prompt_ids} for s in samples]
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0,
+                                ignore_eos=True, max_tokens=args.output_len)
+        for _ in range(args.num_iters_warmup):
+            llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.take_step_records()
+        llm.engine.take_detokenize_spans()
+        latencies, outs = [], []
+        for _ in range(args.num_iters):
+            start = time.perf_counter()
+            outs += llm.generate(prompts, params, use_tqdm=False)
+            latencies.append(time.perf_counter() - start)
+        records = llm.engine.take_step_records()
+        spans = llm.engine.take_detokenize_spans()
+        config = llm.config
+    finally:
+        llm.shutdown()
+    report = overlap_report(records, outs, calibration)
+    result = {
+        "avg_latency": statistics.fmean(latencies),
+        "std_latency": statistics.pstdev(latencies),
+        "latencies": latencies,
+        "percentiles": {str(p): percentile(latencies, p) for p in PERCENTILES},
+        **mode_fields(config),
+        "overlap": report.to_dict(),
+    }
+    print(f"Avg latency: {result['avg_latency']:.6f} seconds")
+    print(f"Std latency: {result['std_latency']:.6f} seconds")
+    for p in PERCENTILES:
+        print(f"{p}% percentile latency: {result['percentiles'][str(p)]:.6f} seconds")
+    print(report.format())
+    return result, records, spans

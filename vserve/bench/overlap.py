@@ -1,26 +1,67 @@
-"""The overlap report: how much of the host's work the device hides, from per-step records.
+"""The overlap report: what overlapping host work with the forward buys, from per-step records.
 
-For every step the engine core records schedule start/end, launch and commit; the worker adds
-its forward start/end (one monotonic clock per host). From these:
+The engine core records, for every step, schedule start and end (the end is the launch) and
+commit start and end; the worker adds its forward start and end (forward + sampling), and PP
+stages their own forward spans when they report them. One monotonic clock per host. Measuring
+a forward against the launch interval alone rewards a slower run: host work that lands on the
+forward's cores stretches the forward and the interval alike, and their ratio rises. So every
+figure below that judges overlap compares with the *calibrated* forward, the forward of the
+same batch shape with no host work beside it:
 
-* mean model forward time and mean step launch interval (launch to next launch);
-* overlap efficiency = forward / interval (1.0: the device never waits for the host);
-* scheduler time hidden under a forward vs exposed (no forward running meanwhile);
-* TPOT p50 / p99 from the requests' token timestamps;
-* steps launched while no other step was in flight, by the reason the engine gave.
+* host work: the engine core's per-step work, scheduling and committing each step (front-end
+  detokenization runs beside the forward in sync and async mode alike and is left out).
+* quiet forward: one that host work covers for at most `QUIET_SHARE` of its length (the engine
+  core was blocked or idle meanwhile): every forward of a sync run; in an async run only those
+  with nothing scheduled beside them.
+* calibrated forward, per batch shape (PP stage, num tokens, num seqs): the mean quiet forward
+  of that shape in the calibration records, those of a sync run of the same workload and
+  engine args (`--compare-sync`) when there is one, else this run's own quiet steps. Steps
+  whose shape has none are left out of the figures below (`calibrated_steps` counts the rest),
+  and so is each run's first step, which carries one-time start-up costs.
+* forward slowdown = sum of forwards / sum of their calibrated forwards: > 1 when host work
+  beside the forward stretched it.
+* overlap efficiency (the headline) = sum of the bottleneck stage's calibrated forwards / sum
+  of the times from each step's launch to the next busy step's (empty steps launched between
+  count as part of it): the share of each step that unstretched device work fills. For one
+  workload the calibrated forwards are fixed, so a run with longer steps always scores lower.
+* host hidden, net = (host time covered by some forward - the forwards' stretch) / host time,
+  the stretch being total forward time x (1 - 1 / slowdown): host work that merely moved onto
+  the forward's cores hides nothing.
+* stretched forward / interval: the old "efficiency" (measured forward / launch interval),
+  kept under this name because it rises when overlap stretches the forward; not a score.
 
-`chrome_trace` turns the same records into a Chrome trace (chrome://tracing, Perfetto): one CPU
-lane per process (front end: detokenize; engine core: schedule, update) and a device lane per
-worker (forward), so the report's figures can be checked against the timeline.
+Without a sync run the calibration rests on the run's own quiet steps, which an async run has
+few of, and on host work the engine core records (the worker's reply thread is not recorded),
+so `--compare-sync` is the sound source. With PP the interval of a stage runs from one step's
+forward start on that stage to the next step's; the bottleneck is the stage with the longest
+mean forward. The report also gives TPOT p50 / p99 and the steps launched with no other step
+in flight: by the reason the engine gave, and by the timestamps (launched after every earlier
+step committed; an empty step in the queue hides such a step from the engine's count). The
+timeline of the same records: `vserve.bench.trace`.
 """
 
 from __future__ import annotations
 
-import json
+import bisect
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from vserve.engine.recorder import StepRecord, exposed_time
+from vserve.bench.stats import percentile, request_tpots
+from vserve.bench.trace import busy_steps, is_busy
+from vserve.engine.recorder import StepRecord
+
+QUIET_SHARE = 0.02   # host work may stretch a quiet forward by at most this share
+FASTER_THAN_CALIBRATION = 0.9   # a slowdown below this: the calibration is not to be trusted
+Span = tuple[float, float]
+ShapeKey = tuple[int, int, int]   # (PP stage, num tokens, num seqs)
+
+
+@dataclass
+class StageFigures:
+    stage: int
+    mean_forward_ms: float
+    mean_interval_ms: float            # forward start to the next step's, on this stage
+    calibrated_forward_ms: float | None
 
 
 @dataclass
@@ -28,149 +69,262 @@ class OverlapReport:
     num_steps: int
     mean_forward_ms: float
     mean_launch_interval_ms: float
-    overlap_efficiency: float
+    overlap_efficiency: float | None       # calibrated forward / interval (the headline)
+    forward_slowdown: float | None         # forward / calibrated forward
+    calibrated_steps: int                  # steps whose shape has a calibrated forward
+    calibration: str                       # where the calibrated forwards come from
+    host_total_ms: float
+    host_hidden_ms: float                  # covered by some forward (before the stretch)
+    host_exposed_ms: float
+    host_hidden_net_share: float | None    # hidden less the stretch, over total
     schedule_total_ms: float
-    schedule_hidden_ms: float
     schedule_exposed_ms: float
+    stretched_forward_over_interval: float  # the old figure: rewards stretched forwards
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
+    bottleneck_stage: int = 0
+    stages: list[dict] = field(default_factory=list)
     steps_without_overlap: dict[str, int] = field(default_factory=dict)
+    serialized_steps: int = 0              # by the timestamps: nothing in flight beside them
+    warning: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def format(self) -> str:
-        lines = [
-            "{s:{c}^60}".format(s=" Overlap report ", c="="),
-            f"{'Steps (with tokens):':<44}{self.num_steps:>14}",
-            f"{'Mean model forward time (ms):':<44}{self.mean_forward_ms:>14.2f}",
-            f"{'Mean step launch interval (ms):':<44}{self.mean_launch_interval_ms:>14.2f}",
-            f"{'Overlap efficiency (forward / interval):':<44}{self.overlap_efficiency:>14.3f}",
-            f"{'Scheduler time total (ms):':<44}{self.schedule_total_ms:>14.2f}",
-            f"{'  hidden under a forward (ms):':<44}{self.schedule_hidden_ms:>14.2f}",
-            f"{'  exposed (ms):':<44}{self.schedule_exposed_ms:>14.2f}",
-            f"{'TPOT p50 (ms):':<44}{_fmt(self.tpot_p50_ms):>14}",
-            f"{'TPOT p99 (ms):':<44}{_fmt(self.tpot_p99_ms):>14}",
-            f"{'Steps without overlap:':<44}{sum(self.steps_without_overlap.values()):>14}",
+        rows = [
+            ("Steps (with tokens):", str(self.num_steps)),
+            ("Mean model forward time (ms):", f"{self.mean_forward_ms:.2f}"),
+            ("Mean step launch interval (ms):", f"{self.mean_launch_interval_ms:.2f}"),
+            ("Forward slowdown under overlap:", _fmt(self.forward_slowdown, 3)),
+            ("Overlap efficiency (calibrated fwd / interval):",
+             _fmt(self.overlap_efficiency, 3)),
+            (f"  calibrated on {self.calibration}:",
+             f"{self.calibrated_steps}/{self.num_steps} steps" if self.calibrated_steps
+             else "none (--compare-sync calibrates)"),
+            ("Host time hidden, net of the slowdown:", _fmt(self.host_hidden_net_share, 3)),
+            ("Host time total (schedule + commit, ms):", f"{self.host_total_ms:.2f}"),
+            ("  under a forward (ms):", f"{self.host_hidden_ms:.2f}"),
+            ("  exposed (ms):", f"{self.host_exposed_ms:.2f}"),
+            ("Scheduler time total / exposed (ms):",
+             f"{self.schedule_total_ms:.2f} / {self.schedule_exposed_ms:.2f}"),
+            ("Stretched fwd / interval (old, not a score):",
+             f"{self.stretched_forward_over_interval:.3f}"),
         ]
-        for reason, count in sorted(self.steps_without_overlap.items()):
-            lines.append(f"  {reason:<56}{count:>6}")
-        lines.append("=" * 60)
-        return "\n".join(lines)
+        if len(self.stages) > 1:
+            rows += _stage_rows(self.stages, self.bottleneck_stage)
+        rows += [("TPOT p50 (ms):", _fmt(self.tpot_p50_ms)),
+                 ("TPOT p99 (ms):", _fmt(self.tpot_p99_ms)),
+                 ("Steps without overlap:", str(sum(self.steps_without_overlap.values())))]
+        rows += [(f"  {reason}", str(n))
+                 for reason, n in sorted(self.steps_without_overlap.items())]
+        rows.append(("  by the timestamps (no step in flight):", str(self.serialized_steps)))
+        lines = ["{s:{c}^64}".format(s=" Overlap report ", c="=")]
+        lines += [f"{label:<50}{value:>14}" if len(label) <= 50 else f"{label}  {value}"
+                  for label, value in rows]
+        if self.warning:
+            lines.append(f"Warning: {self.warning}")
+        return "\n".join(lines + ["=" * 64])
 
 
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
+def _stage_rows(stages: list[dict], bottleneck: int) -> list[tuple[str, str]]:
+    rows = [("PP stage: forward / interval (ms):", "")]
+    for s in stages:
+        mark = " *" if s["stage"] == bottleneck else ""
+        rows.append((f"  stage {s['stage']}{mark}:",
+                     f"{s['mean_forward_ms']:.2f} / {s['mean_interval_ms']:.2f}"))
+    return rows
 
 
-def busy_steps(records: list[StepRecord]) -> list[StepRecord]:
-    return [r for r in records if r.num_tokens > 0 and r.forward_end > 0]
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def overlap_report(records: list[StepRecord], request_outputs=()) -> OverlapReport:
+# -- spans -----------------------------------------------------------------------------------------
+class Coverage:
+    """The union of a set of spans, asked how much of an interval it covers."""
+
+    def __init__(self, spans: list[Span]) -> None:
+        merged: list[list[float]] = []
+        for start, end in sorted(s for s in spans if s[1] > s[0]):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self.spans = merged
+        self.starts = [s for s, _ in merged]
+
+    def covered(self, start: float, end: float) -> float:
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        total = 0.0
+        while i < len(self.spans) and self.spans[i][0] < end:
+            lo, hi = max(start, self.spans[i][0]), min(end, self.spans[i][1])
+            total += max(0.0, hi - lo)
+            i += 1
+        return total
+
+
+def stage_spans(r: StepRecord) -> list[Span]:
+    return [tuple(s) for s in r.stage_forwards] or [(r.forward_start, r.forward_end)]
+
+
+def host_spans(records: list[StepRecord]) -> list[Span]:
+    spans = [(r.schedule_start, r.schedule_end) for r in records]
+    return spans + [(r.commit_start, r.commit_end) for r in records if r.commit_end]
+
+
+def calibrated_forwards(records: list[StepRecord]) -> dict[ShapeKey, float]:
+    """Mean quiet forward per (stage, num tokens, num seqs)."""
+    host = Coverage(host_spans(records))
+    quiet: dict[ShapeKey, list[float]] = {}
+    for r in warm_steps(records):
+        for stage, (start, end) in enumerate(stage_spans(r)):
+            if end > start and host.covered(start, end) <= QUIET_SHARE * (end - start):
+                quiet.setdefault((stage, r.num_tokens, r.num_reqs), []).append(end - start)
+    return {key: statistics.fmean(v) for key, v in quiet.items()}
+
+
+def warm_steps(records: list[StepRecord]) -> list[StepRecord]:
+    """The busy steps but a run's first, which carries one-time start-up costs."""
+    return busy_steps(sorted(records, key=lambda r: r.step_id))[1:]
+
+
+# -- the report ------------------------------------------------------------------------------------
+def overlap_report(records: list[StepRecord], request_outputs=(),
+                   calibration: list[StepRecord] | None = None) -> OverlapReport:
+    """`calibration`: the records of a sync run of the same workload (see the module doc);
+    without it the run's own quiet steps calibrate."""
+    records = sorted(records, key=lambda r: r.step_id)
     steps = busy_steps(records)
+    calib = calibrated_forwards(calibration if calibration is not None else records)
+    following = _following_busy(records)
+    stages = _stage_figures(steps, following, calib)
+    bottleneck = max(stages, key=lambda s: s.mean_forward_ms).stage if stages else 0
+    slowdown, matched = _slowdown(steps[1:], calib)
+    host = _host_figures(records, steps)
+    fwd_total = sum(e - s for r in steps for s, e in stage_spans(r))
+    net = None
+    if slowdown is not None and host[0] > 0:
+        stretch = max(0.0, fwd_total * (1 - 1 / slowdown))
+        net = max(0.0, host[1] - stretch) / host[0]
     forwards = [r.forward_end - r.forward_start for r in steps]
     intervals = [r.launch_interval for r in steps if r.launch_interval > 0]
-    spans = [(r.forward_start, r.forward_end) for r in steps]
-    sched_total = sum(r.schedule_end - r.schedule_start for r in steps)
-    exposed = sum(exposed_time(r.schedule_start, r.schedule_end, spans) for r in steps)
     mean_fwd = statistics.fmean(forwards) if forwards else 0.0
     mean_int = statistics.fmean(intervals) if intervals else 0.0
     tpots = request_tpots(request_outputs)
+    return OverlapReport(
+        num_steps=len(steps), mean_forward_ms=mean_fwd * 1e3,
+        mean_launch_interval_ms=mean_int * 1e3,
+        overlap_efficiency=_efficiency(steps[1:], following, bottleneck, calib),
+        forward_slowdown=slowdown, calibrated_steps=matched,
+        calibration="the sync run" if calibration is not None else "this run's quiet steps",
+        host_total_ms=host[0] * 1e3, host_hidden_ms=host[1] * 1e3,
+        host_exposed_ms=(host[0] - host[1]) * 1e3, host_hidden_net_share=net,
+        schedule_total_ms=host[2] * 1e3, schedule_exposed_ms=host[3] * 1e3,
+        stretched_forward_over_interval=(mean_fwd / mean_int) if mean_int else 0.0,
+        tpot_p50_ms=percentile(tpots, 50), tpot_p99_ms=percentile(tpots, 99),
+        bottleneck_stage=bottleneck, stages=[asdict(s) for s in stages],
+        steps_without_overlap=_no_overlap_reasons(steps),
+        serialized_steps=serialized_steps(steps), warning=_warning(slowdown))
+
+
+def _warning(slowdown: float | None) -> str | None:
+    if slowdown is not None and slowdown < FASTER_THAN_CALIBRATION:
+        return ("forwards ran faster than their calibration (a busier machine or a cold "
+                "start during it): the calibrated figures are not to be trusted")
+    return None
+
+
+def _key(r: StepRecord, stage: int) -> ShapeKey:
+    return (stage, r.num_tokens, r.num_reqs)
+
+
+def _slowdown(steps: list[StepRecord], calib: dict) -> tuple[float | None, int]:
+    measured = base = 0.0
+    matched = 0
+    for r in steps:
+        pairs = [(e - s, calib.get(_key(r, i))) for i, (s, e) in enumerate(stage_spans(r))]
+        if pairs and all(b is not None for _, b in pairs):
+            matched += 1
+            measured += sum(m for m, _ in pairs)
+            base += sum(b for _, b in pairs)
+    return (measured / base if base > 0 else None), matched
+
+
+def _efficiency(steps: list[StepRecord], following: dict, stage: int,
+                calib: dict) -> float | None:
+    """Calibrated forwards of `stage` over the time from each step's launch to the next busy
+    step's (empty steps launched in between count as part of the interval)."""
+    base = interval = 0.0
+    for r in steps:
+        b, nxt = calib.get(_key(r, stage)), following.get(r.step_id)
+        if b is not None and nxt is not None:
+            base += b
+            interval += nxt.schedule_end - r.schedule_end
+    return base / interval if interval > 0 else None
+
+
+def serialized_steps(steps: list[StepRecord]) -> int:
+    """Busy steps launched when every earlier busy step had already committed: nothing ran
+    beside them, whatever the engine's reasons say (the first step is not counted)."""
+    count, last_commit = 0, None
+    for r in steps:
+        if last_commit is not None and r.schedule_end >= last_commit:
+            count += 1
+        last_commit = max(last_commit or 0.0, r.commit_end or r.forward_end)
+    return count
+
+
+def _host_figures(records: list[StepRecord], steps: list[StepRecord]) -> tuple[float, ...]:
+    """(host total, host under a forward, schedule total, schedule exposed), in seconds."""
+    forwards = Coverage([span for r in steps for span in stage_spans(r)])
+    schedules = [(r.schedule_start, r.schedule_end) for r in steps]
+    commits = [(r.commit_start, r.commit_end) for r in steps if r.commit_end]
+    sched_total = sum(e - s for s, e in schedules)
+    sched_hidden = sum(forwards.covered(s, e) for s, e in schedules)
+    commit_total = sum(e - s for s, e in commits)
+    commit_hidden = sum(forwards.covered(s, e) for s, e in commits)
+    return (sched_total + commit_total, sched_hidden + commit_hidden, sched_total,
+            sched_total - sched_hidden)
+
+
+def _stage_figures(steps: list[StepRecord], following: dict,
+                   calib: dict) -> list[StageFigures]:
+    """Per PP stage: mean forward, mean start-to-start interval, mean calibrated forward."""
+    num_stages = max((len(stage_spans(r)) for r in steps), default=0)
+    out = []
+    for stage in range(num_stages):
+        rows = [r for r in steps if len(stage_spans(r)) > stage]
+        fwd = [stage_spans(r)[stage][1] - stage_spans(r)[stage][0] for r in rows]
+        gaps = [stage_spans(following[r.step_id])[stage][0] - stage_spans(r)[stage][0]
+                for r in rows if r.step_id in following
+                and len(stage_spans(following[r.step_id])) > stage]
+        base = [calib[_key(r, stage)] for r in rows if _key(r, stage) in calib]
+        out.append(StageFigures(stage, _mean_ms(fwd), _mean_ms(gaps),
+                                _mean_ms(base) if base else None))
+    return out
+
+
+def _following_busy(records: list[StepRecord]) -> dict[int, StepRecord]:
+    """step id -> the next busy step, when none of the steps up to it was after an idle."""
+    out, prev = {}, None
+    for r in records:
+        if prev is not None and r.launch_interval <= 0:
+            prev = None            # launched after idle: no interval spans the gap
+        if is_busy(r):
+            if prev is not None:
+                out[prev.step_id] = r
+            prev = r
+    return out
+
+
+def _mean_ms(values: list[float]) -> float:
+    return statistics.fmean(values) * 1e3 if values else 0.0
+
+
+def _no_overlap_reasons(steps: list[StepRecord]) -> dict[str, int]:
     reasons: dict[str, int] = {}
     for r in steps:
         if r.no_overlap:
             reasons[r.no_overlap] = reasons.get(r.no_overlap, 0) + 1
-    return OverlapReport(
-        num_steps=len(steps), mean_forward_ms=mean_fwd * 1e3,
-        mean_launch_interval_ms=mean_int * 1e3,
-        overlap_efficiency=(mean_fwd / mean_int) if mean_int else 0.0,
-        schedule_total_ms=sched_total * 1e3, schedule_hidden_ms=(sched_total - exposed) * 1e3,
-        schedule_exposed_ms=exposed * 1e3,
-        tpot_p50_ms=percentile(tpots, 50), tpot_p99_ms=percentile(tpots, 99),
-        steps_without_overlap=reasons)
-
-
-def request_tpots(request_outputs) -> list[float]:
-    """Per request: (last token time - first token time) / (output tokens - 1), in ms."""
-    out = []
-    for ro in request_outputs:
-        m = ro.metrics
-        n = sum(len(c.token_ids) for c in ro.outputs) // max(1, len(ro.outputs))
-        if n > 1 and "first_token_time" in m:
-            out.append((m["last_token_time"] - m["first_token_time"]) / (n - 1) * 1e3)
-    return out
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-# -- timeline ------------------------------------------------------------------------------------
-FRONTEND_PID, ENGINE_PID, WORKER_PID = 1, 2, 3
-
-
-def chrome_trace(records: list[StepRecord], detokenize_spans=()) -> dict:
-    steps = busy_steps(records)
-    points = [t for r in steps for t in (r.schedule_start, r.forward_start)]
-    points += [s for s, _ in detokenize_spans]
-    t0 = min(points) if points else 0.0
-    events = _lane_names()
-
-    def slice_(name, pid, tid, start, end, **args):
-        events.append({"name": name, "ph": "X", "pid": pid, "tid": tid,
-                       "ts": (start - t0) * 1e6, "dur": max(0.0, end - start) * 1e6,
-                       "args": args})
-
-    for r in steps:
-        info = dict(step=r.step_id, tokens=r.num_tokens, reqs=r.num_reqs)
-        slice_("schedule", ENGINE_PID, 1, r.schedule_start, r.schedule_end, **info)
-        if r.commit_end:
-            slice_("update", ENGINE_PID, 2, r.commit_start, r.commit_end, **info)
-        slice_("forward", WORKER_PID, 1, r.forward_start, r.forward_end, **info)
-    for start, end in detokenize_spans:
-        slice_("detokenize", FRONTEND_PID, 1, start, end)
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def _lane_names() -> list[dict]:
-    meta = []
-    for pid, name in ((FRONTEND_PID, "front end (CPU)"), (ENGINE_PID, "engine core (CPU)"),
-                      (WORKER_PID, "worker (device)")):
-        meta.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
-    for pid, tid, name in ((FRONTEND_PID, 1, "detokenize"), (ENGINE_PID, 1, "schedule"),
-                           (ENGINE_PID, 2, "update"), (WORKER_PID, 1, "forward")):
-        meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                     "args": {"name": name}})
-    return meta
-
-
-def write_trace(path: str, records, detokenize_spans=()) -> None:
-    with open(path, "w") as f:
-        json.dump(chrome_trace(records, detokenize_spans), f)
-
-
-def write_plot(path: str, records: list[StepRecord]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise SystemExit("--plot needs matplotlib: pip install 'vserve[plot]'") from e
-    steps = busy_steps(records)
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.plot([r.step_id for r in steps], [(r.forward_end - r.forward_start) * 1e3 for r in steps],
-            label="model forward (ms)")
-    ax.plot([r.step_id for r in steps], [r.launch_interval * 1e3 for r in steps],
-            label="step launch interval (ms)", alpha=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("ms")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    return reasons

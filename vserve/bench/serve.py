@@ -21,7 +21,7 @@ import httpx
 from tqdm.auto import tqdm
 
 from vserve.bench.datasets import add_dataset_args, load_samples
-from vserve.bench.overlap import percentile
+from vserve.bench.stats import percentile
 
 
 @dataclass

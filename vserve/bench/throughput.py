@@ -5,8 +5,16 @@ from __future__ import annotations
 import json
 import time
 
+from vserve.bench.compare import (
+    add_compare_arg,
+    comparison,
+    mode_fields,
+    print_comparison,
+    run_both,
+)
 from vserve.bench.datasets import add_dataset_args, load_samples
-from vserve.bench.overlap import overlap_report, write_plot, write_trace
+from vserve.bench.overlap import overlap_report
+from vserve.bench.trace import write_plot, write_trace
 from vserve.entrypoints.cli_args import add_engine_args, engine_args_from
 
 
@@ -16,44 +24,69 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-max-batch-size", type=int, default=32)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="min_tokens of every request (below it a request gets no drafts)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--trace", default=None, help="write a Chrome trace (JSON) of the run")
     p.add_argument("--plot", default=None, help="PNG of forward time and launch interval")
+    add_compare_arg(p)
     add_dataset_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from vserve import LLM, SamplingParams
-
     engine_args = engine_args_from(args)
     if args.backend == "hf":
+        if args.compare_sync:
+            raise ValueError("--compare-sync needs --backend vserve")
         return _run_hf(args, engine_args)
+    if not args.compare_sync:
+        result, records, spans = _run_vserve(args, engine_args)
+    else:
+        sync, (result, records, spans) = run_both(
+            lambda ea, calibration: _run_vserve(args, ea, calibration), engine_args)
+        result["compare_sync"] = comparison(sync[0], result, "output_throughput", True)
+        result["compare_sync"]["sync_result"] = sync[0]
+        print_comparison(result["compare_sync"], "output tok/s")
+    _write_outputs(args, result, records, spans)
+    return 0
+
+
+def _run_vserve(args, engine_args, calibration=None) -> tuple[dict, list, list]:
+    """One timed run on a fresh engine; prints its summary and overlap report."""
+    from vserve import LLM, SamplingParams
+
     llm = LLM(**vars(engine_args))
-    samples = load_samples(args, llm.get_tokenizer(), llm.config.model.vocab_size)
-    _check_lengths(samples, llm.config.model.max_model_len)
-    params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0,
-                             ignore_eos=True, max_tokens=s.output_len) for s in samples]
-    prompts = [{"prompt_token_ids": s.prompt_ids} for s in samples]
-    llm.engine.take_step_records()
-    llm.engine.take_detokenize_spans()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    records = llm.engine.take_step_records()
-    spans = llm.engine.take_detokenize_spans()
+    try:
+        samples = load_samples(args, llm.get_tokenizer(), llm.config.model.vocab_size)
+        _check_lengths(samples, llm.config.model.max_model_len)
+        params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0,
+                                 ignore_eos=True, max_tokens=s.output_len,
+                                 min_tokens=min(args.min_tokens, s.output_len))
+                  for s in samples]
+        prompts = [{"prompt_token_ids": s.prompt_ids} for s in samples]
+        llm.engine.take_step_records()
+        llm.engine.take_detokenize_spans()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+        records = llm.engine.take_step_records()
+        spans = llm.engine.take_detokenize_spans()
+        stats = llm.engine.last_stats
+        config = llm.config
+    finally:
+        llm.shutdown()
     num_in = sum(len(o.prompt_token_ids) for o in outs)
     num_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    report = overlap_report(records, outs)
+    report = overlap_report(records, outs, calibration)
     result = summary(elapsed, len(outs), num_in, num_out, "vserve", engine_args)
+    result.update(mode_fields(config))
     result["overlap"] = report.to_dict()
-    result.update(spec_figures(llm.engine.last_stats))
+    result.update(spec_figures(stats))
     print_summary(result)
     print(report.format())
-    _write_outputs(args, result, records, spans)
-    llm.shutdown()
-    return 0
+    return result, records, spans
 
 
 def _run_hf(args, engine_args) -> int:

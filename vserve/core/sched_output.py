@@ -67,6 +67,9 @@ class StepTiming:
     forward_start: float = 0.0
     forward_end: float = 0.0
     ready: float = 0.0
+    # PP: (start, end) of each stage's own forward, first to last (the overlap report's
+    # per-stage figures); empty when the stages do not report them
+    stage_forwards: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass

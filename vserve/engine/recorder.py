@@ -24,6 +24,9 @@ class StepRecord:
     forward_start: float = 0.0
     forward_end: float = 0.0
     ready: float = 0.0
+    # (start, end) of each PP stage's own forward, first to last; empty: one stage, whose
+    # forward is forward_start..forward_end
+    stage_forwards: tuple[tuple[float, float], ...] = ()
     launch_interval: float = 0.0   # since the previous launch (0 for the first after idle)
     no_overlap: str | None = None  # why the device waited for the host: no other step with
     #                                tokens in flight at launch, or its sampling waited for older
@@ -57,6 +60,7 @@ class StepRecorder:
         timing = getattr(runner_output, "timing", None)
         if timing is not None:
             rec.recv, rec.forward_start = timing.recv, timing.forward_start
+            rec.stage_forwards = tuple(timing.stage_forwards)
             rec.forward_end, rec.ready = timing.forward_end, timing.ready
         if len(self.recent) < self.max_records:
             self.recent.append(rec)
