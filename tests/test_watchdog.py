@@ -140,3 +140,37 @@ def test_watchdog_timeout_reaches_the_config(tiny_model_dir):
     assert cfg.watchdog_timeout == 7.0
     assert EngineArgs(model=_model(tiny_model_dir)).create_engine_config().watchdog_timeout \
         == 300.0
+
+
+def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
+    """Two steps in flight, each running 0.6 x the timeout: the second's reply comes 1.2 x the
+    timeout after it was sent, which is no hang. A step with no reply at all is one. The
+    executor's clock is the test's, so nothing here depends on the machine's speed."""
+    import multiprocessing as mp
+    import pickle
+    from types import SimpleNamespace
+
+    from vserve.core.sched_output import RunnerOutput
+    from vserve.executor import multiproc
+    from vserve.executor.multiproc import MultiprocExecutor, WorkerError
+
+    clock = [0.0]
+    monkeypatch.setattr(multiproc, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    ex = object.__new__(MultiprocExecutor)   # the reply path only: no worker processes
+    ex.procs, ex.replies, ex.watchdog_timeout = [], {}, 20.0
+    ex._sent_at, ex._last_reply_at, ex._closing = {1: 0.0, 2: 0.0, 3: 0.0}, 0.0, False
+    ex.resp_r, resp_w = mp.Pipe(duplex=False)
+
+    def reply(step_id, delay=0.0):
+        time.sleep(delay)
+        resp_w.send_bytes(pickle.dumps(("out", RunnerOutput(step_id))))
+
+    reply(1)
+    clock[0] = 12.0   # step 1 ran 0.6 x the timeout
+    assert ex._reply_for(1, None).step_id == 1
+    clock[0] = 24.0   # step 2 (sent at 0) has run 12 since step 1 replied
+    threading.Thread(target=reply, args=(2, 0.2), daemon=True).start()
+    assert ex._reply_for(2, None).step_id == 2
+    clock[0] = 44.0   # step 3: 20 since step 2 replied, and no reply
+    with pytest.raises(WorkerError, match="got no reply from the workers in 20.0 s"):
+        ex._reply_for(3, None)

@@ -3,9 +3,10 @@
 The engine core sends each `SchedulerOutput` to rank 0 (which re-broadcasts it to the other
 ranks) and receives one reply per step, in order. `execute_model(..., non_block=True)` returns
 a future; resolving it reads replies FIFO while watching every local worker process, so a
-worker that dies or raises surfaces as an error within moments, never as a hang. A step still
-in flight `watchdog_timeout` seconds after it was sent (a stopped or stuck worker, a hung
-collective) kills the workers and raises `WorkerError`: the engine core then dies loudly.
+worker that dies or raises surfaces as an error within moments, never as a hang. A step that
+has run `watchdog_timeout` seconds without a reply (counted from when it was sent, or from the
+previous step's reply if that came later: steps run in order) means a stopped or stuck worker
+or a hung collective: the workers are killed and `WorkerError` makes the engine core die.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class MultiprocExecutor(Executor):
         self._closing = False
         self.replies: dict[int, RunnerOutput] = {}
         self.watchdog_timeout = config.watchdog_timeout
-        self._sent_at: dict[int, float] = {}   # step id -> when its reply became due
+        self._sent_at: dict[int, float] = {}   # step id -> when it was sent (monotonic)
+        self._last_reply_at = 0.0              # steps run in order: none starts before this
         port = par.master_port or free_port()
         ctx = mp.get_context("spawn")
         req_r, self.req_w = ctx.Pipe(duplex=False)
@@ -159,20 +161,30 @@ class MultiprocExecutor(Executor):
                 self._check_deadline(step_id)
                 raise
             self.replies[value.step_id] = value
+            self._last_reply_at = time.monotonic()
         self._sent_at.pop(step_id, None)
         return self.replies.pop(step_id)
 
-    def _wait_limit(self, step_id: int, timeout: float | None) -> float | None:
+    def _running_since(self, step_id: int) -> float | None:
+        """When the workers may have started this step (it was sent, and the step before it
+        replied); None when the watchdog is off."""
         if not self.watchdog_timeout or step_id not in self._sent_at:
+            return None
+        return max(self._sent_at[step_id], self._last_reply_at)
+
+    def _wait_limit(self, step_id: int, timeout: float | None) -> float | None:
+        since = self._running_since(step_id)
+        if since is None:
             return timeout
-        left = max(0.0, self._sent_at[step_id] + self.watchdog_timeout - time.monotonic())
+        left = max(0.0, since + self.watchdog_timeout - time.monotonic())
         return left if timeout is None else min(timeout, left)
 
     def _check_deadline(self, step_id: int) -> None:
-        """The watchdog: a step overdue by `watchdog_timeout` means a hung worker."""
-        if not self.watchdog_timeout or step_id not in self._sent_at:
+        """The watchdog: a step running for `watchdog_timeout` means a hung worker."""
+        since = self._running_since(step_id)
+        if since is None:
             return
-        waited = time.monotonic() - self._sent_at[step_id]
+        waited = time.monotonic() - since
         if waited >= self.watchdog_timeout:
             self.kill()
             raise WorkerError(f"watchdog: step {step_id} got no reply from the workers in "
