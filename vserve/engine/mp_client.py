@@ -244,7 +244,7 @@ class SyncMPClient(_ClientBase):
             except queue.Empty:
                 self._watchdog_fired(limit)
                 return
-            except EngineDeadError:
+            except (EngineDeadError, zmq.ZMQError):   # dead, or shut down meanwhile
                 return
 
     def _read_loop(self) -> None:
@@ -316,6 +316,8 @@ class SyncMPClient(_ClientBase):
         if not self.engine.closing:
             self.engine.close()
             self._reader.join(timeout=2)
+            for waiter in list(self._utility.values()):   # a ping in flight, for one
+                waiter.put(EngineCoreOutputs(engine_error="the engine was shut down"))
             self.ctx.term()
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
-import threading
 from multiprocessing.connection import wait
 
 from vserve.config import EngineArgs
@@ -53,16 +52,11 @@ def run_remote_workers(args: EngineArgs) -> int:
 def _supervise(procs: list) -> int:
     """Wait for the ranks; on SIGINT / SIGTERM stop them. Exit status: the first non-zero
     exit code of a rank, or 128 + signal number when stopped by a signal."""
-    stop = threading.Event()
     received: list[int] = []
-
-    def on_signal(signum, _frame) -> None:
-        received.append(signum)
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not stop.is_set() and any(p.is_alive() for p in procs):
+        while not received and any(p.is_alive() for p in procs):
             wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
     finally:
         for s, handler in previous.items():
