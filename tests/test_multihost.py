@@ -42,10 +42,11 @@ def test_two_hosts_equal_one(tiny_model_dir):
     assert wait_dead([node1.pid], timeout=5) == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_worker_host_stops_on_ctrl_c_and_sigterm(tiny_model_dir, sig):
     """`vserve worker` waiting for its engine stops, ranks included, on Ctrl-C (SIGINT to the
-    terminal's process group) or SIGTERM; a hang fails the bounded wait."""
+    terminal's process group) or SIGTERM; killed, its ranks leave with it. A hang fails the
+    bounded wait."""
     common = ["--model", tiny_model_dir("gemma3"), "--dtype", "float32", "--max-model-len",
               "256", "--pipeline-parallel-size", "2", "--nnodes", "2", "--master-port",
               str(free_port()), "--node-rank", "1"]
@@ -56,7 +57,9 @@ def test_worker_host_stops_on_ctrl_c_and_sigterm(tiny_model_dir, sig):
         for line in node1.stderr:   # the ranks are started once this is logged
             if "waiting for the engine" in line:
                 break
-        ranks = worker_pids(node1.pid)
+        deadline = time.monotonic() + 30   # a spawned rank shows its own command line soon
+        while not (ranks := worker_pids(node1.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(ranks) == 1
         _wait_ignoring_sigint(ranks[0])   # in worker_main, on its way to the rendezvous
         if sig == signal.SIGINT:
@@ -65,7 +68,7 @@ def test_worker_host_stops_on_ctrl_c_and_sigterm(tiny_model_dir, sig):
             node1.send_signal(sig)
         code = node1.wait(timeout=10)
         assert wait_dead(ranks, timeout=5) == []
-        assert code == 128 + sig
+        assert code == (-sig if sig == signal.SIGKILL else 128 + sig)
     finally:
         for pid in [node1.pid, *ranks]:
             kill(pid, signal.SIGKILL)

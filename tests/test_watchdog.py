@@ -60,17 +60,18 @@ def _expect_dead(thread, box, match: str) -> None:
     assert match in str(error), str(error)
 
 
-@pytest.mark.parametrize("target, match", [
-    ("worker", "got no reply from the workers"),      # the engine core's step deadline
-    ("engine core", "engine core did not answer"),    # the front end's ping
+@pytest.mark.parametrize("target, pp, match", [
+    ("worker", 1, "got no reply from the workers"),      # the engine core's step deadline
+    ("worker", 2, "got no reply from the workers"),      # rank 0 then waits in a collective
+    ("engine core", 1, "engine core did not answer"),    # the front end's ping
 ])
-def test_stopped_process_is_declared_dead(tiny_model_dir, target, match):
-    llm = _start(_model(tiny_model_dir))
+def test_stopped_process_is_declared_dead(tiny_model_dir, target, pp, match):
+    llm = _start(_model(tiny_model_dir), pipeline_parallel_size=pp)
     engine_pid = llm.engine.client.engine.proc.pid
     tree = [engine_pid, *descendants(engine_pid)]
     workers = worker_pids(engine_pid)
-    assert len(workers) == 1
-    stopped = workers[0] if target == "worker" else engine_pid
+    assert len(workers) == pp
+    stopped = workers[-1] if target == "worker" else engine_pid
     try:
         thread, box = _generate_in_thread(llm, ["one", "two", "three"])
         _wait_generating(llm)
@@ -115,7 +116,7 @@ def test_watchdog_off_waits_for_a_slow_step(tiny_model_dir):
     engine_pid = llm.engine.client.engine.proc.pid
     worker = worker_pids(engine_pid)[0]
     try:
-        short = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        short = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
         thread, box = _generate_in_thread(llm, ["x"], short)
         _wait_generating(llm)
         kill(worker, signal.SIGSTOP)
