@@ -101,3 +101,41 @@ def test_front_end_death_takes_the_engine_down(tiny_model_dir, tmp_path):
     os.kill(front.pid, signal.SIGKILL)
     front.wait()
     assert wait_dead(tree, timeout=15) == []
+
+
+def test_front_end_death_while_the_engine_is_stuck(tiny_model_dir, tmp_path):
+    """The engine core leaves with its parent even when its busy loop cannot (a step waits on
+    a stopped worker, watchdog off): it kills its workers and exits."""
+    script = tmp_path / "front.py"
+    model = tiny_model_dir("llama", max_position_embeddings=8192)
+    script.write_text(
+        "import threading, time\n"
+        "from vserve import LLM, SamplingParams\n"
+        f"llm = LLM({model!r}, dtype='float32', max_model_len=4096, watchdog_timeout=0)\n"
+        "print(llm.engine.client.engine.proc.pid, flush=True)\n"
+        "sp = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)\n"
+        "threading.Thread(target=llm.generate, args=(['x'], sp), daemon=True).start()\n"
+        "while not (llm.engine.last_stats and llm.engine.last_stats.num_running_reqs):\n"
+        "    time.sleep(0.05)\n"
+        "print('running', flush=True)\n"
+        "time.sleep(600)\n")
+    import subprocess
+    import sys
+
+    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    tree = []
+    try:
+        engine_pid = int(front.stdout.readline())
+        assert front.stdout.readline().strip() == "running"
+        tree = [engine_pid, *descendants(engine_pid)]
+        workers = worker_pids(engine_pid)
+        assert len(workers) == 1
+        kill(workers[0], signal.SIGSTOP)
+        os.kill(front.pid, signal.SIGKILL)
+        front.wait()
+        assert wait_dead(tree, timeout=20) == []
+    finally:
+        front.kill()
+        for pid in tree:
+            kill(pid, signal.SIGCONT)
+            kill(pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 from vserve.core.scheduler import SchedulerConfig
@@ -73,6 +74,9 @@ class EngineConfig:
     async_scheduling: bool
     async_off_reason: str | None = None
     speculative: SpeculativeConfig | None = None
+    # seconds a step may stay in flight, or the engine core go without answering, before the
+    # engine is declared dead (0: no watchdog)
+    watchdog_timeout: float = 300.0
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -110,6 +114,7 @@ class EngineArgs:
     max_logprobs: int = 20
     disable_log_stats: bool = True
     speculative_config: dict | str | None = None
+    watchdog_timeout: float = 300.0
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -142,7 +147,7 @@ class EngineArgs:
                             self.gpu_memory_utilization)
         return EngineConfig(model_cfg, cache, scheduler, parallel,
                             DeviceConfig(device, backend, self.enforce_eager), async_on, reason,
-                            self._speculative())
+                            self._speculative(), _watchdog_timeout(self.watchdog_timeout))
 
     def _speculative(self) -> SpeculativeConfig | None:
         value = self.speculative_config
@@ -213,6 +218,13 @@ def default_executor(pp: int, device: str, async_on: bool) -> str:
     if pp > 1 or (async_on and device == "cpu"):
         return "mp"
     return "uni"
+
+
+def _watchdog_timeout(value) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    _require(ok and math.isfinite(value) and value >= 0,
+             f"watchdog_timeout must be a finite number of seconds >= 0 (0: off), got {value!r}")
+    return float(value)
 
 
 def load_hf_config(model_path: str):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -24,7 +25,7 @@ class Worker:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", config.pp_rank)))
         self.runner = ModelRunner(config, load_hf_config(config.model_path), pp_comm)
         self._num_steps = 0
-        self._fail_at = _fault_step()
+        self._fail_at, self._hang = _fault_step()
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -39,6 +40,8 @@ class Worker:
                       defer_sampling: bool = False) -> AsyncStepOutput | None:
         self._num_steps += 1
         if self._fail_at is not None and self._num_steps == self._fail_at:
+            while self._hang:   # a forward that never returns (watchdog tests)
+                time.sleep(3600)
             raise RuntimeError(f"injected fault at step {self._num_steps} "
                                "(VSERVE_FAULT_INJECT)")
         return self.runner.execute_model(so, defer_sampling)
@@ -47,10 +50,12 @@ class Worker:
         return self.runner.sample_tokens(step_id, grammar_bitmask)
 
 
-def _fault_step() -> int | None:
+def _fault_step() -> tuple[int | None, bool]:
+    """(step to fail at, hang there instead of raising) from VSERVE_FAULT_INJECT."""
     from vserve.envs import read_env
 
     spec = read_env().fault_inject
-    if spec and spec.startswith("execute_model:"):
-        return int(spec.split(":", 1)[1])
-    return None
+    for kind, hang in (("execute_model:", False), ("execute_model_hang:", True)):
+        if spec and spec.startswith(kind):
+            return int(spec.split(":", 1)[1]), hang
+    return None, False

@@ -10,6 +10,7 @@ last rank carry the message to the engine) and exits non-zero.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
 import queue
@@ -20,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 
 from vserve.envs import ENV
+from vserve.lifeline import exit_with_parent
 
 logger = logging.getLogger("vserve.worker")
 
@@ -36,6 +38,8 @@ class RankSetup:
 def worker_main(runner_config, setup: RankSetup, req_conn=None, resp_conn=None) -> None:
     """Entry point of a spawned worker process (or of `vserve worker` on another host)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end owns Ctrl-C and shuts us down
+    parent = multiprocessing.parent_process()
+    exit_with_parent(parent.pid if parent is not None else os.getppid())
     logging.basicConfig(level=ENV.log_level,
                         format=f"%(asctime)s worker{setup.rank} %(levelname)s %(message)s")
     try:

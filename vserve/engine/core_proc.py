@@ -29,6 +29,7 @@ from vserve.config import EngineConfig
 from vserve.core.request import RequestStatus
 from vserve.engine.core import EngineCore
 from vserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
+from vserve.lifeline import exit_with_parent
 
 logger = logging.getLogger("vserve.engine")
 
@@ -42,7 +43,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     """Process entry point (spawn)."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    started: list[EngineCoreProc] = []   # the front end may die while we start or are stuck
+    exit_with_parent(parent_pid, lambda: [p.request_shutdown() for p in started], grace_s=5.0)
     proc = EngineCoreProc(config, input_addr, output_addr, parent_pid)
+    started.append(proc)
     signal.signal(signal.SIGTERM, lambda *_: proc.request_shutdown())
     os._exit(proc.run())
 

@@ -1,9 +1,14 @@
-"""The synchronous front end behind `LLM`: processor + engine-core client + output processor."""
+"""The synchronous front end behind `LLM`: processor + engine-core client + output processor.
+
+The client's threads reference the client, never this object, so an `LLMEngine` that nobody
+uses any more is collected at once, and its finalizer shuts the engine core and workers down
+(as `shutdown()` does, and as the interpreter's exit does for one still alive)."""
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 from vserve.config import EngineArgs, EngineConfig
 from vserve.engine.output_processor import OutputKind, OutputProcessor
@@ -30,6 +35,7 @@ class LLMEngine:
             from vserve.engine.client import InprocClient
 
             self.client = InprocClient(config)
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.last_stats = None
         self.detokenize_spans: list[tuple[float, float]] = []  # front-end lane of the trace
 
@@ -80,4 +86,4 @@ class LLMEngine:
         return spans
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        self._finalizer()

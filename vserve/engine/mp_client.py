@@ -5,6 +5,12 @@ The front end binds two ZMQ sockets on `ipc://` paths inside a private temporary
 (mode 0700), spawns `EngineCoreProc`, and waits for its READY frame (with a timeout, watching
 the process). A monitor thread watches the process sentinel: if the engine core dies, every
 pending call gets `EngineDeadError` within moments.
+
+The watchdog (`watchdog_timeout` > 0) pings the engine core; the busy loop answers between
+steps. A ping unanswered for `watchdog_timeout` + `WATCHDOG_GRACE_S` seconds (a stuck main
+loop, a dead input or output thread, a stopped process) kills the engine core's process group
+(the core and its workers) and fails every pending call. The core's own step deadline
+(`MultiprocExecutor`) normally fires first, with a more precise message.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +41,12 @@ from vserve.envs import ENV
 
 logger = logging.getLogger("vserve")
 READY_TIMEOUT_S = ENV.engine_ready_timeout
+WATCHDOG_GRACE_S = 2.0   # lets the engine core's own step deadline report first
+
+
+def watchdog_periods(timeout: float) -> tuple[float, float]:
+    """(seconds between pings, seconds a ping may wait) for a `watchdog_timeout`."""
+    return min(max(timeout / 4, 0.2), 30.0), timeout + WATCHDOG_GRACE_S
 
 
 class EngineDeadError(RuntimeError):
@@ -61,15 +74,21 @@ class _EngineProcess:
         self.output_sock = ctx.socket(zmq.PULL)
         self.output_sock.bind(output_addr)
         level = logging.getLevelName(logging.getLogger("vserve").getEffectiveLevel())
+        # its own process group, which its workers join: one signal ends the whole tree
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vserve.engine.core_proc", input_addr, output_addr,
-             str(os.getpid()), level], stdin=subprocess.PIPE)
+             str(os.getpid()), level], stdin=subprocess.PIPE, **_NEW_GROUP)
         self.proc.stdin.write(pickle.dumps(config))
         self.proc.stdin.close()
-        self.closing = False
+        self.stopping = threading.Event()   # set once we stop it: its exit is no error
         # stop the engine core when the client is collected or the interpreter exits
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.tmpdir)
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.tmpdir,
+                                           self.stopping)
         self.info = self._handshake(ctx, output_addr)
+
+    @property
+    def closing(self) -> bool:
+        return self.stopping.is_set()
 
     def _handshake(self, ctx, output_addr):
         # a plain socket for the handshake, so async clients need no running loop yet
@@ -99,8 +118,12 @@ class _EngineProcess:
     def exitcode(self) -> int | None:
         return self.proc.poll()
 
+    def kill(self) -> None:
+        """SIGKILL the engine core and every process it started (a hang: nothing polite)."""
+        _kill_group(self.proc)
+
     def close(self) -> None:
-        self.closing = True
+        self.stopping.set()
         if self.alive():
             try:
                 self.input_sock.send_multipart([bytes([RequestType.SHUTDOWN]), b""],
@@ -112,21 +135,37 @@ class _EngineProcess:
             self.proc.terminate()
             _wait(self.proc, 5)
         if self.alive():
-            self.proc.kill()
+            _kill_group(self.proc)
             self.proc.wait()
         self.input_sock.close(linger=0)
         self.output_sock.close(linger=0)
         self._finalizer()
 
 
-def _stop_process(proc: subprocess.Popen, tmpdir: str) -> None:
+def _stop_process(proc: subprocess.Popen, tmpdir: str, stopping: threading.Event) -> None:
+    stopping.set()
     if proc.poll() is None:
         proc.terminate()
         _wait(proc, 10)
         if proc.poll() is None:
-            proc.kill()
+            _kill_group(proc)
             proc.wait()
     shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# Python 3.11 names it; before, a new session does the same for a non-interactive child
+_NEW_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
+              else {"start_new_session": True})
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group led by `proc` (its workers included). A group id stays
+    reserved while any member lives, so this never reaches a stranger's group."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> None:
@@ -161,6 +200,14 @@ class _ClientBase:
             return EngineCoreOutputs(engine_error=payload.decode())
         raise RuntimeError(f"unexpected frame {frame!r} from the engine core")
 
+    def _watchdog_fired(self, waited: float) -> None:
+        if self.engine.closing or self.dead_message is not None:
+            return
+        self._die(f"watchdog: the engine core did not answer for {waited:g} s "
+                  f"(watchdog_timeout={self.watchdog_timeout:g} s); it and its workers were "
+                  "killed")
+        self.engine.kill()
+
     @staticmethod
     def _utility_value(outs: EngineCoreOutputs):
         result = msgspec.msgpack.decode(outs.utility_result)
@@ -184,6 +231,21 @@ class SyncMPClient(_ClientBase):
         self._monitor = threading.Thread(target=self._watch, daemon=True,
                                          name="vserve-client-monitor")
         self._monitor.start()
+        self.watchdog_timeout = config.watchdog_timeout
+        if self.watchdog_timeout:
+            threading.Thread(target=self._ping_loop, daemon=True,
+                             name="vserve-client-watchdog").start()
+
+    def _ping_loop(self) -> None:
+        interval, limit = watchdog_periods(self.watchdog_timeout)
+        while not self.engine.stopping.wait(interval) and self.dead_message is None:
+            try:
+                self.call_utility("ping", timeout=limit)
+            except queue.Empty:
+                self._watchdog_fired(limit)
+                return
+            except (EngineDeadError, zmq.ZMQError):   # dead, or shut down meanwhile
+                return
 
     def _read_loop(self) -> None:
         sock = self.engine.output_sock
@@ -241,8 +303,11 @@ class SyncMPClient(_ClientBase):
         call_id = next(self._call_ids)
         waiter: queue.Queue = queue.Queue()
         self._utility[call_id] = waiter
-        self._send(self._frames_utility(call_id, method, args))
-        outs = waiter.get(timeout=timeout)
+        try:
+            self._send(self._frames_utility(call_id, method, args))
+            outs = waiter.get(timeout=timeout)
+        finally:
+            self._utility.pop(call_id, None)
         if outs.engine_error:
             raise EngineDeadError(outs.engine_error)
         return self._utility_value(outs)
@@ -251,6 +316,8 @@ class SyncMPClient(_ClientBase):
         if not self.engine.closing:
             self.engine.close()
             self._reader.join(timeout=2)
+            for waiter in list(self._utility.values()):   # a ping in flight, for one
+                waiter.put(EngineCoreOutputs(engine_error="the engine was shut down"))
             self.ctx.term()
 
 
@@ -269,7 +336,9 @@ class AsyncMPClient(_ClientBase):
         self._utility: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader_task = None
+        self._ping_task = None
         self._monitor = None
+        self.watchdog_timeout = config.watchdog_timeout
 
     def start(self) -> None:
         """Bind to the running loop (call from inside it)."""
@@ -278,9 +347,23 @@ class AsyncMPClient(_ClientBase):
         self._loop = asyncio.get_running_loop()
         self.outputs = asyncio.Queue()
         self._reader_task = self._loop.create_task(self._read_loop())
+        if self.watchdog_timeout:
+            self._ping_task = self._loop.create_task(self._ping_loop())
         self._monitor = threading.Thread(target=self._watch, daemon=True,
                                          name="vserve-async-monitor")
         self._monitor.start()
+
+    async def _ping_loop(self) -> None:
+        interval, limit = watchdog_periods(self.watchdog_timeout)
+        while not self.engine.closing and self.dead_message is None:
+            await asyncio.sleep(interval)
+            try:
+                await self.call_utility_async("ping", timeout=limit)
+            except asyncio.TimeoutError:
+                self._watchdog_fired(limit)
+                return
+            except EngineDeadError:
+                return
 
     async def _read_loop(self) -> None:
         while not self.engine.closing:
@@ -336,16 +419,20 @@ class AsyncMPClient(_ClientBase):
         call_id = next(self._call_ids)
         fut = self._loop.create_future()
         self._utility[call_id] = fut
-        await self._send(self._frames_utility(call_id, method, args))
-        outs = await asyncio.wait_for(fut, timeout)
+        try:
+            await self._send(self._frames_utility(call_id, method, args))
+            outs = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._utility.pop(call_id, None)
         if outs.engine_error:
             raise EngineDeadError(outs.engine_error)
         return self._utility_value(outs)
 
     def shutdown(self) -> None:
         if not self.engine.closing:
-            self.engine.closing = True
-            if self._reader_task is not None:
-                self._reader_task.cancel()
+            self.engine.stopping.set()
+            for task in (self._reader_task, self._ping_task):
+                if task is not None:
+                    task.cancel()
             self.engine.close()
             self._sync_ctx.term()

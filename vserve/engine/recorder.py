@@ -3,10 +3,14 @@
 The engine core records, for every step: schedule start and end, launch (when it was handed
 to the executor) and commit start and end; the worker adds its receive, forward start and end,
 and result-ready times (its own clock; on one host `perf_counter` is shared by processes).
+
+Both stores are rings: a long-running server keeps recording (and its step metrics keep
+updating) after `max_records` steps, holding only the newest records.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -37,13 +41,16 @@ class StepRecorder:
     def __init__(self, enabled: bool = True, max_records: int = 100_000) -> None:
         self.enabled = enabled
         self.max_records = max_records
-        self.records: dict[int, StepRecord] = {}
-        self.recent: list[StepRecord] = []      # committed since the last `drain_recent`
+        self.records: dict[int, StepRecord] = {}   # by step id, oldest first
+        # committed since the last `drain_recent`
+        self.recent: deque[StepRecord] = deque(maxlen=max_records)
         self._last_launch = 0.0
 
     def scheduled(self, so, start: float, end: float, queue_len: int,
                   no_overlap: str | None = None, after_idle: bool = False) -> None:
-        if self.enabled and len(self.records) < self.max_records:
+        if self.enabled:
+            if len(self.records) >= self.max_records:   # drop the oldest
+                del self.records[next(iter(self.records))]
             rec = StepRecord(so.step_id, so.total_num_scheduled_tokens,
                              len(so.num_scheduled_tokens), queue_len, start, end)
             if self._last_launch and not after_idle:
@@ -62,11 +69,11 @@ class StepRecorder:
             rec.recv, rec.forward_start = timing.recv, timing.forward_start
             rec.stage_forwards = tuple(timing.stage_forwards)
             rec.forward_end, rec.ready = timing.forward_end, timing.ready
-        if len(self.recent) < self.max_records:
-            self.recent.append(rec)
+        self.recent.append(rec)
 
     def drain_recent(self) -> list[StepRecord]:
-        recent, self.recent = self.recent, []
+        recent = list(self.recent)
+        self.recent.clear()
         return recent
 
     def take(self) -> list[StepRecord]:

@@ -25,6 +25,8 @@ _HELP = {
     "nnodes": "number of hosts the pipeline stages span",
     "node_rank": "this host's index (0 runs the engine)",
     "attention_backend": "torch (CPU default) or triton (CUDA default)",
+    "watchdog_timeout": "seconds a step may hang (or the engine core stay silent) before the "
+                        "engine is declared dead and the server exits (0: off)",
     "enforce_eager": "no CUDA graphs: decode steps run eagerly too (graphs need CUDA + triton)",
 }
 

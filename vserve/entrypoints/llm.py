@@ -19,6 +19,8 @@ class LLM:
     vLLM names them (`dtype`, `max_model_len`, `max_num_seqs`, `enable_prefix_caching`,
     `async_scheduling`, `pipeline_parallel_size`, ...); an unknown one raises `ValueError`.
     `multiprocess=False` runs the engine core inside this process (tests, debugging).
+    `shutdown()`, the end of a `with LLM(...) as llm:` block, or dropping the last reference
+    stops the engine core and its workers.
     """
 
     def __init__(self, model: str | None = None, *, multiprocess: bool = True,

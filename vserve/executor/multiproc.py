@@ -3,7 +3,10 @@
 The engine core sends each `SchedulerOutput` to rank 0 (which re-broadcasts it to the other
 ranks) and receives one reply per step, in order. `execute_model(..., non_block=True)` returns
 a future; resolving it reads replies FIFO while watching every local worker process, so a
-worker that dies or raises surfaces as an error within moments, never as a hang.
+worker that dies or raises surfaces as an error within moments, never as a hang. A step that
+has run `watchdog_timeout` seconds without a reply (counted from when it was sent, or from the
+previous step's reply if that came later: steps run in order) means a stopped or stuck worker
+or a hung collective: the workers are killed and `WorkerError` makes the engine core die.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from multiprocessing.connection import wait
 
@@ -57,6 +61,9 @@ class MultiprocExecutor(Executor):
         self.on_failure = None   # set by the engine core process: called when a worker dies
         self._closing = False
         self.replies: dict[int, RunnerOutput] = {}
+        self.watchdog_timeout = config.watchdog_timeout
+        self._sent_at: dict[int, float] = {}   # step id -> when it was sent (monotonic)
+        self._last_reply_at = 0.0              # steps run in order: none starts before this
         port = par.master_port or free_port()
         ctx = mp.get_context("spawn")
         req_r, self.req_w = ctx.Pipe(duplex=False)
@@ -88,11 +95,13 @@ class MultiprocExecutor(Executor):
     def execute_model(self, so: SchedulerOutput, non_block: bool = False,
                       defer_sampling: bool = False):
         self._send(("execute", so, defer_sampling))
+        self._sent_at[so.step_id] = time.monotonic()
         return None if defer_sampling else self._future(so.step_id, non_block)
 
     def sample_tokens(self, so: SchedulerOutput, non_block: bool = False):
         """Sampling of a deferred step, with the grammar bitmask known only now."""
         self._send(("sample", so.step_id, so.grammar_bitmask))
+        self._sent_at[so.step_id] = time.monotonic()
         return self._future(so.step_id, non_block)
 
     def _future(self, step_id: int, non_block: bool):
@@ -125,6 +134,15 @@ class MultiprocExecutor(Executor):
         self.req_w.close()
         self.resp_r.close()
 
+    def kill(self) -> None:
+        """Stop every worker now (SIGKILL also ends a stopped or stuck one)."""
+        self._closing = True
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=5)
+
     # -- internals ---------------------------------------------------------------------------------
     def _send(self, msg) -> None:
         self.req_w.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
@@ -137,9 +155,41 @@ class MultiprocExecutor(Executor):
 
     def _reply_for(self, step_id: int, timeout: float | None) -> RunnerOutput:
         while step_id not in self.replies:
-            kind, value = self._recv(timeout)
+            try:
+                kind, value = self._recv(self._wait_limit(step_id, timeout))
+            except TimeoutError:
+                self._check_deadline(step_id)
+                raise
             self.replies[value.step_id] = value
+            self._last_reply_at = time.monotonic()
+        self._sent_at.pop(step_id, None)
         return self.replies.pop(step_id)
+
+    def _running_since(self, step_id: int) -> float | None:
+        """When the workers may have started this step (it was sent, and the step before it
+        replied); None when the watchdog is off."""
+        if not self.watchdog_timeout or step_id not in self._sent_at:
+            return None
+        return max(self._sent_at[step_id], self._last_reply_at)
+
+    def _wait_limit(self, step_id: int, timeout: float | None) -> float | None:
+        since = self._running_since(step_id)
+        if since is None:
+            return timeout
+        left = max(0.0, since + self.watchdog_timeout - time.monotonic())
+        return left if timeout is None else min(timeout, left)
+
+    def _check_deadline(self, step_id: int) -> None:
+        """The watchdog: a step running for `watchdog_timeout` means a hung worker."""
+        since = self._running_since(step_id)
+        if since is None:
+            return
+        waited = time.monotonic() - since
+        if waited >= self.watchdog_timeout:
+            self.kill()
+            raise WorkerError(f"watchdog: step {step_id} got no reply from the workers in "
+                              f"{waited:.1f} s (watchdog_timeout={self.watchdog_timeout:g} s); "
+                              "the workers were killed")
 
     def _recv(self, timeout: float | None):
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs)}

@@ -4,12 +4,17 @@ Every host runs the same model arguments; host `node_rank` owns ranks
 `[node_rank * pp / nnodes, (node_rank + 1) * pp / nnodes)`. The ranks meet the engine's host
 through torch.distributed's TCP rendezvous at `--master-addr:--master-port`; all requests and
 replies travel over torch.distributed through rank 0, so no other socket crosses hosts.
+
+Ctrl-C or SIGTERM stops the ranks (SIGTERM, then SIGKILL after `STOP_GRACE_S`) and returns at
+once; the ranks also exit by themselves if this process dies.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
+from multiprocessing.connection import wait
 
 from vserve.config import EngineArgs
 from vserve.executor.base import runner_config
@@ -17,6 +22,7 @@ from vserve.executor.multiproc import _threads_per_worker, local_ranks
 from workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.worker")
+STOP_GRACE_S = 3.0
 
 
 def run_remote_workers(args: EngineArgs) -> int:
@@ -35,13 +41,39 @@ def run_remote_workers(args: EngineArgs) -> int:
         setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, par.master_port,
                           threads)
         proc = ctx.Process(target=worker_main, args=(runner_config(config, rank), setup),
-                           name=f"vserve-worker-{rank}")
+                           name=f"vserve-worker-{rank}", daemon=True)
         proc.start()
         procs.append(proc)
     logger.warning("node %d: started ranks %s, waiting for the engine at %s:%d", par.node_rank,
                    list(ranks), par.master_addr, par.master_port)
-    code = 0
+    return _supervise(procs)
+
+
+def _supervise(procs: list) -> int:
+    """Wait for the ranks; on SIGINT / SIGTERM stop them. Exit status: the first non-zero
+    exit code of a rank, or 128 + signal number when stopped by a signal."""
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not received and any(p.is_alive() for p in procs):
+            wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        logger.warning("stopping the ranks (signal %d)", received[0])
+        _stop(procs)
+        return 128 + received[0]
+    return next((p.exitcode for p in procs if p.exitcode), 0)
+
+
+def _stop(procs: list) -> None:
     for proc in procs:
-        proc.join()
-        code = code or (proc.exitcode or 0)
-    return code
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=STOP_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

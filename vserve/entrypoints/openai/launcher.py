@@ -7,7 +7,8 @@
 |                    | finish_reason "abort"; then uvicorn stops                    |        |
 | a second signal    | uvicorn's immediate stop                                     | signal |
 | engine core dies   | in-flight requests get 500 or an error event, `/health` 503; | 1      |
-|                    | the watchdog stops the server                                |        |
+| or hangs           | the watchdog stops the server (a hang: `--watchdog-timeout`  |        |
+|                    | s with a step in flight or the engine core silent)           |        |
 """
 
 from __future__ import annotations
