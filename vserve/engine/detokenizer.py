@@ -59,10 +59,14 @@ class IncrementalDetokenizer:
 
     def _decode_next(self) -> None:
         if self._stream is not None:
-            text = self._stream.step(self._backend, self.ids[-1])
-            if text:
-                self.output_text += text
-            return
+            try:
+                text = self._stream.step(self._backend, self.ids[-1])
+            except Exception:   # the Rust stream refuses some byte-fallback sequences
+                self._leave_stream()
+            else:
+                if text:
+                    self.output_text += text
+                return
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset],
                         skip_special_tokens=self.skip_special)
@@ -71,6 +75,12 @@ class IncrementalDetokenizer:
             self.output_text += full[len(prefix):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
+
+    def _leave_stream(self) -> None:
+        """Go on with window decodes from the newest id: the ids before it are rendered."""
+        self._stream = None
+        self.read_offset = len(self.ids) - 1
+        self.prefix_offset = max(0, self.read_offset - _PROMPT_WINDOW)
 
     def _find_stop(self, new_start: int) -> str | None:
         if not self.stop:
