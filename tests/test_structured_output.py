@@ -135,3 +135,18 @@ def test_structured_params_validation():
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(ValueError, match="not a valid schema"):
         StructuredOutputsParams(json="{not json")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(regex=123), "regex must be a string"),
+    (dict(grammar={"a": 1}), "grammar must be a string"),
+    (dict(choice="abc"), "choice must be a list"),
+    (dict(choice=[1, 2]), "choice must be a list of non-empty strings"),
+    (dict(json=5), "json must be a string or an object"),
+    (dict(json_object=0), "json_object must be a boolean"),
+])
+def test_structured_params_types(kwargs, match):
+    """Wrong types raise at once (msgspec checks none in __init__; before, they reached the
+    engine core and killed its input thread)."""
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**kwargs)
