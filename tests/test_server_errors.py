@@ -32,6 +32,11 @@ def server(tiny_model_dir):
         assert srv.stop() == 0
 
 
+DEEP_SCHEMA: dict = {"type": "integer"}
+for _ in range(200):   # 201 levels of JSON (the cap is 128)
+    DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
+
+
 def C(**body):
     return ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **body})
 
@@ -87,6 +92,37 @@ BAD_JSON_ROWS = [
     (CHAT(stream_options={"include_usage": True}), 400, "stream_options"),
     (CHAT(model="gpt-4"), 404, "does not exist"),
     (("/detokenize", {"tokens": [999999]}), 400, "out of vocabulary"),
+    # structured outputs: typed, and compiled (parsed) before admission; before, a wrong
+    # type killed the engine core's input thread (every later request hung, /health 200)
+    (C(structured_outputs={"regex": 123}), 400, "regex"),
+    (C(structured_outputs={"json_object": 0}), 400, "json_object"),
+    (C(structured_outputs={"choice": "abc"}), 400, "choice"),
+    (C(structured_outputs={"grammar": {"a": 1}}), 400, "grammar"),
+    (C(structured_outputs={"json": 5}), 400, "json"),
+    (C(structured_outputs={"regex": "a", "bogus": 1}), 400, "bogus"),
+    (C(structured_outputs={}), 400, "exactly one"),
+    (C(structured_outputs={"regex": "[a-"}), 400, "invalid regex"),
+    (C(structured_outputs={"grammar": 'root ::= "x'}), 400, "invalid grammar"),
+    (C(structured_outputs={"json": {"type": 5}}), 400, "invalid JSON schema"),
+    (C(guided_regex=5), 400, "guided_regex"),
+    (C(guided_choice="abc"), 400, "guided_choice"),
+    (C(guided_choice=["a", 1]), 400, "guided_choice"),
+    (C(guided_json=5), 400, "guided_json"),
+    (C(guided_grammar="root ::= ("), 400, "invalid grammar"),
+    (C(guided_json=DEEP_SCHEMA), 400, "nested deeper"),
+    (CHAT(response_format={"type": "json_schema", "json_schema": "x"}), 400, "json_schema"),
+    (CHAT(response_format={"type": "yaml"}), 400, "response_format"),
+    (CHAT(response_format="json"), 400, "response_format"),
+    # integers beyond 64 bits: before, 2**63..2**64-1 crashed the worker (and the server)
+    # and larger ones were a 500 that leaked the request's state
+    (C(top_k=2**63), 400, "top_k"),
+    (C(top_k=2**70), 400, "top_k"),
+    (C(min_tokens=2**64), 400, "min_tokens"),
+    (C(n=2**64), 400, "n must be"),
+    (C(logit_bias={str(2**64): 1}), 400, "logit_bias"),
+    (C(stop_token_ids=[2**64]), 400, "stop_token_ids"),
+    (C(prompt=[2**64]), 400, "out of vocabulary"),
+    (C(max_tokens=2**64), 400, "maximum context length"),
     (("/tokenize", {}), 400, "prompt or messages"),
 ]
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
@@ -104,6 +140,15 @@ def _check_error(r: httpx.Response, status: int, fragment: str) -> None:
 def test_bad_request(server, route_body, status, fragment):
     route, body = route_body
     _check_error(httpx.post(server.url + route, json=body, headers=AUTH), status, fragment)
+    _check_still_serving(server)
+
+
+def _check_still_serving(server) -> None:
+    """The same engine process, answering a normal request (a hang is a client timeout)."""
+    assert children_of(server.pid) == server.engine_pids
+    r = httpx.post(server.url + "/v1/completions", json=C(max_tokens=1)[1], headers=AUTH,
+                   timeout=30)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("content,ctype,fragment", [
@@ -112,11 +157,19 @@ def test_bad_request(server, route_body, status, fragment):
     (b"[1, 2]", "application/json", "JSON object"),
     (b'{"prompt": "x"}', "text/plain", "Unsupported Media Type"),
     (b'{"prompt": "x"}', "", "Unsupported Media Type"),
+    (b'{"prompt": "x", "temperature": NaN}', "application/json", "NaN is not valid JSON"),
+    (b'{"prompt": "x", "top_p": -Infinity}', "application/json", "Infinity"),
+    (b'{"prompt": "x", "logit_bias": {"7": 1e400}}', "application/json", "logit_bias"),
+    (b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json",
+     "nested too deeply"),
+    (b'{"prompt": "x", "a": ' + b'{"b": ' * 50_000 + b"1" + b"}" * 50_000 + b"}",
+     "application/json", "nested too deeply"),
 ])
 def test_malformed_body(server, content, ctype, fragment):
     r = httpx.post(server.url + "/v1/completions", content=content,
                    headers={**AUTH, "content-type": ctype})
     _check_error(r, 400, fragment)
+    _check_still_serving(server)
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},

@@ -118,7 +118,24 @@ def test_json_object(engines):
     assert all(isinstance(json.loads(c.text), dict) for c in done)
 
 
-def test_bad_grammar_fails_its_request_only(engines):
+@pytest.mark.parametrize("kind, value, match", [
+    ("grammar", 'root ::= "unterminated', "invalid grammar"),
+    ("regex", "[a-", "invalid regex"),
+    ("json", {"type": 5}, "invalid JSON schema"),
+    ("json", "[1, 2]", "invalid JSON schema"),
+])
+def test_invalid_grammar_raises_before_the_engine(engines, kind, value, match):
+    llm = engines["async"]
+    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
+        **{kind: value}))
+    with pytest.raises(ValueError, match=match):
+        llm.generate([PROMPTS[0], PROMPTS[1]], bad, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_grammar_fails_its_request_only(engines, monkeypatch):
+    """A grammar the up-front parse lets through but the engine cannot compile."""
+    monkeypatch.setattr("vserve.engine.processor.check_grammar", lambda params: None)
     llm = engines["async"]
     bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
         grammar='root ::= "unterminated'))

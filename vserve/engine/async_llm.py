@@ -68,8 +68,16 @@ class AsyncLLM:
         state = self.output_processor.add_request(
             request_id, text, ids, params, [r.request_id for r in requests], kind,
             queue=asyncio.Queue())
-        for r in requests:
-            await self.client.add_request_async(r)
+        sent: list[str] = []
+        try:
+            for r in requests:
+                await self.client.add_request_async(r)
+                sent.append(r.request_id)
+        except BaseException:   # not admitted: forget its state, abort what was sent
+            self.output_processor.abort_request(request_id)
+            if sent and self.dead_error is None:
+                asyncio.get_running_loop().create_task(self.client.abort_requests_async(sent))
+            raise
         return state
 
     async def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:

@@ -14,6 +14,7 @@ import msgspec
 from vserve.config import EngineConfig
 from vserve.core.seeds import splitmix64
 from vserve.engine.messages import EngineCoreRequest
+from vserve.engine.structured_output import check_grammar
 from vserve.sampling_params import SamplingParams
 
 Prompt = str | dict | list
@@ -69,6 +70,8 @@ class InputProcessor:
                 raise ValueError(f"Token id {t} in logit_bias / stop_token_ids is out of "
                                  f"vocabulary (vocab size {self.vocab_size})")
         _check_wire(params)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
 
     def _engine_params(self, params: SamplingParams) -> SamplingParams:
         """What one engine request carries: n=1 (children), and top_k at or above the

@@ -59,19 +59,28 @@ async def parse_body(raw: Request, model: type[Req]) -> Req:
     if media != "application/json":
         raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
     try:
-        body = json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(await raw.body(), parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"Invalid JSON body: {e}") from e
+    except RecursionError:
+        raise APIError(400, "Invalid JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object")
     try:
         req = model.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from e
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply") from None
     extra = getattr(req, "ignored_fields", list)()
     if extra:
         logger.info("ignored fields in the request: %s", extra)
     return req
+
+
+def _no_constant(name: str) -> float:
+    # Python's json accepts NaN and Infinity; JSON (and OpenAI) does not
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def validation_error(e: ValidationError) -> APIError:

@@ -136,10 +136,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                        "logit_bias") from e
 
 
-def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
-    """The engine's own checks (logprobs cap, token ids in vocabulary), before submitting."""
+async def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
+    """The engine's own checks (logprobs cap, token ids in vocabulary, the grammar parses),
+    before submitting; a grammar is parsed on a thread, off the event loop."""
+    check = ctx.engine.processor.check_params
     try:
-        ctx.engine.processor.check_params(params, prompt_len)
+        if params.structured_outputs is None:
+            check(params, prompt_len)
+        else:
+            await asyncio.to_thread(check, params, prompt_len)
     except ValueError as e:
         raise APIError(400, str(e)) from e
 

@@ -83,7 +83,7 @@ class ChatServer:
         budget = check_context(ctx, len(ids), req.output_limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = make_sampling_params(req, budget, logprobs)
-        check_params(ctx, params, len(ids))
+        await check_params(ctx, params, len(ids))
         base = base_request_id(raw)
         states = await submit(ctx, [(None, ids)], [params], base)
         response_id = f"chatcmpl-{base}"

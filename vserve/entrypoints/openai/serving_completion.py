@@ -73,7 +73,7 @@ class CompletionServer:
         for _, ids in prompts:
             budget = check_context(ctx, len(ids), req.max_tokens)
             sp = make_sampling_params(req, budget, req.logprobs)
-            check_params(ctx, sp, len(ids))
+            await check_params(ctx, sp, len(ids))
             params.append(sp)
         base = base_request_id(raw)
         states = await submit(ctx, prompts, params, base)
