@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -186,8 +187,45 @@ def test_api_key_required_on_v1(server, headers):
 def test_open_routes_need_no_key(server):
     for route in ("/health", "/metrics", "/version"):
         assert httpx.get(server.url + route).status_code == 200, route
-    assert httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).status_code == 200
     assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("route,body", [("/tokenize", {"prompt": PROMPT}),
+                                        ("/detokenize", {"tokens": [5, 6]})])
+def test_tokenizer_routes_need_key(server, route, body):
+    """Before, anyone could make the server tokenize (or decode) without the key."""
+    _check_error(httpx.post(server.url + route, json=body), 401, "Unauthorized")
+    assert httpx.post(server.url + route, json=body, headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:80", "localhost.evil.example",
+                                  "127.0.0.1.nip.io", "[::2]:8000"])
+def test_foreign_host_refused(server, host):
+    """DNS rebinding: a page on evil.example that resolves to 127.0.0.1 sends its own name in
+    Host; a loopback-bound server answers only loopback names (--allowed-hosts)."""
+    for method, route in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                          ("GET", "/health")):
+        r = httpx.request(method, server.url + route, headers={**AUTH, "host": host},
+                          json=C()[1] if method == "POST" else None)
+        _check_error(r, 400, "Invalid Host header")
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1234", "127.0.0.1", "[::1]:8000"])
+def test_loopback_hosts_served(server, host):
+    r = httpx.get(server.url + "/v1/models", headers={**AUTH, "host": host})
+    assert r.status_code == 200, r.text
+
+
+def test_models_hide_paths(server, tiny_model_dir):
+    """A model served by its path is listed by its folder name (before: the full path, as id
+    and root); requests may still name it by the path."""
+    path = tiny_model_dir("llama")
+    r = httpx.get(server.url + "/v1/models", headers=AUTH)
+    assert r.status_code == 200 and str(Path(path).parent) not in r.text, r.text
+    assert [m["id"] for m in r.json()["data"]] == [Path(path).name]
+    r = httpx.post(server.url + "/v1/completions", json=C(model=path, max_tokens=1)[1],
+                   headers=AUTH)
+    assert r.status_code == 200 and path not in r.text, r.text
 
 
 def test_extras_and_unknown_fields_accepted(server):

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from vserve.config import EngineArgs, EngineConfig
 from vserve.engine.messages import SchedulerStats
 from vserve.engine.mp_client import AsyncMPClient, EngineDeadError
+from vserve.engine.output_collector import OutputCollector
 from vserve.engine.output_processor import OutputKind, OutputProcessor, RequestState
 from vserve.engine.processor import InputProcessor, Prompt
 from vserve.outputs import RequestOutput
@@ -67,7 +68,7 @@ class AsyncLLM:
         requests = self.processor.make_requests(request_id, ids, params)
         state = self.output_processor.add_request(
             request_id, text, ids, params, [r.request_id for r in requests], kind,
-            queue=asyncio.Queue())
+            queue=OutputCollector(kind))   # slow readers pin one (merged) output
         sent: list[str] = []
         try:
             for r in requests:

@@ -17,7 +17,8 @@ from vserve.engine.mp_client import EngineDeadError
 logger = logging.getLogger("vserve.server")
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+               413: "RequestTooLargeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -47,7 +48,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         lines = [line for line in str(exc).splitlines() if line.strip()] or ["unknown cause"]
         cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # no traceback
         return 500, f"The engine is dead: {cause}"
-    return 500, f"Internal server error: {type(exc).__name__}: {exc}"
+    # the details go to the server's log, never to the client
+    return 500, "Internal server error; the server's log has the details."
 
 
 Req = TypeVar("Req", bound=BaseModel)
