@@ -31,6 +31,7 @@ from vserve.entrypoints.openai.launcher import serve, watchdog
 from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.metrics import ServerMetrics
 from vserve.entrypoints.openai.middleware import FrontDoor, default_allowed_hosts
+from vserve.entrypoints.openai.openapi import body_doc, document_bodies
 from vserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,6 +75,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     _add_error_handlers(app, ctx)
     _add_openai_routes(app, ctx)
     _add_service_routes(app, ctx, metrics)
+    document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          DetokenizeRequest])
     return app
 
 
@@ -129,11 +132,11 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
     async def create_completion(raw: Request):
         return await completions.create(await parse_body(raw, CompletionRequest), raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def create_chat_completion(raw: Request):
         return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
 
@@ -145,7 +148,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                  for name in ctx.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest))
     async def tokenize(raw: Request):
         req = await parse_body(raw, TokenizeRequest)
         ctx.check_model(req.model)
@@ -162,7 +165,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
             body["token_strs"] = await ctx.off_loop(tok.convert_ids_to_tokens, ids)
         return JSONResponse(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body_doc(DetokenizeRequest))
     async def detokenize(raw: Request):
         req = await parse_body(raw, DetokenizeRequest)
         ctx.check_model(req.model)
