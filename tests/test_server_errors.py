@@ -125,6 +125,28 @@ BAD_JSON_ROWS = [
     (C(prompt=[2**64]), 400, "out of vocabulary"),
     (C(max_tokens=2**64), 400, "maximum context length"),
     (("/tokenize", {}), 400, "prompt or messages"),
+    # wrong types in nested fields
+    (C(stream=True, stream_options={"include_usage": [1]}), 400, "include_usage"),
+    (CHAT(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), 400,
+     "messages"),
+    (CHAT(messages=[{"role": ["user"], "content": "hi"}]), 400, "role"),
+    (CHAT(response_format={"type": "json_schema", "json_schema": {"schema": "x"}}), 400,
+     "schema"),
+    (C(structured_outputs={"choice": ["a", 1]}), 400, "choice"),
+    (C(logit_bias={"7": "big"}), 400, "logit_bias"),
+    (C(stop_token_ids=["one"]), 400, "stop_token_ids"),
+    # empty and huge collections (default limits: 64 stops, 1024 biases, 256 sequences,
+    # 16 x max_model_len characters)
+    (C(prompt=[[]]), 400, "non-empty"),
+    (C(prompt=[""]), 400, "empty"),
+    (C(stop=[f"s{i}" for i in range(65)]), 400, "--max-stop-sequences"),
+    (C(stop_token_ids=[1] * 65), 400, "--max-stop-sequences"),
+    (C(logit_bias={str(i): 1 for i in range(1025)}), 400, "--max-logit-bias"),
+    (C(prompt=[PROMPT] * 257), 400, "--max-num-seqs-per-request"),
+    (C(prompt=[[5]] * 3, n=100, temperature=1), 400, "--max-num-seqs-per-request"),
+    (C(prompt=[5] * 100_000), 400, f"maximum context length is {MAX_MODEL_LEN}"),
+    (CHAT(messages=[{"role": "user", "content": "hi"}] * 10_000), 400, "--max-prompt-chars"),
+    (("/detokenize", {"tokens": [5] * 10_000}), 400, "--max-prompt-chars"),
 ]
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
 
@@ -226,6 +248,43 @@ def test_models_hide_paths(server, tiny_model_dir):
     r = httpx.post(server.url + "/v1/completions", json=C(model=path, max_tokens=1)[1],
                    headers=AUTH)
     assert r.status_code == 200 and path not in r.text, r.text
+
+
+@pytest.mark.parametrize("body", [C(stop=[])[1], C(stop_token_ids=[])[1], C(logit_bias={})[1],
+                                  C(logit_bias={"7": 1, "07": 2})[1],
+                                  C(stop=[f"s{i}" for i in range(64)])[1],
+                                  C(prompt=[[5, 6]] * 3)[1]])
+def test_edge_collections_accepted(server, body):
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_duplicate_request_ids(server):
+    """Concurrent requests with the same X-Request-Id are separate engine requests: each gets
+    its own complete answer (the id is echoed), none is cut short or left hanging."""
+    body = C(max_tokens=8, ignore_eos=True, temperature=0)[1]
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers={**AUTH,
+                                     "X-Request-Id": "same-id"}, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body)
+                                          for _ in range(3)))
+
+    responses = asyncio.run(run())
+    for r in responses:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "same-id"
+        assert r.json()["usage"]["completion_tokens"] == 8
+    assert len({r.json()["choices"][0]["text"] for r in responses}) == 1   # greedy
+    _check_still_serving(server)
+
+
+def test_500_body_hides_exception_text():
+    """Before, a 500 echoed the exception's type and text (paths, internals) to the client."""
+    from vserve.entrypoints.openai.errors import error_status
+
+    status, message = error_status(RuntimeError("/home/secret/model.bin: bad magic"))
+    assert status == 500 and "secret" not in message and "RuntimeError" not in message
 
 
 def test_extras_and_unknown_fields_accepted(server):
