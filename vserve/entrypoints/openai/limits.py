@@ -1,16 +1,19 @@
 """Admission limits of the HTTP server: what one request may ask for, checked before any
 tokenization or engine work, so that no single request can stall or swamp the server.
 
-| limit                              | flag                         | default            | client sees |
-|------------------------------------|------------------------------|--------------------|-------------|
-| sequences waiting beyond max_num_seqs | `--max-num-queued-reqs`   | 1024               | 503 + Retry-After |
-| prompts x n in one request         | `--max-num-seqs-per-request` | 256                | 400 |
-| request body                       | `--max-request-body-bytes`   | 32 MiB             | 413 |
-| characters of a prompt / a chat    | `--max-prompt-chars`         | 16 x max_model_len | 400 |
-| stop strings; stop token ids       | `--max-stop-sequences`       | 64 each            | 400 |
-| characters of one stop string      | `--max-stop-chars`           | 1024               | 400 |
-| `logit_bias` entries               | `--max-logit-bias`           | 1024               | 400 |
-| time from admission to the end     | `--request-timeout`          | off                | finish_reason "abort" |
+| limit                            | flag                         | default        | client sees |
+|----------------------------------|------------------------------|----------------|-------------|
+| sequences waiting (beyond        | `--max-num-queued-reqs`      | 1024           | 503 +       |
+|   max_num_seqs)                  |                              |                | Retry-After |
+| prompts x n in one request       | `--max-num-seqs-per-request` | 256            | 400         |
+| request body                     | `--max-request-body-bytes`   | 32 MiB         | 413         |
+| characters of a prompt or a chat | `--max-prompt-chars`         | 16 x max_m._l. | 400         |
+| stop strings; stop token ids     | `--max-stop-sequences`       | 64 each        | 400         |
+| characters of one stop string    | `--max-stop-chars`           | 1024           | 400         |
+| `logit_bias` entries             | `--max-logit-bias`           | 1024           | 400         |
+| time from admission to the end   | `--request-timeout`          | off            | "abort"     |
+
+The body limit is enforced by the middleware (`FrontDoor`); the others by the handlers.
 """
 
 from __future__ import annotations

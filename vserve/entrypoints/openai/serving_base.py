@@ -60,7 +60,7 @@ class ServerContext:
     draining: bool = False
     exit_code: int = 0
     active: dict[str, RequestState] = field(default_factory=dict)  # engine id -> state
-    deadlines: dict[str, asyncio.TimerHandle] = field(default_factory=dict)  # engine id ->
+    deadlines: dict[str, asyncio.TimerHandle] = field(default_factory=dict)  # --request-timeout
     num_active_seqs: int = 0
     request_exit: Callable[[int], None] = lambda code: None
     # one thread: HF fast tokenizers are not safe to call from several threads at once
