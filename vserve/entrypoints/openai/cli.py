@@ -24,8 +24,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", nargs="+", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes "
-                             "(default: $VSERVE_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize "
+                             "and /detokenize (default: $VSERVE_API_KEY)")
     server.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                         help="Host header values served (names or addresses, any port; '*' "
                              "for all); others get 400, against DNS rebinding (default: "
