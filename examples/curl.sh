@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The server's HTTP API with curl. Start it first:  vserve serve   (127.0.0.1:8000)
-# Add  -H "Authorization: Bearer $VSERVE_API_KEY"  when the server runs with --api-key.
+# Add  -H "Authorization: Bearer $VSERVE_API_KEY"  when the server runs with --api-key (it
+# guards /v1, /tokenize and /detokenize).
 set -euo pipefail
 URL=${URL:-http://127.0.0.1:8000}
 

@@ -28,6 +28,27 @@ def llm(tiny_model_dir):
     (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(seed=2**70), "seed"),
+    # beyond 64 bits: msgpack and torch cannot carry them (a worker crash before)
+    (dict(top_k=2**63), "top_k"),
+    (dict(top_k=2**70), "top_k"),
+    (dict(n=2**64), "n must"),
+    (dict(max_tokens=2**70), "max_tokens"),
+    (dict(min_tokens=2**64), "min_tokens"),
+    (dict(stop_token_ids=[2**64]), "stop_token_ids"),
+    (dict(logit_bias={2**64: 1.0}), "logit_bias keys"),
+    (dict(logit_bias={"1.5": 1.0}), "logit_bias keys"),
+    (dict(logit_bias={7: float("nan")}), "logit_bias values"),
+    (dict(logit_bias={7: float("inf")}), "logit_bias values"),
+    (dict(logit_bias={7: 2**2000}), "logit_bias values"),
+    (dict(logit_bias=[7]), "logit_bias must be a dict"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=2**2000), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    # wrong types that msgspec would find only in the engine core
+    (dict(stop=5), "stop must be"),
+    (dict(stop_token_ids=7), "stop_token_ids must be a list"),
+    (dict(ignore_eos=1), "ignore_eos must be a boolean"),
+    (dict(structured_outputs={"regex": "a"}), "structured_outputs must be"),
 ])
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -53,6 +74,31 @@ def test_bad_requests_raise_and_engine_stays_usable(llm, prompt, params, match):
     out = llm.generate("still works", SamplingParams(max_tokens=3, temperature=0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_params_changed_after_construction_raise(llm):
+    """msgspec checks nothing on assignment; the engine core re-runs the checks when it
+    decodes, so the front end does it first (before, the engine's input thread died)."""
+    for name, value, match in (("top_p", 0.0, "top_p"), ("top_k", 2**64, "serialize"),
+                               ("temperature", "hot", "temperature")):
+        params = SamplingParams(max_tokens=3)
+        setattr(params, name, value)
+        with pytest.raises(ValueError, match=match):
+            llm.generate("a prompt", params, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+    out = llm.generate("still works", SamplingParams(max_tokens=3, temperature=0),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_top_k_at_or_above_vocab_means_off(llm):
+    """As in vLLM: top_k >= vocabulary size keeps every token, the same as top_k=0."""
+    vocab = llm.engine.config.model.vocab_size
+    outs = [llm.generate("seeded prompt", SamplingParams(max_tokens=8, temperature=1.0,
+                                                         seed=7, top_k=k),
+                         use_tqdm=False)[0].outputs[0].token_ids
+            for k in (0, vocab, 2**63 - 1)]
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 8
 
 
 def test_params_list_length_mismatch(llm):

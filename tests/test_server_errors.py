@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,6 +31,11 @@ def server(tiny_model_dir):
         yield srv
     finally:
         assert srv.stop() == 0
+
+
+DEEP_SCHEMA: dict = {"type": "integer"}
+for _ in range(200):   # 201 levels of JSON (the cap is 128)
+    DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
 
 
 def C(**body):
@@ -87,7 +93,60 @@ BAD_JSON_ROWS = [
     (CHAT(stream_options={"include_usage": True}), 400, "stream_options"),
     (CHAT(model="gpt-4"), 404, "does not exist"),
     (("/detokenize", {"tokens": [999999]}), 400, "out of vocabulary"),
+    # structured outputs: typed, and compiled (parsed) before admission; before, a wrong
+    # type killed the engine core's input thread (every later request hung, /health 200)
+    (C(structured_outputs={"regex": 123}), 400, "regex"),
+    (C(structured_outputs={"json_object": 0}), 400, "json_object"),
+    (C(structured_outputs={"choice": "abc"}), 400, "choice"),
+    (C(structured_outputs={"grammar": {"a": 1}}), 400, "grammar"),
+    (C(structured_outputs={"json": 5}), 400, "json"),
+    (C(structured_outputs={"regex": "a", "bogus": 1}), 400, "bogus"),
+    (C(structured_outputs={}), 400, "exactly one"),
+    (C(structured_outputs={"regex": "[a-"}), 400, "invalid regex"),
+    (C(structured_outputs={"grammar": 'root ::= "x'}), 400, "invalid grammar"),
+    (C(structured_outputs={"json": {"type": 5}}), 400, "invalid JSON schema"),
+    (C(guided_regex=5), 400, "guided_regex"),
+    (C(guided_choice="abc"), 400, "guided_choice"),
+    (C(guided_choice=["a", 1]), 400, "guided_choice"),
+    (C(guided_json=5), 400, "guided_json"),
+    (C(guided_grammar="root ::= ("), 400, "invalid grammar"),
+    (C(guided_json=DEEP_SCHEMA), 400, "nested deeper"),
+    (CHAT(response_format={"type": "json_schema", "json_schema": "x"}), 400, "json_schema"),
+    (CHAT(response_format={"type": "yaml"}), 400, "response_format"),
+    (CHAT(response_format="json"), 400, "response_format"),
+    # integers beyond 64 bits: before, 2**63..2**64-1 crashed the worker (and the server)
+    # and larger ones were a 500 that leaked the request's state
+    (C(top_k=2**63), 400, "top_k"),
+    (C(top_k=2**70), 400, "top_k"),
+    (C(min_tokens=2**64), 400, "min_tokens"),
+    (C(n=2**64), 400, "n must be"),
+    (C(logit_bias={str(2**64): 1}), 400, "logit_bias"),
+    (C(stop_token_ids=[2**64]), 400, "stop_token_ids"),
+    (C(prompt=[2**64]), 400, "out of vocabulary"),
+    (C(max_tokens=2**64), 400, "maximum context length"),
     (("/tokenize", {}), 400, "prompt or messages"),
+    # wrong types in nested fields
+    (C(stream=True, stream_options={"include_usage": [1]}), 400, "include_usage"),
+    (CHAT(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), 400,
+     "messages"),
+    (CHAT(messages=[{"role": ["user"], "content": "hi"}]), 400, "role"),
+    (CHAT(response_format={"type": "json_schema", "json_schema": {"schema": "x"}}), 400,
+     "schema"),
+    (C(structured_outputs={"choice": ["a", 1]}), 400, "choice"),
+    (C(logit_bias={"7": "big"}), 400, "logit_bias"),
+    (C(stop_token_ids=["one"]), 400, "stop_token_ids"),
+    # empty and huge collections (default limits: 64 stops, 1024 biases, 256 sequences,
+    # 16 x max_model_len characters)
+    (C(prompt=[[]]), 400, "non-empty"),
+    (C(prompt=[""]), 400, "empty"),
+    (C(stop=[f"s{i}" for i in range(65)]), 400, "--max-stop-sequences"),
+    (C(stop_token_ids=[1] * 65), 400, "--max-stop-sequences"),
+    (C(logit_bias={str(i): 1 for i in range(1025)}), 400, "--max-logit-bias"),
+    (C(prompt=[PROMPT] * 257), 400, "--max-num-seqs-per-request"),
+    (C(prompt=[[5]] * 3, n=100, temperature=1), 400, "--max-num-seqs-per-request"),
+    (C(prompt=[5] * 100_000), 400, f"maximum context length is {MAX_MODEL_LEN}"),
+    (CHAT(messages=[{"role": "user", "content": "hi"}] * 10_000), 400, "--max-prompt-chars"),
+    (("/detokenize", {"tokens": [5] * 10_000}), 400, "--max-prompt-chars"),
 ]
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
 
@@ -104,6 +163,15 @@ def _check_error(r: httpx.Response, status: int, fragment: str) -> None:
 def test_bad_request(server, route_body, status, fragment):
     route, body = route_body
     _check_error(httpx.post(server.url + route, json=body, headers=AUTH), status, fragment)
+    _check_still_serving(server)
+
+
+def _check_still_serving(server) -> None:
+    """The same engine process, answering a normal request (a hang is a client timeout)."""
+    assert children_of(server.pid) == server.engine_pids
+    r = httpx.post(server.url + "/v1/completions", json=C(max_tokens=1)[1], headers=AUTH,
+                   timeout=30)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("content,ctype,fragment", [
@@ -112,11 +180,19 @@ def test_bad_request(server, route_body, status, fragment):
     (b"[1, 2]", "application/json", "JSON object"),
     (b'{"prompt": "x"}', "text/plain", "Unsupported Media Type"),
     (b'{"prompt": "x"}', "", "Unsupported Media Type"),
+    (b'{"prompt": "x", "temperature": NaN}', "application/json", "NaN is not valid JSON"),
+    (b'{"prompt": "x", "top_p": -Infinity}', "application/json", "Infinity"),
+    (b'{"prompt": "x", "logit_bias": {"7": 1e400}}', "application/json", "logit_bias"),
+    (b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json",
+     "nested too deeply"),
+    (b'{"prompt": "x", "a": ' + b'{"b": ' * 50_000 + b"1" + b"}" * 50_000 + b"}",
+     "application/json", "nested too deeply"),
 ])
 def test_malformed_body(server, content, ctype, fragment):
     r = httpx.post(server.url + "/v1/completions", content=content,
                    headers={**AUTH, "content-type": ctype})
     _check_error(r, 400, fragment)
+    _check_still_serving(server)
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
@@ -133,8 +209,82 @@ def test_api_key_required_on_v1(server, headers):
 def test_open_routes_need_no_key(server):
     for route in ("/health", "/metrics", "/version"):
         assert httpx.get(server.url + route).status_code == 200, route
-    assert httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).status_code == 200
     assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("route,body", [("/tokenize", {"prompt": PROMPT}),
+                                        ("/detokenize", {"tokens": [5, 6]})])
+def test_tokenizer_routes_need_key(server, route, body):
+    """Before, anyone could make the server tokenize (or decode) without the key."""
+    _check_error(httpx.post(server.url + route, json=body), 401, "Unauthorized")
+    assert httpx.post(server.url + route, json=body, headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:80", "localhost.evil.example",
+                                  "127.0.0.1.nip.io", "[::2]:8000"])
+def test_foreign_host_refused(server, host):
+    """DNS rebinding: a page on evil.example that resolves to 127.0.0.1 sends its own name in
+    Host; a loopback-bound server answers only loopback names (--allowed-hosts)."""
+    for method, route in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                          ("GET", "/health")):
+        r = httpx.request(method, server.url + route, headers={**AUTH, "host": host},
+                          json=C()[1] if method == "POST" else None)
+        _check_error(r, 400, "Invalid Host header")
+
+
+@pytest.mark.parametrize("host", ["localhost", "LOCALHOST:1234", "127.0.0.1", "[::1]:8000"])
+def test_loopback_hosts_served(server, host):
+    r = httpx.get(server.url + "/v1/models", headers={**AUTH, "host": host})
+    assert r.status_code == 200, r.text
+
+
+def test_models_hide_paths(server, tiny_model_dir):
+    """A model served by its path is listed by its folder name (before: the full path, as id
+    and root); requests may still name it by the path."""
+    path = tiny_model_dir("llama")
+    r = httpx.get(server.url + "/v1/models", headers=AUTH)
+    assert r.status_code == 200 and str(Path(path).parent) not in r.text, r.text
+    assert [m["id"] for m in r.json()["data"]] == [Path(path).name]
+    r = httpx.post(server.url + "/v1/completions", json=C(model=path, max_tokens=1)[1],
+                   headers=AUTH)
+    assert r.status_code == 200 and path not in r.text, r.text
+
+
+@pytest.mark.parametrize("body", [C(stop=[])[1], C(stop_token_ids=[])[1], C(logit_bias={})[1],
+                                  C(logit_bias={"7": 1, "07": 2})[1],
+                                  C(stop=[f"s{i}" for i in range(64)])[1],
+                                  C(prompt=[[5, 6]] * 3)[1]])
+def test_edge_collections_accepted(server, body):
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_duplicate_request_ids(server):
+    """Concurrent requests with the same X-Request-Id are separate engine requests: each gets
+    its own complete answer (the id is echoed), none is cut short or left hanging."""
+    body = C(max_tokens=8, ignore_eos=True, temperature=0)[1]
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers={**AUTH,
+                                     "X-Request-Id": "same-id"}, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body)
+                                          for _ in range(3)))
+
+    responses = asyncio.run(run())
+    for r in responses:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "same-id"
+        assert r.json()["usage"]["completion_tokens"] == 8
+    assert len({r.json()["choices"][0]["text"] for r in responses}) == 1   # greedy
+    _check_still_serving(server)
+
+
+def test_500_body_hides_exception_text():
+    """Before, a 500 echoed the exception's type and text (paths, internals) to the client."""
+    from vserve.entrypoints.openai.errors import error_status
+
+    status, message = error_status(RuntimeError("/home/secret/model.bin: bad magic"))
+    assert status == 500 and "secret" not in message and "RuntimeError" not in message
 
 
 def test_extras_and_unknown_fields_accepted(server):

@@ -118,7 +118,24 @@ def test_json_object(engines):
     assert all(isinstance(json.loads(c.text), dict) for c in done)
 
 
-def test_bad_grammar_fails_its_request_only(engines):
+@pytest.mark.parametrize("kind, value, match", [
+    ("grammar", 'root ::= "unterminated', "invalid grammar"),
+    ("regex", "[a-", "invalid regex"),
+    ("json", {"type": 5}, "invalid JSON schema"),
+    ("json", "[1, 2]", "invalid JSON schema"),
+])
+def test_invalid_grammar_raises_before_the_engine(engines, kind, value, match):
+    llm = engines["async"]
+    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
+        **{kind: value}))
+    with pytest.raises(ValueError, match=match):
+        llm.generate([PROMPTS[0], PROMPTS[1]], bad, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_grammar_fails_its_request_only(engines, monkeypatch):
+    """A grammar the up-front parse lets through but the engine cannot compile."""
+    monkeypatch.setattr("vserve.engine.processor.check_grammar", lambda params: None)
     llm = engines["async"]
     bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
         grammar='root ::= "unterminated'))
@@ -135,3 +152,18 @@ def test_structured_params_validation():
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(ValueError, match="not a valid schema"):
         StructuredOutputsParams(json="{not json")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(regex=123), "regex must be a string"),
+    (dict(grammar={"a": 1}), "grammar must be a string"),
+    (dict(choice="abc"), "choice must be a list"),
+    (dict(choice=[1, 2]), "choice must be a list of non-empty strings"),
+    (dict(json=5), "json must be a string or an object"),
+    (dict(json_object=0), "json_object must be a boolean"),
+])
+def test_structured_params_types(kwargs, match):
+    """Wrong types raise at once (msgspec checks none in __init__; before, they reached the
+    engine core and killed its input thread)."""
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**kwargs)

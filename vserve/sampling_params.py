@@ -12,7 +12,8 @@ import math
 import msgspec
 
 _GREEDY_EPS = 1e-5
-_INT64 = 2**63
+_INT64 = 2**63   # integers must fit int64: msgpack and torch carry nothing wider
+_TYPE_NAMES = {"regex": "a string", "grammar": "a string", "choice": "a list of strings"}
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -29,6 +30,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         import json as _json
 
+        self._check_types()
         if isinstance(self.json, dict):
             self.json = _json.dumps(self.json)
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k)]
@@ -43,6 +45,20 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.choice is not None:
             _check(all(isinstance(c, str) and c for c in self.choice),
                    "structured outputs: choice must be a list of non-empty strings")
+
+    def _check_types(self) -> None:
+        """msgspec does not check types in `__init__`: a wrong type would pass here and fail
+        only when the engine core decodes the request."""
+        for name, types in (("json", (str, dict)), ("regex", str), ("grammar", str),
+                            ("choice", list)):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, types),
+                   f"structured outputs: {name} must be "
+                   f"{'a string or an object' if name == 'json' else _TYPE_NAMES[name]}, "
+                   f"got {type(value).__name__}")
+        _check(isinstance(self.json_object, bool),
+               f"structured outputs: json_object must be a boolean, got "
+               f"{type(self.json_object).__name__}")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -112,64 +128,118 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
-            self.logit_bias = {
-                int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()
-            }
+            _check(isinstance(self.logit_bias, dict),
+                   f"logit_bias must be a dict of token id -> bias, got "
+                   f"{_short(self.logit_bias)}.")
+            self.logit_bias = {_token_id(k): _clamp_bias(v) for k, v in self.logit_bias.items()}
         if isinstance(self.temperature, (int, float)) and 0 <= self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _verify(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}.")
+        self._verify_types()
+        _check(_is_int64(self.n) and self.n >= 1,
+               f"n must be an integer >= 1 (64-bit), got {_short(self.n)}.")
         _check(
-            _is_num(self.temperature) and math.isfinite(self.temperature)
-            and self.temperature >= 0,
-            f"temperature must be a finite number >= 0, got {self.temperature!r}.",
+            _is_finite(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {_short(self.temperature)}.",
         )
         _check(
             _is_num(self.top_p) and 0 < self.top_p <= 1,
-            f"top_p must be in (0, 1], got {self.top_p!r}.",
+            f"top_p must be in (0, 1], got {_short(self.top_p)}.",
         )
         _check(
-            _is_int(self.top_k) and self.top_k >= 0,
-            f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k!r}.",
+            _is_int64(self.top_k) and self.top_k >= 0,
+            f"top_k must be -1 or 0 (disabled) or at least 1 (64-bit), got "
+            f"{_short(self.top_k)}.",
         )
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1,
-               f"min_p must be in [0, 1], got {self.min_p!r}.")
+               f"min_p must be in [0, 1], got {_short(self.min_p)}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_num(value) and -2 <= value <= 2,
-                   f"{name} must be in [-2, 2], got {value!r}.")
+                   f"{name} must be in [-2, 2], got {_short(value)}.")
         _check(
-            _is_num(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
-            and self.repetition_penalty > 0,
-            f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}.",
+            _is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be a finite number > 0, got "
+            f"{_short(self.repetition_penalty)}.",
         )
         _check(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
-               f"seed must be a 64-bit integer, got {self.seed!r}.")
+               f"seed must be a 64-bit integer, got {_short(self.seed)}.")
         _check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            f"max_tokens must be at least 1, got {self.max_tokens!r}.",
+            self.max_tokens is None or (_is_int64(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be at least 1 (64-bit), got {_short(self.max_tokens)}.",
         )
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
-               f"min_tokens must be >= 0, got {self.min_tokens!r}.")
+        _check(_is_int64(self.min_tokens) and self.min_tokens >= 0,
+               f"min_tokens must be >= 0 (64-bit), got {_short(self.min_tokens)}.")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens,
                    f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-               f"logprobs must be a non-negative integer, got {self.logprobs!r}.")
+        _check(self.logprobs is None or (_is_int64(self.logprobs) and self.logprobs >= 0),
+               f"logprobs must be a non-negative integer, got {_short(self.logprobs)}.")
         for s in self.stop or []:
             _check(isinstance(s, str) and s != "", "stop strings must be non-empty strings.")
         for t in self.stop_token_ids or []:
-            _check(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative ints, got {t!r}.")
+            _check(_is_int64(t) and t >= 0,
+                   f"stop_token_ids must be non-negative 64-bit ints, got {_short(t)}.")
         if self.n > 1:
             _check(not self.greedy,
                    "n > 1 needs random sampling: set temperature > 0 (greedy choices would "
                    "all be identical).")
 
+    def _verify_types(self) -> None:
+        """Containers, flags and the nested params, whose wrong types msgspec would otherwise
+        find only when the engine core decodes the request."""
+        _check(self.stop is None or isinstance(self.stop, list),
+               f"stop must be a string or a list of strings, got {_short(self.stop)}.")
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list),
+               f"stop_token_ids must be a list of ints, got {_short(self.stop_token_ids)}.")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            _check(isinstance(getattr(self, name), bool),
+                   f"{name} must be a boolean, got {getattr(self, name)!r}.")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams.")
+
+
+def _token_id(key: object) -> int:
+    try:
+        token_id = int(key) if isinstance(key, (int, str)) and not isinstance(key, bool) \
+            else None
+    except ValueError:
+        token_id = None
+    _check(token_id is not None and 0 <= token_id < _INT64,
+           f"logit_bias keys must be token ids, got {_short(key)}.")
+    return token_id
+
+
+def _clamp_bias(value: object) -> float:
+    _check(_is_finite(value), f"logit_bias values must be finite numbers, got {_short(value)}.")
+    return float(max(-100, min(100, value)))
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_int64(value: object) -> bool:
+    return _is_int(value) and -_INT64 <= value < _INT64
+
+
+def _is_finite(value: object) -> bool:
+    """A number a float holds that is not inf or NaN."""
+    if not _is_num(value):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:   # an int beyond the float range
+        return False
 
 
 def _is_num(value: object) -> bool:

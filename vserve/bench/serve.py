@@ -108,11 +108,16 @@ async def _model(client, model: str | None) -> tuple[str, str | None]:
 
 
 def _tokenizer(path: str | None):
+    from vserve.models.resolve import resolve_model_path
     from vserve.tokenizer import load_tokenizer
 
     if not path:
         raise SystemExit("no tokenizer: pass --tokenizer (the server's model root is unknown)")
-    return load_tokenizer(path)
+    try:   # the server names its model (the embedded one by its alias), never its path
+        return load_tokenizer(resolve_model_path(path))
+    except ValueError as e:
+        raise SystemExit(f"no tokenizer for the served model {path!r}: pass --tokenizer "
+                         f"({e})") from None
 
 
 async def _drive(client, endpoint, args, model, prompts) -> list[RequestResult]:

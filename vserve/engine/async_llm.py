@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from vserve.config import EngineArgs, EngineConfig
 from vserve.engine.messages import SchedulerStats
 from vserve.engine.mp_client import AsyncMPClient, EngineDeadError
+from vserve.engine.output_collector import OutputCollector
 from vserve.engine.output_processor import OutputKind, OutputProcessor, RequestState
 from vserve.engine.processor import InputProcessor, Prompt
 from vserve.outputs import RequestOutput
@@ -67,9 +68,17 @@ class AsyncLLM:
         requests = self.processor.make_requests(request_id, ids, params)
         state = self.output_processor.add_request(
             request_id, text, ids, params, [r.request_id for r in requests], kind,
-            queue=asyncio.Queue())
-        for r in requests:
-            await self.client.add_request_async(r)
+            queue=OutputCollector(kind))   # slow readers pin one (merged) output
+        sent: list[str] = []
+        try:
+            for r in requests:
+                await self.client.add_request_async(r)
+                sent.append(r.request_id)
+        except BaseException:   # not admitted: forget its state, abort what was sent
+            self.output_processor.abort_request(request_id)
+            if sent and self.dead_error is None:
+                asyncio.get_running_loop().create_task(self.client.abort_requests_async(sent))
+            raise
         return state
 
     async def stream(self, state: RequestState) -> AsyncIterator[RequestOutput]:

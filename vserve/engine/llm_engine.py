@@ -49,8 +49,16 @@ class LLMEngine:
         requests = self.processor.make_requests(request_id, ids, params)
         self.output_processor.add_request(request_id, text, ids, params,
                                           [r.request_id for r in requests], kind)
-        for r in requests:
-            self.client.add_request(r)
+        sent: list[str] = []
+        try:
+            for r in requests:
+                self.client.add_request(r)
+                sent.append(r.request_id)
+        except BaseException:   # not admitted: forget its state, abort what was sent
+            self.output_processor.abort_request(request_id)
+            if sent:
+                self.client.abort_requests(sent)
+            raise
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -49,7 +49,7 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
-    queue: object = None   # AsyncLLM: an asyncio.Queue per request
+    queue: object = None   # AsyncLLM: an OutputCollector per request
 
     @property
     def finished(self) -> bool:

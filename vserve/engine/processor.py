@@ -9,9 +9,12 @@ from __future__ import annotations
 import random
 import time
 
+import msgspec
+
 from vserve.config import EngineConfig
 from vserve.core.seeds import splitmix64
 from vserve.engine.messages import EngineCoreRequest
+from vserve.engine.structured_output import check_grammar
 from vserve.sampling_params import SamplingParams
 
 Prompt = str | dict | list
@@ -66,6 +69,19 @@ class InputProcessor:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"Token id {t} in logit_bias / stop_token_ids is out of "
                                  f"vocabulary (vocab size {self.vocab_size})")
+        _check_wire(params)
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
+
+    def _engine_params(self, params: SamplingParams) -> SamplingParams:
+        """What one engine request carries: n=1 (children), and top_k at or above the
+        vocabulary means "off" (0), as in vLLM."""
+        changes = {}
+        if params.n > 1:
+            changes["n"] = 1
+        if params.top_k >= self.vocab_size:
+            changes["top_k"] = 0
+        return params.clone(**changes) if changes else params
 
     def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       arrival_time: float | None = None) -> list[EngineCoreRequest]:
@@ -74,7 +90,7 @@ class InputProcessor:
         arrival = arrival_time or time.time()
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = list(self.config.model.eos_token_ids)
-        child_params = params.clone(n=1) if params.n > 1 else params
+        child_params = self._engine_params(params)
         salt = None
         if params.n > 1 and not self.config.cache.enable_prefix_caching:
             salt = request_id
@@ -85,3 +101,12 @@ class InputProcessor:
             out.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, eos,
                                          seed & ((1 << 63) - 1), arrival, salt))
         return out
+
+
+def _check_wire(params: SamplingParams) -> None:
+    """Decode the params as the engine core will: a value changed after construction (or of
+    a type msgspec refuses) fails here, in the caller, not in the engine's input thread."""
+    try:
+        msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    except (msgspec.MsgspecError, OverflowError, TypeError, ValueError) as e:
+        raise ValueError(f"invalid sampling params: {e}") from e

@@ -9,6 +9,8 @@ matcher is therefore already where its recomputation starts.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +20,8 @@ import numpy as np
 from vserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("vserve.engine")
+
+MAX_SCHEMA_DEPTH = 128  # nesting of a JSON schema; compile time grows ~ depth**3
 
 
 class GrammarState:
@@ -81,20 +85,59 @@ class StructuredOutputManager:
 
     def _compile(self, params: StructuredOutputsParams):
         compiler = self._get_compiler()
-        kind, value = params.key
+        kind, source = grammar_source(params)
         if kind == "json":
             # compact JSON: a weak model cannot wander off into endless whitespace
-            return compiler.compile_json_schema(value, any_whitespace=False)
-        if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return compiler.compile_json_schema(source, any_whitespace=False)
         if kind == "regex":
-            return compiler.compile_regex(value)
-        if kind == "choice":
-            return compiler.compile_regex("|".join(_regex_escape(c) for c in params.choice))
-        return compiler.compile_grammar(value)
+            return compiler.compile_regex(source)
+        return compiler.compile_grammar(source)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def grammar_source(params: StructuredOutputsParams) -> tuple[str, str]:
+    """What xgrammar builds for a constraint: ("json" | "regex" | "ebnf", its text)."""
+    kind, value = params.key
+    if kind == "json_object":
+        return "json", '{"type": "object"}'
+    if kind == "choice":
+        return "regex", "|".join(_regex_escape(c) for c in params.choice)
+    return ("ebnf", value) if kind == "grammar" else (kind, value)
+
+
+def check_grammar(params: StructuredOutputsParams) -> None:
+    """Raise ValueError for a constraint that cannot compile (an invalid regex, schema or
+    grammar, or a schema nested too deep), before the request is admitted. It parses the
+    constraint without the tokenizer (milliseconds; the engine's compile takes longer) and
+    remembers what passed. Thread-safe: the server runs it off its event loop."""
+    _check_source(*grammar_source(params))
+
+
+@functools.lru_cache(maxsize=256)
+def _check_source(kind: str, source: str) -> None:
+    import xgrammar as xgr
+
+    if kind == "json" and _depth(json.loads(source)) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"structured outputs: the JSON schema is nested deeper than "
+                         f"{MAX_SCHEMA_DEPTH} levels")
+    build = {"json": functools.partial(xgr.Grammar.from_json_schema, any_whitespace=False),
+             "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf}[kind]
+    try:
+        build(source)
+    except RuntimeError as e:   # xgrammar's parse errors; the last line says what is wrong
+        reason = str(e).strip().splitlines()[-1].split("] ", 1)[-1].split(": ", 1)[-1]
+        name = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar"}[kind]
+        raise ValueError(f"structured outputs: invalid {name}: {reason}") from None
+
+
+def _depth(value, limit: int = MAX_SCHEMA_DEPTH + 1) -> int:
+    """Nesting depth of a JSON value, counted up to `limit` (no deeper recursion)."""
+    if limit <= 0 or not isinstance(value, (dict, list)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(c, limit - 1) for c in children), default=0)
 
 
 def _regex_escape(text: str) -> str:

@@ -2,7 +2,8 @@
 
 Every engine argument is a flag named as vLLM names it (`--max-model-len`, `--max-num-seqs`,
 `--served-model-name`, ...); the server adds `--host`, `--port`, `--api-key`,
-`--chat-template`, `--max-num-queued-reqs`, `--shutdown-timeout` and `--log-level`.
+`--allowed-hosts`, `--chat-template`, `--shutdown-timeout`, `--log-level` and the admission
+limits of `limits.py` (`--max-num-queued-reqs`, `--max-request-body-bytes`, ...).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from vserve.entrypoints.cli_args import add_engine_args
+from vserve.entrypoints.openai.limits import AdmissionLimits, add_limit_args
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -22,16 +24,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", nargs="+", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes "
-                             "(default: $VSERVE_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize "
+                             "and /detokenize (default: $VSERVE_API_KEY)")
+    server.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                        help="Host header values served (names or addresses, any port; '*' "
+                             "for all); others get 400, against DNS rebinding (default: "
+                             "localhost, 127.0.0.1 and [::1] when --host is a loopback "
+                             "address, else all)")
     server.add_argument("--chat-template", default=None,
                         help="chat template file or inline Jinja text (overrides the model's)")
-    server.add_argument("--max-num-queued-reqs", type=int, default=None,
-                        help="waiting-queue limit; beyond it requests get 503 + Retry-After")
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may run after SIGTERM")
     server.add_argument("--log-level", default="info",
                         help="debug, info, warning or error")
+    add_limit_args(p)
     p.set_defaults(func=_serve)
     return p
 
@@ -44,6 +50,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"vserve serve: MODEL {args.model_tag!r} and --model "
                              f"{args.model!r} disagree; give one")
         args.model = args.model_tag
-    if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 0:
-        raise SystemExit("vserve serve: --max-num-queued-reqs must be >= 0")
+    try:
+        AdmissionLimits.from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"vserve serve: {e}") from None
     return run_server(args)

@@ -17,7 +17,8 @@ from vserve.engine.mp_client import EngineDeadError
 logger = logging.getLogger("vserve.server")
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+               413: "RequestTooLargeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -47,7 +48,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         lines = [line for line in str(exc).splitlines() if line.strip()] or ["unknown cause"]
         cause = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # no traceback
         return 500, f"The engine is dead: {cause}"
-    return 500, f"Internal server error: {type(exc).__name__}: {exc}"
+    # the details go to the server's log, never to the client
+    return 500, "Internal server error; the server's log has the details."
 
 
 Req = TypeVar("Req", bound=BaseModel)
@@ -59,19 +61,28 @@ async def parse_body(raw: Request, model: type[Req]) -> Req:
     if media != "application/json":
         raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
     try:
-        body = json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(await raw.body(), parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"Invalid JSON body: {e}") from e
+    except RecursionError:
+        raise APIError(400, "Invalid JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object")
     try:
         req = model.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from e
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply") from None
     extra = getattr(req, "ignored_fields", list)()
     if extra:
         logger.info("ignored fields in the request: %s", extra)
     return req
+
+
+def _no_constant(name: str) -> float:
+    # Python's json accepts NaN and Infinity; JSON (and OpenAI) does not
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def validation_error(e: ValidationError) -> APIError:

@@ -13,7 +13,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    field_serializer,
+    model_validator,
+)
 
 from vserve.sampling_params import StructuredOutputsParams
 
@@ -40,6 +48,34 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class StructuredOutputsRequest(BaseModel):
+    """`structured_outputs`: exactly one constraint (checked by StructuredOutputsParams).
+    Unknown keys are an error: a constraint that is silently dropped is worse than a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json: dict[str, Any] | StrictStr | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields that completions and chat share (sampling, stopping, streaming)."""
 
@@ -64,12 +100,12 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @model_validator(mode="after")
     def _check_shared(self):
@@ -83,19 +119,16 @@ class SamplingRequest(OpenAIBaseModel):
         """response_format, structured_outputs or the legacy guided_* fields, as one
         StructuredOutputsParams; more than one kind of constraint is an error."""
         found = []
-        fmt = self.response_format or {}
-        kind = fmt.get("type", "text")
+        kind = self.response_format.type if self.response_format else "text"
         if kind == "json_object":
             found.append({"json_object": True})
         elif kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
-            if schema is None:
+            fmt = self.response_format.json_schema
+            if fmt is None or fmt.json_schema is None:
                 raise ValueError("response_format json_schema needs json_schema.schema")
-            found.append({"json": schema})
-        elif kind != "text":
-            raise ValueError(f"response_format type {kind!r} is not supported")
-        if self.structured_outputs:
-            found.append(dict(self.structured_outputs))
+            found.append({"json": fmt.json_schema})
+        if self.structured_outputs is not None:
+            found.append(self.structured_outputs.as_dict())
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
             if value is not None:

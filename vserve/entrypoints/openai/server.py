@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,8 +28,10 @@ from vserve.engine.mp_client import EngineDeadError
 from vserve.entrypoints.chat import load_chat_template
 from vserve.entrypoints.openai.errors import APIError, error_response, error_status, parse_body
 from vserve.entrypoints.openai.launcher import serve, watchdog
+from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.metrics import ServerMetrics
-from vserve.entrypoints.openai.middleware import FrontDoor
+from vserve.entrypoints.openai.middleware import FrontDoor, default_allowed_hosts
+from vserve.entrypoints.openai.openapi import body_doc, document_bodies
 from vserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,10 +49,9 @@ logger = logging.getLogger("vserve.server")
 
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
-    names = getattr(args, "served_model_name", None) or [engine.config.model.served_model_name]
-    ctx = ServerContext(engine, list(names) if isinstance(names, list) else [names],
-                        load_chat_template(getattr(args, "chat_template", None)),
-                        getattr(args, "max_num_queued_reqs", None))
+    names, aliases = _model_names(engine, getattr(args, "served_model_name", None))
+    ctx = ServerContext(engine, names, load_chat_template(getattr(args, "chat_template", None)),
+                        aliases, AdmissionLimits.from_args(args))
     metrics = ServerMetrics(ctx.model_name)
 
     @contextlib.asynccontextmanager
@@ -61,15 +63,34 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
             watchdog(ctx, metrics, not getattr(args, "disable_log_stats", True)))
         yield
         task.cancel()
+        ctx.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="vserve", version=vserve.__version__, lifespan=lifespan)
     app.state.ctx, app.state.metrics = ctx, metrics
     keys = getattr(args, "api_key", None) or ([ENV.api_key] if ENV.api_key else [])
-    app.add_middleware(FrontDoor, ctx=ctx, api_keys=[keys] if isinstance(keys, str) else keys)
+    hosts = default_allowed_hosts(getattr(args, "host", "127.0.0.1"),
+                                  getattr(args, "allowed_hosts", None))
+    app.add_middleware(FrontDoor, ctx=ctx, api_keys=[keys] if isinstance(keys, str) else keys,
+                       allowed_hosts=hosts)
     _add_error_handlers(app, ctx)
     _add_openai_routes(app, ctx)
     _add_service_routes(app, ctx, metrics)
+    document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          DetokenizeRequest])
     return app
+
+
+def _model_names(engine: AsyncLLM, given: str | list[str] | None
+                 ) -> tuple[list[str], list[str]]:
+    """The names the API lists, and names it also accepts: a model served by its path (no
+    --served-model-name) is listed by its folder name, so that the server's filesystem stays
+    private, and still accepted by the path."""
+    if given:
+        return (list(given) if isinstance(given, list) else [given]), []
+    name = engine.config.model.served_model_name
+    if "/" in name or "\\" in name:
+        return [Path(name).name or name], [name]
+    return [name], []
 
 
 def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
@@ -111,46 +132,54 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
     async def create_completion(raw: Request):
         return await completions.create(await parse_body(raw, CompletionRequest), raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def create_chat_completion(raw: Request):
         return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
 
     @app.get("/v1/models")
     async def list_models():
         cfg = ctx.engine.config.model
-        cards = [ModelCard(id=name, root=cfg.model, max_model_len=cfg.max_model_len)
+        # root names the model, never its path on the server's disk
+        cards = [ModelCard(id=name, root=ctx.model_name, max_model_len=cfg.max_model_len)
                  for name in ctx.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest))
     async def tokenize(raw: Request):
         req = await parse_body(raw, TokenizeRequest)
         ctx.check_model(req.model)
         tok = ctx.engine.tokenizer
         if req.messages is not None:
-            ids = chat.render(req.messages, req.add_generation_prompt,
-                              req.continue_final_message)
+            ids = await chat.render(req.messages, req.add_generation_prompt,
+                                    req.continue_final_message)
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ctx.limits.check_prompt_chars(len(req.prompt), ctx.max_model_len, "prompt")
+            ids = await ctx.off_loop(tok.encode, req.prompt,
+                                     add_special_tokens=req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
         if req.return_token_strs:
-            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+            body["token_strs"] = await ctx.off_loop(tok.convert_ids_to_tokens, ids)
         return JSONResponse(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=body_doc(DetokenizeRequest))
     async def detokenize(raw: Request):
         req = await parse_body(raw, DetokenizeRequest)
         ctx.check_model(req.model)
+        limit = ctx.limits.prompt_chars(ctx.max_model_len)
+        if len(req.tokens) > limit:
+            raise APIError(400, f"tokens has {len(req.tokens)} entries; the limit is {limit} "
+                           "(--max-prompt-chars).", "tokens")
         vocab = ctx.engine.config.model.vocab_size
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
             raise APIError(400, f"Token id {bad[0]} is out of vocabulary (vocab size {vocab})",
                            "tokens")
-        return JSONResponse({"prompt": ctx.engine.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await ctx.off_loop(ctx.engine.tokenizer.decode,
+                                                          req.tokens)})
 
 
 def _add_service_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:

@@ -1,16 +1,21 @@
 """What the completion and chat handlers share: the server context, SSE events, admission
-(model name, context length, queue limit), sampling parameters from a request, submitting
-prompts to the engine, and reading their outputs until done or disconnected.
+(model name, the limits of `limits.py`, context length, queue limit), tokenization on the
+tokenizer thread, sampling parameters from a request, submitting prompts to the engine, and
+reading their outputs until done or disconnected.
 
 Every request registered here is aborted in the engine when its handler ends for any reason
-(finished, client gone, error, server drain), so no KV block outlives its HTTP request.
+(finished, client gone, error, server drain, `--request-timeout`), so no KV block outlives
+its HTTP request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -19,11 +24,13 @@ from pydantic import BaseModel
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.output_processor import OutputKind, RequestState
 from vserve.entrypoints.openai.errors import APIError, error_body, error_status
+from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.protocol import SamplingRequest, random_id
 from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
+logger = logging.getLogger("vserve.server")
 
 
 def sse_event(chunk: BaseModel) -> str:
@@ -36,6 +43,8 @@ def sse_event(chunk: BaseModel) -> str:
 def sse_error(exc: BaseException) -> str:
     """An error after the 200 status went out: an error event (the stream then ends)."""
     status, message = error_status(exc)
+    if status == 500 and not isinstance(exc, APIError):
+        logger.error("request failed while streaming", exc_info=exc)
     return f"data: {json.dumps(error_body(status, message))}\n\n"
 
 
@@ -46,12 +55,17 @@ class ServerContext:
     engine: AsyncLLM
     served_model_names: list[str]
     chat_template: str | None = None
-    max_num_queued_reqs: int | None = None
+    model_aliases: list[str] = field(default_factory=list)   # accepted, never listed
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     draining: bool = False
     exit_code: int = 0
     active: dict[str, RequestState] = field(default_factory=dict)  # engine id -> state
+    deadlines: dict[str, asyncio.TimerHandle] = field(default_factory=dict)  # --request-timeout
     num_active_seqs: int = 0
     request_exit: Callable[[int], None] = lambda code: None
+    # one thread: HF fast tokenizers are not safe to call from several threads at once
+    tokenizer_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="vserve-tokenizer"))
 
     @property
     def model_name(self) -> str:
@@ -62,22 +76,35 @@ class ServerContext:
         return self.engine.config.model.max_model_len
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names \
+                and model not in self.model_aliases:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    async def off_loop(self, fn: Callable, *args, **kwargs):
+        """Tokenizer work (encoding, chat templates, long decodes) on the tokenizer thread, so
+        that the event loop keeps answering /health and feeding streams meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_pool, functools.partial(fn, *args, **kwargs))
 
     def admit(self, num_seqs: int) -> None:
         """Refuse when the waiting queue would exceed --max-num-queued-reqs. The count is the
         front end's own (sequences in flight beyond max_num_seqs), exact at admission time."""
         if self.draining:
             raise APIError(503, "The server is shutting down.")
-        limit = self.max_num_queued_reqs
-        if limit is None:
-            return
+        limit = self.limits.max_num_queued_reqs
         max_running = self.engine.config.scheduler.max_num_seqs
         queued = self.num_active_seqs + num_seqs - max_running
         if queued > limit:
             raise APIError(503, f"The server is overloaded: the waiting queue is full "
                            f"({limit} requests). Retry later.", headers={"Retry-After": "1"})
+
+
+def check_request(ctx: ServerContext, req: SamplingRequest, num_prompts: int) -> None:
+    """What can be refused from the parsed body alone, before any tokenization."""
+    ctx.check_model(req.model)
+    ctx.limits.check_fan_out(num_prompts, req.n)
+    ctx.limits.check_stops(req.stop, req.stop_token_ids)
+    ctx.limits.check_logit_bias(req.logit_bias)
 
 
 def base_request_id(raw: Request) -> str:
@@ -136,20 +163,32 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                        "logit_bias") from e
 
 
-def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
-    """The engine's own checks (logprobs cap, token ids in vocabulary), before submitting."""
+async def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
+    """The engine's own checks (logprobs cap, token ids in vocabulary, the grammar parses),
+    before submitting; a grammar is parsed on a thread, off the event loop."""
+    check = ctx.engine.processor.check_params
     try:
-        ctx.engine.processor.check_params(params, prompt_len)
+        if params.structured_outputs is None:
+            check(params, prompt_len)
+        else:
+            await asyncio.to_thread(check, params, prompt_len)
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
 
-def tokenize(ctx: ServerContext, prompt: str | list[int], add_special_tokens: bool = True
-             ) -> tuple[str | None, list[int]]:
-    if isinstance(prompt, str) and not add_special_tokens:
+async def tokenize(ctx: ServerContext, prompt: str | list[int], add_special_tokens: bool = True
+                   ) -> tuple[str | None, list[int]]:
+    """A text prompt: its length checked, then encoded on the tokenizer thread; token ids:
+    their count checked against the context, then each id against the vocabulary."""
+    if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
-        return prompt, ctx.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        ctx.limits.check_prompt_chars(len(prompt), ctx.max_model_len, "prompt")
+        ids = await ctx.off_loop(ctx.engine.tokenizer.encode, prompt,
+                                 add_special_tokens=add_special_tokens)
+        return prompt, ids
+    if len(prompt) >= ctx.max_model_len:
+        check_context(ctx, len(prompt), None)   # raises: no room for output
     try:
         return ctx.engine.processor.tokenize_prompt(prompt)
     except ValueError as e:
@@ -170,6 +209,7 @@ async def submit(ctx: ServerContext, prompts: list[tuple[str | None, list[int]]]
             states.append(state)
             ctx.active[rid] = state
             ctx.num_active_seqs += sp.n
+            _set_deadline(ctx, rid)
     except ValueError as e:
         release(ctx, states)
         raise APIError(400, str(e)) from e
@@ -184,7 +224,27 @@ def release(ctx: ServerContext, states: list[RequestState]) -> None:
     for state in states:
         if ctx.active.pop(state.request_id, None) is not None:
             ctx.num_active_seqs -= state.params.n
+        timer = ctx.deadlines.pop(state.request_id, None)
+        if timer is not None:
+            timer.cancel()
         ctx.engine.abort_nowait(state.request_id)
+
+
+def _set_deadline(ctx: ServerContext, request_id: str) -> None:
+    """--request-timeout: abort the request in the engine when it expires; its stream then
+    ends with finish_reason "abort", as in a drain."""
+    timeout = ctx.limits.request_timeout
+    if timeout is None:
+        return
+
+    def expire() -> None:
+        ctx.deadlines.pop(request_id, None)
+        if request_id in ctx.active:
+            logger.info("request %s ran past --request-timeout (%.1f s); aborting it",
+                        request_id, timeout)
+            asyncio.ensure_future(ctx.engine.abort(request_id))
+
+    ctx.deadlines[request_id] = asyncio.get_running_loop().call_later(timeout, expire)
 
 
 async def iterate(ctx: ServerContext, states: list[RequestState]
@@ -203,15 +263,17 @@ async def iterate(ctx: ServerContext, states: list[RequestState]
 
 async def _merge(ctx: ServerContext, states: list[RequestState]
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a pump whose item is not yet taken stops pulling, so a slow reader leaves the
+    # outputs pending in the engine's per-request collectors, where deltas merge
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(states))
 
     async def pump(index: int, state: RequestState) -> None:
         try:
             async for out in ctx.engine.stream(state):
-                queue.put_nowait((index, out))
-            queue.put_nowait((index, None))
+                await queue.put((index, out))
+            await queue.put((index, None))
         except Exception as e:  # noqa: BLE001 -- re-raised by the reader below
-            queue.put_nowait((index, e))
+            await queue.put((index, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
     try:

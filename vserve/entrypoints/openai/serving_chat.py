@@ -39,6 +39,7 @@ from vserve.entrypoints.openai.serving_base import (
     base_request_id,
     check_context,
     check_params,
+    check_request,
     iterate,
     make_sampling_params,
     release,
@@ -66,24 +67,31 @@ class ChatServer:
         self.ctx = ctx
         self.token_str = TokenStrings(ctx.engine.tokenizer)
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, kwargs: dict | None = None) -> list[int]:
+    async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, kwargs: dict | None = None
+                     ) -> list[int]:
+        """The conversation's characters checked, then the template rendered and the text
+        encoded on the tokenizer thread."""
+        ctx = self.ctx
+        num_chars = sum(len(m.role) + len(m.text()) + len(m.name or "") for m in messages)
+        ctx.limits.check_prompt_chars(num_chars, ctx.max_model_len, "messages")
         try:
-            return render_chat(self.ctx.engine.tokenizer, conversation(messages),
-                               self.ctx.chat_template, add_generation_prompt,
-                               continue_final_message, kwargs or {})
+            return await ctx.off_loop(render_chat, ctx.engine.tokenizer,
+                                      conversation(messages), ctx.chat_template,
+                                      add_generation_prompt, continue_final_message,
+                                      kwargs or {})
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         ctx = self.ctx
-        ctx.check_model(req.model)
-        ids = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                          req.chat_template_kwargs)
+        check_request(ctx, req, 1)
+        ids = await self.render(req.messages, req.add_generation_prompt,
+                                req.continue_final_message, req.chat_template_kwargs)
         budget = check_context(ctx, len(ids), req.output_limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = make_sampling_params(req, budget, logprobs)
-        check_params(ctx, params, len(ids))
+        await check_params(ctx, params, len(ids))
         base = base_request_id(raw)
         states = await submit(ctx, [(None, ids)], [params], base)
         response_id = f"chatcmpl-{base}"

@@ -31,6 +31,7 @@ from vserve.entrypoints.openai.serving_base import (
     base_request_id,
     check_context,
     check_params,
+    check_request,
     iterate,
     make_sampling_params,
     release,
@@ -65,15 +66,15 @@ class CompletionServer:
 
     async def create(self, req: CompletionRequest, raw: Request):
         ctx = self.ctx
-        ctx.check_model(req.model)
-        prompts = self._prompts(req)
+        check_request(ctx, req, _num_prompts(req.prompt))
+        prompts = await self._prompts(req)
         if req.echo and req.max_tokens == 0:   # only the prompt back, no generation
             return JSONResponse(self._echo_only(req, prompts, base_request_id(raw)))
         params = []
         for _, ids in prompts:
             budget = check_context(ctx, len(ids), req.max_tokens)
             sp = make_sampling_params(req, budget, req.logprobs)
-            check_params(ctx, sp, len(ids))
+            await check_params(ctx, sp, len(ids))
             params.append(sp)
         base = base_request_id(raw)
         states = await submit(ctx, prompts, params, base)
@@ -87,11 +88,11 @@ class CompletionServer:
             release(ctx, states)
         return JSONResponse(body)
 
-    def _prompts(self, req: CompletionRequest) -> list[Prompt]:
+    async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            return [tokenize(self.ctx, p, req.add_special_tokens) for p in prompt]
-        return [tokenize(self.ctx, prompt, req.add_special_tokens)]
+            return [await tokenize(self.ctx, p, req.add_special_tokens) for p in prompt]
+        return [await tokenize(self.ctx, prompt, req.add_special_tokens)]
 
     def _prompt_text(self, prompt: Prompt) -> str:
         text, ids = prompt
@@ -196,6 +197,13 @@ class CompletionServer:
         if req.continuous_usage:
             chunk.usage = _usage(num_prompt, choices)
         return chunk
+
+
+def _num_prompts(prompt: str | list) -> int:
+    """A batch is a list of strings or of token-id lists; a string or one id list is one."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
 
 
 def _usage(num_prompt: int, choices: list[_Choice]) -> UsageInfo:
