@@ -101,3 +101,52 @@ def test_front_end_death_takes_the_engine_down(tiny_model_dir, tmp_path):
     os.kill(front.pid, signal.SIGKILL)
     front.wait()
     assert wait_dead(tree, timeout=15) == []
+
+
+@pytest.mark.parametrize("frames", [
+    [bytes([0]), b"\xc1"],            # an ADD whose request id cannot be read
+    [bytes([1]), b"\x05"],            # an ABORT that is not a list of ids
+    [bytes([2]), b"\x90", b"extra"],  # a frame too many
+])
+def test_frame_without_a_request_is_fatal_and_reported(tiny_model_dir, frames):
+    """Before: the input thread died silently and every later call hung. Now the engine
+    core reports DEAD: pending and new requests get EngineDeadError within seconds."""
+    llm = _start(tiny_model_dir("llama"))
+    tree = [_engine_pid(llm), *descendants(_engine_pid(llm))]
+    thread, box = _generate_in_thread(llm, ["a prompt"])
+    time.sleep(0.5)
+    sent_at = time.monotonic()
+    llm.engine.client._send(frames)
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "generate hung after a bad frame"
+    assert isinstance(box.get("error"), EngineDeadError), box
+    assert "cannot decode" in str(box["error"]) and box["when"] - sent_at < 5
+    with pytest.raises(EngineDeadError):
+        llm.generate(["another"], LONG, use_tqdm=False)
+    llm.shutdown()
+    assert wait_dead(tree, timeout=10) == []
+
+
+def test_parent_watch_shuts_down_whatever_the_input_thread_does():
+    """The parent-death check has a thread of its own (it lived in the input thread, which a
+    busy or dead input thread would stop): it asks for shutdown at once, and exits the
+    process if the busy loop does not stop."""
+    import queue
+
+    from vserve.engine import core_proc
+
+    proc = object.__new__(core_proc.EngineCoreProc)
+    proc.parent_pid = -1               # not our parent: the front end is "gone"
+    proc.input_queue = queue.Queue()
+    proc._stop = threading.Event()
+    exits = []
+    original = (core_proc.os._exit, core_proc.PARENT_GONE_GRACE_S)
+    core_proc.os._exit, core_proc.PARENT_GONE_GRACE_S = exits.append, 0.3
+    try:
+        watcher = threading.Thread(target=proc._watch_parent, daemon=True)
+        watcher.start()
+        assert proc.input_queue.get(timeout=5) == ("shutdown", None)
+        watcher.join(timeout=5)
+    finally:
+        core_proc.os._exit, core_proc.PARENT_GONE_GRACE_S = original
+    assert not watcher.is_alive() and exits == [1]

@@ -8,6 +8,7 @@ it waits for the oldest one, so the host never waits on the device to decide wha
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections import deque
@@ -60,26 +61,32 @@ class EngineCore:
                     cfg.cache.block_size, self.num_kv_blocks * cfg.cache.block_size)
 
     # -- requests ----------------------------------------------------------------------------------
-    def add_request(self, req: EngineCoreRequest) -> None:
+    def add_request(self, req: EngineCoreRequest, seq: int = 0) -> None:
+        """`seq`: the ADD's arrival number; an eager abort sent before it never applies."""
         request = Request(
             req.request_id, list(req.prompt_token_ids), req.sampling_params,
             eos_token_ids=tuple(req.eos_token_ids), sampling_seed=req.sampling_seed,
             cache_salt=req.cache_salt, arrival_time=req.arrival_time)
+        request.add_seq = seq
         if request.use_grammar:   # compiles on a worker thread; admitted once ready
             request.grammar_future = self.structured.submit(
                 req.sampling_params.structured_outputs)
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Thread-safe: applied before the next commit (or at once by the busy loop)."""
-        self._aborts.put(list(request_ids))
+    def abort_requests(self, request_ids: list[str], num_adds: float = math.inf) -> None:
+        """Thread-safe: applied before the next commit (or at once by the busy loop), to the
+        requests of those ids added by one of the first `num_adds` ADDs (not a new request
+        that reuses an aborted id)."""
+        self._aborts.put((list(request_ids), num_adds))
 
     def _apply_aborts(self) -> None:
         while True:
             try:
-                ids = self._aborts.get_nowait()
+                ids, num_adds = self._aborts.get_nowait()
             except queue.Empty:
                 return
+            requests = self.scheduler.requests
+            ids = [i for i in ids if i in requests and requests[i].add_seq <= num_adds]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
