@@ -161,6 +161,17 @@ class _ClientBase:
             return EngineCoreOutputs(engine_error=payload.decode())
         raise RuntimeError(f"unexpected frame {frame!r} from the engine core")
 
+    def _route_frames(self, frames) -> bool:
+        """Decode and route one message; an unexpected error marks the engine dead (a reader
+        that stopped silently would hang every request). Returns False when reading ends."""
+        try:
+            self._route(self._decode(frames))
+            return True
+        except Exception as e:  # noqa: BLE001 -- see above
+            logger.exception("the engine client's reader failed")
+            self._die(f"the engine client's reader failed: {type(e).__name__}: {e}")
+            return False
+
     @staticmethod
     def _utility_value(outs: EngineCoreOutputs):
         result = msgspec.msgpack.decode(outs.utility_result)
@@ -191,10 +202,11 @@ class SyncMPClient(_ClientBase):
             try:
                 if not sock.poll(200):
                     continue
-                outs = self._decode(sock.recv_multipart())
+                frames = sock.recv_multipart()
             except zmq.ZMQError:
                 return
-            self._route(outs)
+            if not self._route_frames(frames):
+                return
 
     def _route(self, outs: EngineCoreOutputs) -> None:
         if outs.engine_error:
@@ -288,7 +300,8 @@ class AsyncMPClient(_ClientBase):
                 frames = await self._out.recv_multipart()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            self._route(self._decode(frames))
+            if not self._route_frames(frames):
+                return
 
     def _route(self, outs: EngineCoreOutputs) -> None:
         if outs.engine_error:
