@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from hf_reference import PROMPTS
 
-from vserve import LLM, SamplingParams
+from vserve import LLM, SamplingParams, StructuredOutputsParams
 from vserve.engine.messages import EngineCoreRequest, RequestType
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -128,3 +128,52 @@ def test_duplicate_request_id_gets_an_error_output(llm):
     _send_raw(llm, RequestType.ABORT, encoder.encode(["dup"]))
     _still_serving(llm, pid)
     assert llm.engine.client.call_utility("stats")["num_running_reqs"] == 0
+
+
+# -- no busy spin while grammars compile (review B4) ------------------------------------------
+CHOICE = SamplingParams(temperature=0, max_tokens=8,
+                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+
+
+def test_engine_core_blocks_while_only_grammars_compile(tiny_model_dir, monkeypatch):
+    """While the only request waits for its grammar (2 s here), the engine core schedules no
+    steps (before: an empty step to the workers and a stats message per loop turn)."""
+    monkeypatch.setenv("VSERVE_FAULT_INJECT", "grammar_compile_delay:2")
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=256)
+    try:
+        llm.engine.take_step_records()
+        out = llm.generate("a prompt", CHOICE, use_tqdm=False)[0].outputs[0]
+        assert out.text in ("yes", "no")
+        steps = llm.engine.take_step_records()
+        assert len(steps) <= len(out.token_ids) + 4, len(steps)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_inproc_engine_blocks_while_only_grammars_compile(tiny_model_dir, monkeypatch,
+                                                          async_on):
+    from conftest import make_llm
+
+    from vserve.engine.structured_output import StructuredOutputManager
+
+    compile_ = StructuredOutputManager._compile
+
+    def slow_compile(self, params):
+        time.sleep(1.5)
+        return compile_(self, params)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    llm = make_llm(tiny_model_dir("llama"), max_model_len=256, async_scheduling=async_on)
+    executor = llm.engine.client.core.executor
+    calls = []
+    execute = executor.execute_model
+
+    def counting(so, *args, **kwargs):
+        calls.append(so.total_num_scheduled_tokens)
+        return execute(so, *args, **kwargs)
+
+    executor.execute_model = counting
+    out = llm.generate("a prompt", CHOICE, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no")
+    assert len(calls) <= len(out.token_ids) + 4, calls

@@ -11,8 +11,9 @@ class Env:
     log_level: str                 # VSERVE_LOG_LEVEL: log level of engine and worker processes
     engine_ready_timeout: float    # VSERVE_ENGINE_READY_TIMEOUT: seconds to wait for start-up
     dist_timeout: float            # VSERVE_DIST_TIMEOUT: torch.distributed op timeout (s)
-    fault_inject: str | None       # VSERVE_FAULT_INJECT="execute_model:N": raise at step N
-                                   # (testing hook for failure handling)
+    fault_inject: str | None       # VSERVE_FAULT_INJECT="execute_model:N": raise at step N,
+                                   # or "grammar_compile_delay:S": compiles take S s longer
+                                   # (testing hooks for failure handling)
     api_key: str | None            # VSERVE_API_KEY: server API key when --api-key is absent
 
 

@@ -32,6 +32,9 @@ class InprocClient:
         """Step until a step commits (or nothing is left to do)."""
         outputs = []
         while self.core.has_work():
+            if self.core.waiting_for_grammars():
+                self.core.structured.wait_compiled(timeout=1.0)
+                continue
             step = self.core.step_fn()
             if step is not None:
                 outputs = step

@@ -89,6 +89,16 @@ class EngineCore:
             ids = [i for i in ids if i in requests and requests[i].add_seq <= num_adds]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
+    def waiting_for_grammars(self) -> bool:
+        """True when the only work left is requests whose grammars still compile: a step
+        now would be empty, so the loops wait for a compile instead (no busy spin)."""
+        s = self.scheduler
+        if self.batch_queue or s.running or s.finished_req_ids or s.preempted_req_ids or \
+                s.has_error_outputs() or not s.waiting:
+            return False
+        return all(r.grammar is None and r.grammar_future is not None
+                   and not r.grammar_future.done() for r in s.waiting)
+
     def has_work(self) -> bool:
         busy = self.scheduler.has_requests() or bool(self.batch_queue)
         if not busy:

@@ -78,6 +78,8 @@ class EngineCoreProc:
         except BaseException as e:
             self._send_now(FRAME_DEAD, _error_text("engine core failed to start", e))
             raise
+        # a finished compile wakes the busy loop (it blocks while only compiles wait)
+        self.core.structured.on_compiled = lambda: self.input_queue.put(("wake", None))
         executor = self.core.executor
         if hasattr(executor, "on_failure"):
             executor.on_failure = lambda msg: self.input_queue.put(("executor_failed", msg))
@@ -103,8 +105,13 @@ class EngineCoreProc:
         was_busy = False
         try:
             while True:
-                if not self._process_inputs(block=not self.core.has_work()):
+                # block while idle, and while only grammar compiles wait (a step would be
+                # empty): a new input or a finished compile (a "wake" input) ends the wait
+                idle = not self.core.has_work() or self.core.waiting_for_grammars()
+                if not self._process_inputs(block=idle):
                     break
+                if self.core.waiting_for_grammars():
+                    continue
                 outputs = self.core.step_fn()
                 busy = self.core.has_work()
                 if outputs is not None or (was_busy and not busy):
@@ -134,7 +141,9 @@ class EngineCoreProc:
             except queue.Empty:
                 return True
             block = False
-            if kind == "add":
+            if kind == "wake":
+                pass
+            elif kind == "add":
                 self._add_request(*payload)
             elif kind == "abort":
                 self.core.scheduler.finish_requests(payload, RequestStatus.FINISHED_ABORTED)
