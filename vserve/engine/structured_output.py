@@ -139,11 +139,15 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     """Raise ValueError for a constraint that cannot compile (an invalid regex, schema or
     grammar, or a schema nested too deep), before the request is admitted. It parses the
     constraint without the tokenizer (milliseconds; the engine's compile takes longer) and
-    remembers what passed. Thread-safe: the server runs it off its event loop."""
-    _check_source(*grammar_source(params))
+    remembers what passed (small ones). Thread-safe: the server runs it off its event loop."""
+    kind, source = grammar_source(params)
+    check = _check_source_cached if len(source) <= _MAX_CACHED_SOURCE else _check_source
+    check(kind, source)
 
 
-@functools.lru_cache(maxsize=256)
+_MAX_CACHED_SOURCE = 64 * 1024   # the cache holds at most 256 x 64 KB
+
+
 def _check_source(kind: str, source: str) -> None:
     import xgrammar as xgr
 
@@ -158,6 +162,9 @@ def _check_source(kind: str, source: str) -> None:
         reason = str(e).strip().splitlines()[-1].split("] ", 1)[-1].split(": ", 1)[-1]
         name = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar"}[kind]
         raise ValueError(f"structured outputs: invalid {name}: {reason}") from None
+
+
+_check_source_cached = functools.lru_cache(maxsize=256)(_check_source)
 
 
 def _depth(value, limit: int = MAX_SCHEMA_DEPTH + 1) -> int:
