@@ -29,7 +29,8 @@ LABELS = ["Successful requests:", "Failed requests:", "Benchmark duration (s):",
 def _run(server, tmp_path, *extra):
     out = tmp_path / "serve.json"
     cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", "serve", "--base-url",
-           server.url, "--tokenizer", server.model_dir, "--num-prompts", "12", "--input-len", "32", "--output-len", "10",
+           server.url, "--tokenizer", server.model_dir, "--num-prompts", "12",
+           "--input-len", "32", "--output-len", "10",
            "--ignore-eos", "--disable-tqdm", "--result-filename", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

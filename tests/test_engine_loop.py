@@ -11,6 +11,7 @@ from fakes import (
     fake_engine_config,
 )
 
+from vserve.core.request import RequestStatus
 from vserve.core.spec_decode import SpeculativeConfig
 from vserve.engine.core import GRAMMAR_WAIT, EngineCore
 from vserve.sampling_params import StructuredOutputsParams
@@ -222,3 +223,22 @@ def test_first_step_of_a_new_wave_is_reported_after_idle():
     first = core.recorder.take()[0]
     assert first.num_tokens and first.no_overlap == "first step after idle"
     assert first.launch_interval == 0.0
+def test_eager_abort_spares_a_later_request_that_reuses_the_id():
+    """Review B2: request x finished (say, on a stop string in the front end, which then
+    sends ABORT x) and a new request x arrives at once. The eager abort was sent after ADD #1
+    only, so it must not finish the new x (ADD #2), which would then never answer."""
+    core = _core(True)
+    core.add_request(core_request("x", [1, 2, 3], max_tokens=3), 1)
+    _drain(core)
+    core.abort_requests(["x"], 1)                      # the input thread, eagerly
+    core.scheduler.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)   # in order
+    core.add_request(core_request("x", [4, 5, 6], max_tokens=4), 2)
+    outs = _drain(core)
+    assert [t for o in outs if o.request_id == "x" for t in o.new_token_ids] == \
+        expected_tokens([4, 5, 6], 4)
+    assert outs[-1].finish_reason == "length"
+    core.add_request(core_request("y", [7, 8, 9], max_tokens=50), 3)
+    core.step_fn()
+    core.abort_requests(["y"], 3)                      # an abort after its ADD still applies
+    _drain(core)
+    assert not core.scheduler.requests

@@ -139,3 +139,26 @@ def test_front_end_death_while_the_engine_is_stuck(tiny_model_dir, tmp_path):
         for pid in tree:
             kill(pid, signal.SIGCONT)
             kill(pid, signal.SIGKILL)
+@pytest.mark.parametrize("frames", [
+    [bytes([0]), b"\xc1"],            # an ADD whose request id cannot be read
+    [bytes([1]), b"\x05"],            # an ABORT that is not a list of ids
+    [bytes([2]), b"\x90", b"extra"],  # a frame too many
+])
+def test_frame_without_a_request_is_fatal_and_reported(tiny_model_dir, frames):
+    """Before: the input thread died silently and every later call hung. Now the engine
+    core reports DEAD: pending and new requests get EngineDeadError within seconds."""
+    llm = _start(tiny_model_dir("llama"))
+    tree = [_engine_pid(llm), *descendants(_engine_pid(llm))]
+    thread, box = _generate_in_thread(llm, ["a prompt"])
+    time.sleep(0.5)
+    sent_at = time.monotonic()
+    llm.engine.client._send(frames)
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "generate hung after a bad frame"
+    assert isinstance(box.get("error"), EngineDeadError), box
+    assert "cannot decode" in str(box["error"]) and box["when"] - sent_at < 5
+    with pytest.raises(EngineDeadError):
+        llm.generate(["another"], LONG, use_tqdm=False)
+    llm.shutdown()
+    assert wait_dead(tree, timeout=10) == []
+

@@ -336,3 +336,21 @@ def test_queue_full_gives_503(server):
             break
         time.sleep(0.1)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_grammar_with_ignore_eos_finishes(server):
+    """Review A2 (async scheduling, the default): a grammar that ends stops its request
+    whatever ignore_eos says; before, the engine core died on the next mask fill."""
+    check_grammar_with_ignore_eos(server.url, AUTH)
+    _check_still_serving(server)
+
+
+def check_grammar_with_ignore_eos(url: str, headers: dict) -> None:
+    for extra, allowed in (({"guided_choice": ["yes", "no"]}, ("yes", "no")),
+                           ({"structured_outputs": {"regex": "(ab){1,2}"}}, ("ab", "abab"))):
+        body = {"prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "temperature": 0,
+                **extra}
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["text"] in allowed, choice

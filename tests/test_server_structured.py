@@ -1,11 +1,13 @@
 """The server with n-gram drafts: response_format json_schema output validates, and the
-draft counters show up in /metrics."""
+draft counters show up in /metrics; a grammar with ignore_eos finishes, with drafts and with
+async scheduling off."""
 
 import json
 
 import httpx
 import pytest
-from openai_server import TINY_ARGS, ServerProcess, metric_value
+from openai_server import TINY_ARGS, ServerProcess, children_of, metric_value
+from test_server_errors import check_grammar_with_ignore_eos
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0,
@@ -65,3 +67,22 @@ def test_draft_counters_in_metrics(server):
     accepted = metric_value(text, "vserve:spec_num_accepted_tokens_total")
     assert drafts > 0 and 0 <= accepted <= proposed
     assert "vserve:steps_without_overlap_total" in text
+
+
+def test_grammar_with_ignore_eos_finishes(server):
+    pids = children_of(server.pid)
+    check_grammar_with_ignore_eos(server.url, {})
+    assert children_of(server.pid) == pids
+
+
+def test_grammar_with_ignore_eos_finishes_sync(tiny_model_dir):
+    """Review A2 with async scheduling off (one step in flight)."""
+    srv = ServerProcess([tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "256",
+                         "--no-async-scheduling"]).wait_ready()
+    try:
+        pids = children_of(srv.pid)
+        check_grammar_with_ignore_eos(srv.url, {})
+        assert children_of(srv.pid) == pids
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+    finally:
+        assert srv.stop() == 0

@@ -147,6 +147,90 @@ def test_bad_grammar_fails_its_request_only(engines, monkeypatch):
     assert llm.engine.client.core.scheduler.kv.pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ignore_eos_with_a_grammar_stops_when_the_grammar_ends(engines, mode):
+    """Review A2: the grammar accepted EOS and terminated, ignore_eos kept the request going,
+    and the next mask fill raised in the busy loop (the engine died). A finished grammar now
+    finishes its request, whatever ignore_eos says."""
+    llm = engines[mode]
+    choice = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    schema = _json_params(ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2] + PROMPTS[:2], [choice] * 2 + [schema] * 2,
+                        use_tqdm=False)
+    for out in outs[:2]:
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in ("yes", "no")
+    for out in outs[2:]:
+        assert out.outputs[0].finish_reason == "stop"
+        _validate(json.loads(out.outputs[0].text))
+    after = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5),
+                         use_tqdm=False)
+    assert len(after[0].outputs[0].token_ids) == 5
+
+
+class _FailingGrammar:
+    """Accepts everything; raises from accept or fill after `limit` calls (an xgrammar error)."""
+
+    def __init__(self, where: str, limit: int = 2) -> None:
+        self.where, self.limit = where, limit
+
+    def _tick(self, where: str) -> None:
+        if where == self.where:
+            self.limit -= 1
+            if self.limit < 0:
+                raise RuntimeError(f"{where} blew up")
+
+    def accept(self, token_id: int) -> bool:
+        self._tick("accept")
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class _FailingStructured:
+    def new_state(self, compiled):
+        return _FailingGrammar(compiled)
+
+    def allocate_bitmask(self, num_rows):
+        return [[-1] for _ in range(num_rows)]
+
+    def fill(self, state, bitmask, row):
+        state._tick("fill")
+
+
+@pytest.mark.parametrize("where", ["accept", "fill"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_grammar_exception_fails_only_its_request(where, depth):
+    """An exception from a grammar call (accept or the mask fill) ends that request with an
+    error; before, it escaped the busy loop and killed the engine core."""
+    from concurrent.futures import Future
+
+    from fakes import Driver, expected_tokens, make_request, make_scheduler
+
+    sched = make_scheduler(async_scheduling=depth > 1)
+    sched.structured = _FailingStructured()
+    schedule = sched.schedule
+
+    def schedule_and_fill():   # as the engine does (the fake grammar has no real state)
+        so = schedule()
+        sched.fill_grammar_bitmask(so)
+        return so
+
+    sched.schedule = schedule_and_fill
+    driver = Driver(sched, depth=depth)
+    req = make_request("g", [1, 2, 3], max_tokens=10,
+                       structured_outputs=StructuredOutputsParams(regex="a+"))
+    req.grammar_future = Future()
+    req.grammar_future.set_result(where)
+    driver.add(req)
+    driver.add(make_request("free", [4, 5, 6], max_tokens=6))
+    driver.run()
+    assert driver.finish["g"] == "error" and len(driver.outputs["g"]) <= 3
+    assert driver.outputs["free"] == expected_tokens([4, 5, 6], 6)
+    assert sched.kv.pool.num_used_blocks == 0
+
+
 def test_structured_params_validation():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])

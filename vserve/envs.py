@@ -13,6 +13,7 @@ class Env:
     dist_timeout: float            # VSERVE_DIST_TIMEOUT: torch.distributed op timeout (s)
     fault_inject: str | None       # VSERVE_FAULT_INJECT="execute_model:N": raise at step N,
                                    # "execute_model_hang:N": never return from step N
+                                   # or "grammar_compile_delay:S": compiles take S s longer
                                    # (testing hooks for failure handling)
     api_key: str | None            # VSERVE_API_KEY: server API key when --api-key is absent
 

@@ -69,6 +69,7 @@ class Request:
     grammar_future: object = field(init=False, default=None)   # compiling (structured output)
     grammar: object = field(init=False, default=None)          # its matcher, once compiled
     error: str | None = field(init=False, default=None)
+    add_seq: int = field(init=False, default=0)   # engine core arrival number (aborts)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

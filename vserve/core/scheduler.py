@@ -383,9 +383,9 @@ class Scheduler:
         emitted: list[int] = []
         status = None
         for token_id in token_ids:
-            if req.grammar is not None and not req.grammar.accept(token_id):
-                req.error = f"structured outputs: the grammar rejected token {token_id}"
-                status = RequestStatus.FINISHED_ERROR
+            error = _grammar_accept(req.grammar, token_id) if req.grammar is not None else None
+            if error is not None:
+                req.error, status = error, RequestStatus.FINISHED_ERROR
                 break
             req.append_output_token(token_id)
             emitted.append(token_id)
@@ -408,6 +408,8 @@ class Scheduler:
         """Token-level stops. The first `min_tokens` outputs never stop on EOS or a stop id
         (the sampler masks those ids for them as well)."""
         sp = req.sampling_params
+        if req.grammar is not None and req.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED   # nothing can follow, whatever ignore_eos
         if req.num_output_tokens > sp.min_tokens:
             if not sp.ignore_eos and token_id in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -431,7 +433,12 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and req.grammar is not None and \
                     req.epoch == so.req_epochs[req_id]:
-                self.structured.fill(req.grammar, bitmask, row)
+                try:
+                    self.structured.fill(req.grammar, bitmask, row)
+                except Exception as e:  # noqa: BLE001 -- fails this request only
+                    req.error = f"structured outputs: cannot compute the token mask: {e}"
+                    self.running.remove(req)
+                    self._fail(req)   # its row's sample is dropped: the request is gone
         so.grammar_bitmask = bitmask
 
     def grammar_behind(self, so: SchedulerOutput) -> bool:
@@ -483,6 +490,16 @@ class Scheduler:
             assert req.num_computed_tokens == 0 and req.num_output_placeholders == 0, req
             assert req.request_id not in self.kv.req_blocks
         self.kv.check_invariants(set(self.requests))
+
+
+def _grammar_accept(grammar, token_id: int) -> str | None:
+    """None if the grammar accepted the token, else why not (an xgrammar error included)."""
+    try:
+        if grammar.accept(token_id):
+            return None
+        return f"structured outputs: the grammar rejected token {token_id}"
+    except Exception as e:  # noqa: BLE001 -- fails this request only
+        return f"structured outputs: the grammar failed on token {token_id}: {e}"
 
 
 def _logprobs_delta(logprobs: LogprobsDelta | None, num_tokens: int) -> LogprobsDelta | None:

@@ -38,6 +38,7 @@ class AsyncLLM:
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
         self.output_listeners: list[Callable[[RequestState, RequestOutput], None]] = []
         self._handler: asyncio.Task | None = None
+        self._pending_aborts: list[str] = []   # sent before the next ADD, in order
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -71,13 +72,13 @@ class AsyncLLM:
             queue=OutputCollector(kind))   # slow readers pin one (merged) output
         sent: list[str] = []
         try:
+            await self._flush_aborts()   # an earlier request of this id is aborted first
             for r in requests:
                 await self.client.add_request_async(r)
                 sent.append(r.request_id)
         except BaseException:   # not admitted: forget its state, abort what was sent
             self.output_processor.abort_request(request_id)
-            if sent and self.dead_error is None:
-                asyncio.get_running_loop().create_task(self.client.abort_requests_async(sent))
+            self._queue_aborts(sent)
             raise
         return state
 
@@ -97,16 +98,30 @@ class AsyncLLM:
                 self.abort_nowait(state.request_id)
 
     def abort_nowait(self, request_id: str) -> None:
-        ids = self._abort_state(request_id)
-        if ids and self.dead_error is None:
-            asyncio.get_running_loop().create_task(self.client.abort_requests_async(ids))
+        self._queue_aborts(self._abort_state(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort from outside the consumer (server drain): its stream ends with one last output
         whose unfinished choices have finish_reason 'abort'."""
-        ids = self._abort_state(request_id)
+        self._queue_aborts(self._abort_state(request_id))
+        await self._flush_aborts()
+
+    def _queue_aborts(self, ids: list[str]) -> None:
+        """Aborts go out from a task, but always before any later ADD (which may reuse an
+        id): the engine core would refuse an ADD for an id that is still live."""
+        if not ids or self.dead_error is not None:
+            return
+        if not self._pending_aborts:
+            asyncio.get_running_loop().create_task(self._flush_aborts())
+        self._pending_aborts.extend(ids)
+
+    async def _flush_aborts(self) -> None:
+        ids, self._pending_aborts = self._pending_aborts, []
         if ids and self.dead_error is None:
-            await self.client.abort_requests_async(ids)
+            try:
+                await self.client.abort_requests_async(ids)
+            except EngineDeadError:
+                pass   # every request has its error already
 
     def _abort_state(self, request_id: str) -> list[str]:
         # listeners see every request finish, aborts included (metrics count them), and a
@@ -130,22 +145,31 @@ class AsyncLLM:
             self._handler = asyncio.get_running_loop().create_task(self._output_handler())
 
     async def _output_handler(self) -> None:
-        while True:
-            outs = await self.client.get_output_async()
-            if outs.engine_error:
-                self._fail(outs.engine_error)
-                return
-            if outs.scheduler_stats is not None:
-                self.last_stats = outs.scheduler_stats
-                for listener in self.stats_listeners:
-                    listener(outs.scheduler_stats)
-            delivered, to_abort = self.output_processor.process_outputs(outs.outputs)
-            for state, out in delivered:
-                state.queue.put_nowait(out)
-                for listener in self.output_listeners:
-                    listener(state, out)
-            if to_abort:
-                await self.client.abort_requests_async(to_abort)
+        """Delivers outputs until the engine dies. An unexpected error here (a listener, the
+        detokenizer) would stop delivery for every request: it marks the engine dead
+        instead, so requests fail, /health turns 503 and the server exits non-zero."""
+        try:
+            while True:
+                outs = await self.client.get_output_async()
+                if outs.engine_error:
+                    self._fail(outs.engine_error)
+                    return
+                self._deliver(outs)
+        except Exception as e:  # noqa: BLE001 -- see above
+            logger.exception("the output handler failed")
+            self._fail(f"the front end's output handler failed: {type(e).__name__}: {e}")
+
+    def _deliver(self, outs) -> None:
+        if outs.scheduler_stats is not None:
+            self.last_stats = outs.scheduler_stats
+            for listener in self.stats_listeners:
+                listener(outs.scheduler_stats)
+        delivered, to_abort = self.output_processor.process_outputs(outs.outputs)
+        for state, out in delivered:
+            state.queue.put_nowait(out)
+            for listener in self.output_listeners:
+                listener(state, out)
+        self._queue_aborts(to_abort)
 
     def _fail(self, message: str) -> None:
         self.dead_error = message

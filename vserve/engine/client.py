@@ -18,18 +18,23 @@ class InprocClient:
     def __init__(self, config: EngineConfig, executor=None) -> None:
         self.core = EngineCore(config, executor)
         self.num_kv_blocks = self.core.num_kv_blocks
+        self.num_adds = 0   # so that an abort never reaches a later request of the same id
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.core.add_request(request)
+        self.num_adds += 1
+        self.core.add_request(request, self.num_adds)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self.core.abort_requests(request_ids)
+            self.core.abort_requests(request_ids, self.num_adds)
 
     def get_output(self) -> EngineCoreOutputs:
         """Step until a step commits (or nothing is left to do)."""
         outputs = []
         while self.core.has_work():
+            if self.core.waiting_for_grammars():
+                self.core.structured.wait_compiled(timeout=1.0)
+                continue
             step = self.core.step_fn()
             if step is not None:
                 outputs = step

@@ -8,6 +8,7 @@ it waits for the oldest one, so the host never waits on the device to decide wha
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections import deque
@@ -64,27 +65,43 @@ class EngineCore:
                     cfg.cache.block_size, self.num_kv_blocks * cfg.cache.block_size)
 
     # -- requests ----------------------------------------------------------------------------------
-    def add_request(self, req: EngineCoreRequest) -> None:
+    def add_request(self, req: EngineCoreRequest, seq: int = 0) -> None:
+        """`seq`: the ADD's arrival number; an eager abort sent before it never applies."""
         request = Request(
             req.request_id, list(req.prompt_token_ids), req.sampling_params,
             eos_token_ids=tuple(req.eos_token_ids), sampling_seed=req.sampling_seed,
             cache_salt=req.cache_salt, arrival_time=req.arrival_time)
+        request.add_seq = seq
         if request.use_grammar:   # compiles on a worker thread; admitted once ready
             request.grammar_future = self.structured.submit(
                 req.sampling_params.structured_outputs)
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Thread-safe: applied before the next commit (or at once by the busy loop)."""
-        self._aborts.put(list(request_ids))
+    def abort_requests(self, request_ids: list[str], num_adds: float = math.inf) -> None:
+        """Thread-safe: applied before the next commit (or at once by the busy loop), to the
+        requests of those ids added by one of the first `num_adds` ADDs (not a new request
+        that reuses an aborted id)."""
+        self._aborts.put((list(request_ids), num_adds))
 
     def _apply_aborts(self) -> None:
         while True:
             try:
-                ids = self._aborts.get_nowait()
+                ids, num_adds = self._aborts.get_nowait()
             except queue.Empty:
                 return
+            requests = self.scheduler.requests
+            ids = [i for i in ids if i in requests and requests[i].add_seq <= num_adds]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def waiting_for_grammars(self) -> bool:
+        """True when the only work left is requests whose grammars still compile: a step
+        now would be empty, so the loops wait for a compile instead (no busy spin)."""
+        s = self.scheduler
+        if self.batch_queue or s.running or s.finished_req_ids or s.preempted_req_ids or \
+                s.has_error_outputs() or not s.waiting:
+            return False
+        return all(r.grammar is None and r.grammar_future is not None
+                   and not r.grammar_future.done() for r in s.waiting)
 
     def has_work(self) -> bool:
         busy = self.scheduler.has_requests() or bool(self.batch_queue)

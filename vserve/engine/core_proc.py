@@ -8,7 +8,14 @@ message if the core fails, so every pending request gets an error instead of a h
 
 The busy loop blocks on the input queue while there is no work. Aborts go to the engine at
 once (applied before the next commit) and also through the ordered input queue, so an abort
-never overtakes the ADD it cancels.
+never overtakes the ADD it cancels; an eager abort carries the number of ADDs seen before it,
+so it never finishes a later request that reuses the id.
+
+Isolation: a frame that fails to decode, or an ADD for an id that is still live, becomes an
+error output for that request; a frame whose request cannot be told, or any unexpected error
+in the I/O threads, is fatal and reported (DEAD), never a silently stopped thread. A lifeline
+thread (`vserve.lifeline`) exits the process, workers included, when the front end is gone,
+whatever the other threads are doing.
 """
 
 from __future__ import annotations
@@ -28,7 +35,12 @@ import zmq
 from vserve.config import EngineConfig
 from vserve.core.request import RequestStatus
 from vserve.engine.core import EngineCore
-from vserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
+from vserve.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+)
 from vserve.lifeline import exit_with_parent
 
 logger = logging.getLogger("vserve.engine")
@@ -45,20 +57,18 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started: list[EngineCoreProc] = []   # the front end may die while we start or are stuck
     exit_with_parent(parent_pid, lambda: [p.request_shutdown() for p in started], grace_s=5.0)
-    proc = EngineCoreProc(config, input_addr, output_addr, parent_pid)
+    proc = EngineCoreProc(config, input_addr, output_addr)
     started.append(proc)
     signal.signal(signal.SIGTERM, lambda *_: proc.request_shutdown())
     os._exit(proc.run())
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
-                 parent_pid: int) -> None:
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
         self.ctx = zmq.Context()
         self.out_sock = self.ctx.socket(zmq.PUSH)
         self.out_sock.setsockopt(zmq.LINGER, 5000)
         self.out_sock.connect(output_addr)
-        self.parent_pid = parent_pid
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -69,11 +79,14 @@ class EngineCoreProc:
         except BaseException as e:
             self._send_now(FRAME_DEAD, _error_text("engine core failed to start", e))
             raise
+        # a finished compile wakes the busy loop (it blocks while only compiles wait)
+        self.core.structured.on_compiled = lambda: self.input_queue.put(("wake", None))
         executor = self.core.executor
         if hasattr(executor, "on_failure"):
             executor.on_failure = lambda msg: self.input_queue.put(("executor_failed", msg))
         self._send_now(FRAME_READY, self.encoder.encode(
             {"num_kv_blocks": self.core.num_kv_blocks, "pid": os.getpid()}))
+        self.num_adds = 0   # ADD frames seen by the input thread (orders eager aborts)
         self.in_thread = threading.Thread(target=self._input_loop, args=(input_addr,),
                                           daemon=True, name="vserve-input")
         self.out_thread = threading.Thread(target=self._output_loop, daemon=True,
@@ -90,8 +103,13 @@ class EngineCoreProc:
         was_busy = False
         try:
             while True:
-                if not self._process_inputs(block=not self.core.has_work()):
+                # block while idle, and while only grammar compiles wait (a step would be
+                # empty): a new input or a finished compile (a "wake" input) ends the wait
+                idle = not self.core.has_work() or self.core.waiting_for_grammars()
+                if not self._process_inputs(block=idle):
                     break
+                if self.core.waiting_for_grammars():
+                    continue
                 outputs = self.core.step_fn()
                 busy = self.core.has_work()
                 if outputs is not None or (was_busy and not busy):
@@ -121,16 +139,35 @@ class EngineCoreProc:
             except queue.Empty:
                 return True
             block = False
-            if kind == "add":
-                self.core.add_request(payload)
+            if kind == "wake":
+                pass
+            elif kind == "add":
+                self._add_request(*payload)
             elif kind == "abort":
                 self.core.scheduler.finish_requests(payload, RequestStatus.FINISHED_ABORTED)
             elif kind == "utility":
                 self._run_utility(*payload)
-            elif kind == "executor_failed":
+            elif kind in ("executor_failed", "fatal"):
                 raise RuntimeError(payload)
             elif kind == "shutdown":
                 return False
+
+    def _add_request(self, seq: int, request: EngineCoreRequest) -> None:
+        """Admit a request; one that cannot be admitted (its id is still live) gets an error
+        output of its own and the engine carries on."""
+        request_id = request.request_id
+        if request_id in self.core.scheduler.requests:
+            self._fail_request(request_id, f"request id {request_id!r} is already running")
+            return
+        try:
+            self.core.add_request(request, seq)
+        except Exception as e:  # noqa: BLE001 -- belongs to this request only
+            logger.exception("request %s could not be added", request_id)
+            self._fail_request(request_id, f"the engine could not add the request: {e}")
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        out = EngineCoreOutput(request_id, [], finish_reason="error", error=message)
+        self.output_queue.put(EngineCoreOutputs([out], None, time.time()))
 
     def _run_utility(self, call_id: int, method: str, args: list) -> None:
         try:
@@ -165,27 +202,47 @@ class EngineCoreProc:
         decoder = msgspec.msgpack.Decoder()
         try:
             while not self._stop.is_set():
-                if not sock.poll(200):
-                    if os.getppid() != self.parent_pid:   # front end gone: do not linger
-                        self.request_shutdown()
-                        return
-                    continue
-                kind, payload = sock.recv_multipart()
-                self._dispatch(RequestType(kind[0]), payload, add_decoder, decoder)
+                if sock.poll(200):
+                    self._on_frames(sock.recv_multipart(), add_decoder, decoder)
+        except Exception as e:  # noqa: BLE001 -- a dead input thread would hang every request
+            self._fatal("engine input thread failed", e)
         finally:
             sock.close(linger=0)
 
+    def _on_frames(self, frames: list[bytes], add_decoder, decoder) -> None:
+        """One message: a bad ADD fails its request; any other bad frame is fatal."""
+        try:
+            kind, payload = frames
+            self._dispatch(RequestType(kind[0]), payload, add_decoder, decoder)
+        except Exception as e:  # noqa: BLE001
+            request_id = _add_request_id(frames, decoder)
+            if request_id is None:
+                self._fatal("engine core got a frame it cannot decode", e)
+                return
+            logger.error("request %s: frame does not decode: %s", request_id, e)
+            self._fail_request(request_id, f"the engine could not decode the request: {e}")
+
     def _dispatch(self, kind: RequestType, payload: bytes, add_decoder, decoder) -> None:
         if kind == RequestType.ADD:
-            self.input_queue.put(("add", add_decoder.decode(payload)))
+            request = add_decoder.decode(payload)
+            self.num_adds += 1
+            self.input_queue.put(("add", (self.num_adds, request)))
         elif kind == RequestType.ABORT:
             ids = decoder.decode(payload)
-            self.core.abort_requests(ids)            # before the next commit
-            self.input_queue.put(("abort", ids))     # in order with the ADDs
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                raise ValueError(f"an abort needs a list of request ids, got {ids!r:.80}")
+            self.core.abort_requests(ids, self.num_adds)   # before the next commit
+            self.input_queue.put(("abort", ids))           # in order with the ADDs
         elif kind == RequestType.UTILITY:
-            self.input_queue.put(("utility", tuple(decoder.decode(payload))))
+            call_id, method, args = decoder.decode(payload)
+            self.input_queue.put(("utility", (call_id, method, args)))
         elif kind == RequestType.SHUTDOWN:
             self.request_shutdown()
+
+    def _fatal(self, prefix: str, e: BaseException) -> None:
+        """Ends the busy loop, which reports DEAD to the front end and shuts down."""
+        logger.error("%s:\n%s", prefix, traceback.format_exc())
+        self.input_queue.put(("fatal", _error_text(prefix, e).decode()))
 
     def _output_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -193,13 +250,28 @@ class EngineCoreProc:
             item = self.output_queue.get()
             if item is None:
                 return
-            if isinstance(item, tuple):
-                self.out_sock.send_multipart([item[0], item[1]])
-            else:
-                self.out_sock.send_multipart([FRAME_OUTPUTS, encoder.encode(item)])
+            try:
+                if isinstance(item, tuple):
+                    self.out_sock.send_multipart([item[0], item[1]])
+                else:
+                    self.out_sock.send_multipart([FRAME_OUTPUTS, encoder.encode(item)])
+            except Exception as e:  # noqa: BLE001 -- keep running to send the DEAD frame
+                self._fatal("engine output thread failed", e)
 
     def _send_now(self, frame: bytes, payload: bytes) -> None:
         self.out_sock.send_multipart([frame, payload])
+
+
+def _add_request_id(frames: list[bytes], decoder) -> str | None:
+    """The request id of an ADD frame that failed to decode, if one can be read."""
+    try:
+        kind, payload = frames
+        if kind[:1] != bytes([RequestType.ADD]):
+            return None
+        fields = decoder.decode(payload)   # EngineCoreRequest is array-like
+        return fields[0] if isinstance(fields, list) and isinstance(fields[0], str) else None
+    except Exception:  # noqa: BLE001 -- nothing to recover
+        return None
 
 
 def _error_text(prefix: str, e: BaseException) -> bytes:

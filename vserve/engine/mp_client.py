@@ -207,6 +207,16 @@ class _ClientBase:
                   f"(watchdog_timeout={self.watchdog_timeout:g} s); it and its workers were "
                   "killed")
         self.engine.kill()
+    def _route_frames(self, frames) -> bool:
+        """Decode and route one message; an unexpected error marks the engine dead (a reader
+        that stopped silently would hang every request). Returns False when reading ends."""
+        try:
+            self._route(self._decode(frames))
+            return True
+        except Exception as e:  # noqa: BLE001 -- see above
+            logger.exception("the engine client's reader failed")
+            self._die(f"the engine client's reader failed: {type(e).__name__}: {e}")
+            return False
 
     @staticmethod
     def _utility_value(outs: EngineCoreOutputs):
@@ -253,10 +263,11 @@ class SyncMPClient(_ClientBase):
             try:
                 if not sock.poll(200):
                     continue
-                outs = self._decode(sock.recv_multipart())
+                frames = sock.recv_multipart()
             except zmq.ZMQError:
                 return
-            self._route(outs)
+            if not self._route_frames(frames):
+                return
 
     def _route(self, outs: EngineCoreOutputs) -> None:
         if outs.engine_error:
@@ -371,7 +382,8 @@ class AsyncMPClient(_ClientBase):
                 frames = await self._out.recv_multipart()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            self._route(self._decode(frames))
+            if not self._route_frames(frames):
+                return
 
     def _route(self, outs: EngineCoreOutputs) -> None:
         if outs.engine_error:

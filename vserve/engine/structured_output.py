@@ -13,6 +13,8 @@ import functools
 import json
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -50,9 +52,25 @@ class StructuredOutputManager:
                                         thread_name_prefix="vserve-grammar")
         self._compiler = None
         self._lock = threading.Lock()
+        self._compiled = threading.Event()   # a compile finished since the last wait
+        self.on_compiled: Callable[[], None] | None = None   # the engine core's wake-up
+        self._compile_delay = _injected_delay()
 
     def submit(self, params: StructuredOutputsParams) -> Future:
-        return self._pool.submit(self._compile, params)
+        future = self._pool.submit(self._compile, params)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _: Future) -> None:
+        self._compiled.set()
+        if self.on_compiled is not None:
+            self.on_compiled()
+
+    def wait_compiled(self, timeout: float) -> None:
+        """Block until a compile finishes (or `timeout`): while only compiling requests
+        wait, a step would be empty, so the loop sleeps here instead of spinning."""
+        self._compiled.wait(timeout)
+        self._compiled.clear()
 
     def new_state(self, compiled) -> GrammarState:
         import xgrammar as xgr
@@ -84,6 +102,8 @@ class StructuredOutputManager:
             return self._compiler
 
     def _compile(self, params: StructuredOutputsParams):
+        if self._compile_delay:
+            time.sleep(self._compile_delay)
         compiler = self._get_compiler()
         kind, source = grammar_source(params)
         if kind == "json":
@@ -95,6 +115,14 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _injected_delay() -> float:
+    """VSERVE_FAULT_INJECT="grammar_compile_delay:SECONDS": slow compiles (a test hook)."""
+    from vserve.envs import read_env
+
+    spec = read_env().fault_inject or ""
+    return float(spec.split(":", 1)[1]) if spec.startswith("grammar_compile_delay:") else 0.0
 
 
 def grammar_source(params: StructuredOutputsParams) -> tuple[str, str]:
@@ -111,11 +139,15 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     """Raise ValueError for a constraint that cannot compile (an invalid regex, schema or
     grammar, or a schema nested too deep), before the request is admitted. It parses the
     constraint without the tokenizer (milliseconds; the engine's compile takes longer) and
-    remembers what passed. Thread-safe: the server runs it off its event loop."""
-    _check_source(*grammar_source(params))
+    remembers what passed (small ones). Thread-safe: the server runs it off its event loop."""
+    kind, source = grammar_source(params)
+    check = _check_source_cached if len(source) <= _MAX_CACHED_SOURCE else _check_source
+    check(kind, source)
 
 
-@functools.lru_cache(maxsize=256)
+_MAX_CACHED_SOURCE = 64 * 1024   # the cache holds at most 256 x 64 KB
+
+
 def _check_source(kind: str, source: str) -> None:
     import xgrammar as xgr
 
@@ -130,6 +162,9 @@ def _check_source(kind: str, source: str) -> None:
         reason = str(e).strip().splitlines()[-1].split("] ", 1)[-1].split(": ", 1)[-1]
         name = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar"}[kind]
         raise ValueError(f"structured outputs: invalid {name}: {reason}") from None
+
+
+_check_source_cached = functools.lru_cache(maxsize=256)(_check_source)
 
 
 def _depth(value, limit: int = MAX_SCHEMA_DEPTH + 1) -> int:
