@@ -152,6 +152,18 @@ def test_huge_temperature_with_top_k_picks_among_the_k_largest_logits(kernel, dt
     assert len(set(picked.tolist())) > 90          # nearly uniform over the 100 at T = 1e4
 
 
+def test_candidates_when_the_estimated_threshold_is_too_high(kernel):
+    """The kernel starts collecting candidates above a threshold estimated from 16 neighbours
+    every 1024 tokens; when those hold the row's best logits, fewer than top_k tokens reach
+    the estimate and the kernel collects from -inf instead: still the oracle's tokens."""
+    logits = random_logits(3, 40_000, 1.0, 21, torch.float32)
+    logits[:, (torch.arange(40_000) % 1024) < 16] += 20.0
+    params = [(1.0, 50, 1.0, 0.0), (1.0, 200, 0.95, 0.0), (1.0, 0, 0.9, 0.0)]
+    for position in range(6):
+        new, old = both(logits, meta_for(params, 3, position))
+        assert torch.equal(new, old)
+
+
 def test_rows_whose_kept_tokens_exceed_the_candidates_take_the_torch_path(kernel,
                                                                          monkeypatch):
     """Flat rows under top-p 0.999 keep more tokens than the candidates hold: they fall back

@@ -9,8 +9,9 @@
 //                    e_i = exp(x_i / T - m / T) in fp32, as softmax(x / T) computes them; then
 //                    the inverse CDF of today's sampler: the first token whose cumulative sum
 //                    exceeds u * total, found through the block sums and one block re-walked.
-//   filtered (C > 0) pass 1: the C best tokens by (logit desc, id asc) through a bounded heap
-//                    that skips every 16-wide chunk below its threshold; pass 2: the total;
+//   filtered (C > 0) pass 1: the C best tokens by (logit desc, id asc), collected above a
+//                    threshold that starts from an estimate (every 64th logit) and rises as
+//                    the best C so far improve (chunks below it skipped); pass 2: the total;
 //                    out: their probabilities e_i / total in fp32 ordered by (probability
 //                    desc, id asc), the order of a stable descending sort of the whole row.
 //                    The caller applies top-k / top-p / min-p to that prefix of the order.
@@ -24,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -35,6 +37,7 @@ typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef double vd __attribute__((vector_size(128)));
+typedef double vd8 __attribute__((vector_size(64)));
 constexpr int64_t kW = 16;
 constexpr int64_t kBlock = 2048;   // elements per block sum of the inverse-CDF walk
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -98,13 +101,14 @@ inline vf probs16(const Row<T>& row, int64_t i, float temp, float scaled_max) {
   return vexp(row.load(i) / temp - scaled_max);
 }
 
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int l = 1; l < kW; ++l) m = v[l] > m ? v[l] : m;
-  return m;
-}
-
 inline vf vmax(vf a, vf b) { return b > a ? b : a; }
+
+inline float hmax(vf v) {   // a tree: four shuffles instead of a chain of 15 selects
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return v[0] > v[1] ? v[0] : (v[1] > v[0] ? v[1] : v[0]);
+}
 
 inline double hsum(vf v) {
   vd d = __builtin_convertvector(v, vd);
@@ -153,12 +157,17 @@ template <typename T>
 std::vector<double> block_sums(const Row<T>& row, float temp, float scaled_max) {
   std::vector<double> sums((row.vocab + kBlock - 1) / kBlock);
   for (size_t b = 0; b < sums.size(); ++b) {
-    vd acc = {};
+    vd8 lo = {}, hi = {};   // two registers: a 16-double vector would live on the stack
     int64_t end = std::min(row.vocab, static_cast<int64_t>(b + 1) * kBlock);
-    for (int64_t i = static_cast<int64_t>(b) * kBlock; i < end; i += kW)
-      acc += __builtin_convertvector(probs16(row, i, temp, scaled_max), vd);
+    for (int64_t i = static_cast<int64_t>(b) * kBlock; i < end; i += kW) {
+      vf e = probs16(row, i, temp, scaled_max);
+      lo += __builtin_convertvector(__builtin_shufflevector(e, e, 0, 1, 2, 3, 4, 5, 6, 7), vd8);
+      hi += __builtin_convertvector(
+          __builtin_shufflevector(e, e, 8, 9, 10, 11, 12, 13, 14, 15), vd8);
+    }
+    lo += hi;
     double s = 0;
-    for (int l = 0; l < kW; ++l) s += acc[l];
+    for (int l = 0; l < 8; ++l) s += lo[l];
     sums[b] = s;
   }
   return sums;
@@ -200,40 +209,72 @@ inline bool better(const Candidate& a, const Candidate& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// keeps the `count` best of the buffer by (value desc, id asc); returns the worst kept value
+// keeps the `count` best of buf by (logit desc, id asc); returns the worst kept logit
 inline float trim(std::vector<Candidate>& buf, int64_t count) {
   std::nth_element(buf.begin(), buf.begin() + count - 1, buf.end(), better);
   buf.resize(count);
   return buf[count - 1].first;
 }
 
-// the `count` best tokens by (logit desc, id asc): every chunk of 64 holding a logit above the
-// threshold (the worst of the best `count` so far) is appended, and the buffer is trimmed back
-// to `count` when it doubles. Ids arrive in ascending order, so a later token tied with the
-// threshold is worse than the kept one it ties and is skipped.
+// the `count` best tokens at or above `threshold` by (logit desc, id asc), unordered (fewer
+// when fewer reach it). Chunks of 64 whose maximum is below the threshold are skipped after
+// one vector comparison; when the buffer doubles it is trimmed to `count` and the threshold
+// rises to the worst kept logit: a later token that ties it has a higher id, so is worse.
+template <typename T>
+void collect_best(const Row<T>& row, float threshold, int64_t count,
+                  std::vector<Candidate>& buf) {
+  bool strict = false;
+  for (int64_t i = 0; i < row.vocab; i += 4 * kW) {
+    vf v[4];
+    for (int k = 0; k < 4; ++k) v[k] = row.load(i + k * kW);
+    if (!(hmax(vmax(vmax(v[0], v[1]), vmax(v[2], v[3]))) >= threshold)) continue;
+    for (int k = 0; k < 4; ++k) {
+      if (!(hmax(v[k]) >= threshold)) continue;
+      for (int l = 0; l < kW; ++l) {
+        int64_t id = i + k * kW + l;
+        float x = v[k][l];
+        if ((x > threshold || (!strict && x == threshold)) && id < row.vocab)
+          buf.emplace_back(x, id);
+      }
+    }
+    if (static_cast<int64_t>(buf.size()) >= 2 * count + 4 * kW) {
+      threshold = trim(buf, count);
+      strict = true;
+    }
+  }
+  if (static_cast<int64_t>(buf.size()) > count) trim(buf, count);
+}
+
+// a logit with about max(2 x count, 256) tokens at or above it, from 1 in 64 tokens (fewer
+// than `count` reach it for under 1% of rows): the pass then collects few more than `count`
+template <typename T>
+float estimated_threshold(const Row<T>& row, int64_t count) {
+  std::vector<float> sample;
+  sample.reserve(row.vocab / 64 + kW);
+  for (int64_t i = 0; i < row.vocab; i += 64 * kW) {   // 16 neighbours every 1024 tokens
+    vf v = row.load(i);
+    for (int l = 0; l < kW; ++l)
+      if (!std::isnan(v[l]) && i + l < row.vocab) sample.push_back(v[l]);
+  }
+  int64_t size = static_cast<int64_t>(sample.size());
+  int64_t rank = std::min<int64_t>(size, std::max<int64_t>(2 * count * size / row.vocab, 4));
+  if (rank == 0) return kNegInf;
+  std::nth_element(sample.begin(), sample.begin() + rank - 1, sample.end(), std::greater<float>());
+  return sample[rank - 1];
+}
+
+// the `count` best tokens by (logit desc, id asc), unordered, starting from a threshold
+// estimated from a sample, and from -inf in the rare case that fewer than `count` tokens
+// reach it (every token not collected is below every collected one: exact either way)
 template <typename T>
 std::vector<Candidate> top_candidates(const Row<T>& row, int64_t count) {
   std::vector<Candidate> buf;
   buf.reserve(2 * count + 4 * kW);
-  float threshold = kNegInf;
-  bool full = false;
-  for (int64_t i = 0; i < row.vocab; i += 4 * kW) {
-    vf v[4];
-    for (int k = 0; k < 4; ++k) v[k] = row.load(i + k * kW);
-    if (full && !(hmax(vmax(vmax(v[0], v[1]), vmax(v[2], v[3]))) > threshold)) continue;
-    for (int k = 0; k < 4; ++k)
-      for (int l = 0; l < kW; ++l) {
-        int64_t id = i + k * kW + l;
-        float x = v[k][l];
-        if (id < row.vocab && (x > threshold || (!full && !std::isnan(x))))
-          buf.emplace_back(x, id);
-      }
-    if (static_cast<int64_t>(buf.size()) >= 2 * count) {
-      threshold = trim(buf, count);
-      full = true;
-    }
+  if (row.vocab > 8 * count) collect_best(row, estimated_threshold(row, count), count, buf);
+  if (static_cast<int64_t>(buf.size()) < count) {
+    buf.clear();
+    collect_best(row, kNegInf, count, buf);
   }
-  if (static_cast<int64_t>(buf.size()) > count) trim(buf, count);
   return buf;
 }
 
