@@ -75,7 +75,8 @@ class Sampler:
             token_ids = fast_argmax(work)
         else:
             token_ids = self._sample(work, meta)
-        logprobs = _logprobs(logits, token_ids, meta.num_logprobs) if wants_logprobs else None
+        logprobs = _logprobs(logits, token_ids, meta.num_logprobs, self.kernel(logits)) \
+            if wants_logprobs else None
         return SamplerOutput(token_ids, logprobs)
 
     def kernel(self, logits: torch.Tensor):
@@ -287,20 +288,21 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
             logits[i] -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-              num_logprobs: list[int | None]) -> list[LogprobsDelta | None]:
-    """From the raw logits (before any processing), in fp32, for the rows that ask only."""
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None],
+              kernel=None) -> list[LogprobsDelta | None]:
+    """From the raw logits (before any processing), for the rows that ask only: the fused
+    kernel's one pass per fact where it runs, else log_softmax in fp32."""
     rows = [i for i, n in enumerate(num_logprobs) if n is not None]
     if len(rows) == len(num_logprobs):
-        raw, ids = logits.float(), token_ids
+        raw, ids = logits, token_ids
     else:
         idx = torch.tensor(rows, device=logits.device)
-        raw, ids = logits[idx].float(), token_ids[idx]
-    logprobs = raw.log_softmax(dim=-1)
+        raw, ids = logits[idx], token_ids[idx]
     k = max(num_logprobs[i] for i in rows)
-    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-    sampled = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
+    if kernel is not None:
+        sampled, ranks, top_ids, top_vals = kernel.logprobs(raw, ids, k)
+    else:
+        sampled, ranks, top_ids, top_vals = _logprobs_torch(raw.float(), ids, k)
     sampled_l, ranks_l, ids_l = sampled.tolist(), ranks.tolist(), ids.tolist()
     top_v = top_vals.tolist() if k else None
     top_i = top_ids.tolist() if k else None
@@ -311,3 +313,11 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
         vals = [sampled_l[j]] + (top_v[j][:n] if n else [])
         out[i] = LogprobsDelta([ids_i], [vals], [ranks_l[j]])
     return out
+
+
+def _logprobs_torch(raw: torch.Tensor, ids: torch.Tensor, k: int):
+    logprobs = raw.log_softmax(dim=-1)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    sampled = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
+    return sampled, ranks, top_ids, top_vals

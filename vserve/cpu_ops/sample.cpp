@@ -27,6 +27,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -329,7 +330,6 @@ void sample_rows(const at::Tensor& logits, const float* temps, const double* us,
   });
 }
 
-}  // namespace
 
 // logits [R, V] bf16 or fp32 (rows dense); temperature [R] fp32 (0: greedy); u [R] fp64
 // uniforms; num_candidates [R] int64 (0: the whole vocabulary, C: candidates for the caller's
@@ -358,6 +358,66 @@ std::vector<at::Tensor> sample(const at::Tensor& logits, const at::Tensor& tempe
   return {tokens, cand_ids, cand_p};
 }
 
+template <typename T>
+void logprobs_row(const Row<T>& row, int64_t token, int64_t k, float* token_lp, int64_t* rank,
+                  int64_t* top_ids, float* top_lp) {
+  float m = row_max(row);
+  double total = 0;
+  for (double s : block_sums(row, 1.0f, m)) total += s;
+  double lse = static_cast<double>(m) + std::log(total);
+  float xt = to_float(row.data[token]);
+  *token_lp = static_cast<float>(static_cast<double>(xt) - lse);
+  vi greater = {};
+  for (int64_t i = 0; i < row.vocab; i += kW) greater -= row.load(i) > xt;   // true is -1
+  int64_t count = 0;
+  for (int l = 0; l < kW; ++l) count += greater[l];
+  *rank = count + 1;
+  if (k == 0) return;
+  std::vector<Candidate> top = top_candidates(row, k);
+  std::sort(top.begin(), top.end(), better);
+  for (size_t j = 0; j < top.size(); ++j) {
+    top_ids[j] = top[j].second;
+    top_lp[j] = static_cast<float>(static_cast<double>(top[j].first) - lse);
+  }
+}
+
+}  // namespace
+
+// log-softmax facts of logits [R, V] (bf16 or fp32, rows dense) for token_ids [R]: the tokens'
+// logprobs [R] fp32, their ranks [R] (1 + the number of strictly larger logits), and the k best
+// tokens' ids [R, k] and logprobs [R, k], by (logit desc, id asc). log-sum-exp in double.
+std::vector<at::Tensor> logprobs(const at::Tensor& logits, const at::Tensor& token_ids,
+                                 int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logprobs: logits [R, V], rows dense");
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
+              "logprobs: logits must be bfloat16 or float32");
+  int64_t rows = logits.size(0), vocab = logits.size(1);
+  k = std::min(k, vocab);
+  auto ids = token_ids.to(at::kLong).contiguous();
+  TORCH_CHECK(ids.numel() == rows && (rows == 0 || (ids.min().item<int64_t>() >= 0 &&
+              ids.max().item<int64_t>() < vocab)), "logprobs: token ids out of range");
+  auto opts = logits.options();
+  auto token_lp = at::empty({rows}, opts.dtype(at::kFloat));
+  auto ranks = at::empty({rows}, opts.dtype(at::kLong));
+  auto top_ids = at::zeros({rows, k}, opts.dtype(at::kLong));
+  auto top_lp = at::zeros({rows, k}, opts.dtype(at::kFloat));
+  const int64_t* tok = ids.data_ptr<int64_t>();
+  auto run = [&](auto* base) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(base)>>;
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        logprobs_row(Row<T>{base + r * logits.stride(0), vocab}, tok[r], k,
+                     token_lp.data_ptr<float>() + r, ranks.data_ptr<int64_t>() + r,
+                     top_ids.data_ptr<int64_t>() + r * k, top_lp.data_ptr<float>() + r * k);
+    });
+  };
+  if (logits.scalar_type() == at::kBFloat16)
+    run(static_cast<const c10::BFloat16*>(logits.data_ptr()));
+  else
+    run(static_cast<const float*>(logits.data_ptr()));
+  return {token_lp, ranks, top_ids, top_lp};
+}
+
 // the exp the kernel uses, for tests: x [N] fp32 (values <= 0)
 at::Tensor exp_for_test(const at::Tensor& x) {
   auto in = x.contiguous();
@@ -370,5 +430,6 @@ at::Tensor exp_for_test(const at::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample", &sample);
+  m.def("logprobs", &logprobs);
   m.def("exp_for_test", &exp_for_test);
 }
