@@ -1,11 +1,12 @@
 """The sampler alone: the torch path (the oracle) against the fused CPU kernel, in one process.
 
 Logits are 64 rows x 262144 (the embedded Gemma-3-270M's vocabulary) in bf16, normal with
-standard deviation 5: a softmax entropy of about 3.8 nats and about 130 tokens in the top-p 0.9
-set, like a language model's next-token distribution at temperature 1 (std 3 would spread the
-top 0.9 over ~11k tokens, past any candidate set, sending both paths to a full sort). Each case calls both
-paths alternately, `--repeats` times, so load from other processes hits both alike; reported
-are the median wall time and the median process CPU time per call, and their ratios.
+standard deviation 5: a softmax entropy of about 3.8 nats and about 130 tokens in the top-p
+0.9 set, like a language model's next-token distribution at temperature 1 (std 3 would spread
+the top 0.9 over ~11k tokens, past any candidate set, sending both paths to a full sort).
+Each case calls both paths alternately, `--repeats` times, so load from other processes hits
+both alike; reported are the median wall time and the median process CPU time per call, and
+their ratios.
 
     python benchmarks/sampler_speed.py [--rows 64] [--vocab 262144] [--repeats 15]
 

@@ -2,8 +2,9 @@
 top-k, top-p and min-p, on both sampling paths (the fused CPU kernel and the torch sampler).
 
 Each case draws 4000 tokens from one fixed row of 120 logits, one draw per position (a fixed
-seed per case, distinct positions), and compares the counts with probabilities computed here in float64
-by a chi-square test at significance 0.001 (bins with expected count under 5 merged). The draws
+seed per case, distinct positions), and compares the counts with probabilities computed here
+in float64 by a chi-square test at significance 0.001 (bins with expected count under 5
+merged). The draws
 are deterministic, so the test cannot flake; `test_the_check_catches_a_sampler_that_ignores_*`
 shows it has the power to fail: the same check rejects samples drawn at T = 1 when T = 0.5 or 2
 was asked for, and samples drawn without the filter when a filter was asked for.
