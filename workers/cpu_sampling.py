@@ -47,26 +47,22 @@ def sample_with_kernel(kernel, logits: torch.Tensor, meta, limit: int, keep_top,
 def _pick_filtered(tokens, cand_ids, cand_p, u, meta, rows, counts, vocab, keep_top, pick,
                    sample_filtered, logits) -> None:
     idx = torch.tensor(rows)
-
-    def column(values, dtype=None):
-        return torch.tensor([values[i] for i in rows], dtype=dtype).unsqueeze(1)
-
-    top_k = column([k if k > 0 else vocab for k in meta.top_k])
-    kept = keep_top(cand_p[idx], top_k, column(meta.top_p), column(meta.min_p))
+    top_k = _column([k if k > 0 else vocab for k in meta.top_k], rows)
+    kept = keep_top(cand_p[idx], top_k, _column(meta.top_p, rows), _column(meta.min_p, rows))
     num_kept = (kept > 0).sum(dim=-1)
-    width = column(counts, torch.long).squeeze(1)
+    width = _column(counts, rows).squeeze(1)
     # the kept prefix ended inside the candidates, or the candidates are every token top-k keeps
     fits = (num_kept < width) | (width >= top_k.squeeze(1).clamp(max=vocab))
     picked = pick(kept, u[idx], num_kept)
     chosen = cand_ids[idx].gather(1, picked.unsqueeze(1)).squeeze(1)
     tokens[idx[fits]] = chosen[fits]
     rest = [r for r, ok in zip(rows, fits.tolist()) if not ok]
-    if rest:
+    if rest:   # the torch sampler's own path: its candidates, else the full sort
         ridx = torch.tensor(rest)
-        temps = column_of(meta.temperature, rest)
-        scaled = logits[ridx].float() / temps
+        scaled = logits[ridx].float() / _column(meta.temperature, rest)
         tokens[ridx] = sample_filtered(scaled, u[ridx], meta, rest)
 
 
-def column_of(values, rows: list[int]) -> torch.Tensor:
+def _column(values, rows: list[int]) -> torch.Tensor:
+    """values at rows, as a [len(rows), 1] tensor (int64 or fp32, as torch.tensor infers)."""
     return torch.tensor([values[i] for i in rows]).unsqueeze(1)
