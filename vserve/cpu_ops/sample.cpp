@@ -10,13 +10,14 @@
 //                    the inverse CDF of today's sampler: the first token whose cumulative sum
 //                    exceeds u * total, found through the block sums and one block re-walked.
 //   filtered (C > 0) pass 1: the C best tokens by (logit desc, id asc), collected above a
-//                    threshold that starts from an estimate (every 64th logit) and rises as
+//                    threshold that starts from an estimate (1 in 64 logits) and rises as
 //                    the best C so far improve (chunks below it skipped); pass 2: the total;
 //                    out: their probabilities e_i / total in fp32 ordered by (probability
 //                    desc, id asc), the order of a stable descending sort of the whole row.
 //                    The caller applies top-k / top-p / min-p to that prefix of the order.
 // Probabilities equal the torch path's up to float rounding, so the same (seed, position)
-// picks the same token except when u falls within rounding of a CDF edge.
+// picks the same token except when u falls within rounding of a CDF edge. `logprobs` gives the
+// log-softmax facts the sampler reports (a token's logprob and rank, the top k) in three passes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -294,6 +295,10 @@ void sample_row(const Row<T>& row, float temp, double u, int64_t count, int64_t*
     for (auto& c : cands) m = std::max(m, c.first);
   } else {
     m = row_max(row);
+  }
+  if (!(m > kNegInf)) {   // every token masked (or NaN): nothing to sample
+    *token = 0;
+    return;
   }
   float scaled_max = m / temp;
   std::vector<double> sums = block_sums(row, temp, scaled_max);
