@@ -8,7 +8,10 @@ Each case calls both paths alternately, `--repeats` times, so load from other pr
 both alike; reported are the median wall time and the median process CPU time per call, and
 their ratios.
 
-    python benchmarks/sampler_speed.py [--rows 64] [--vocab 262144] [--repeats 15]
+    python benchmarks/sampler_speed.py [--rows 64] [--vocab 262144] [--repeats 15] [--threads N]
+
+On a machine whose cores are busy with other processes, torch's intra-op threads wait for
+each other at every parallel op: compare `--threads 1` before reading a slow row as slow code.
 
 Prints a markdown table and writes benchmarks/results/sampler_speed.json.
 """
@@ -79,7 +82,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=262144)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if cpu_ops.load_sampler() is None:
         raise SystemExit("the sampling kernel did not build (see the log)")
     results = run(args.rows, args.vocab, args.repeats)
