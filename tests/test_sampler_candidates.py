@@ -1,6 +1,7 @@
 """top-k / top-p / min-p sampling on a candidate set picks exactly the token a full sort of the
 vocabulary picks, and falls back to the full sort when the kept tokens do not fit; the filtered
-distribution that verifies speculative drafts is the same on both paths."""
+distribution that verifies speculative drafts is the same on both paths. Sampling tests run on
+the torch sampler's candidates and on the fused CPU kernel's (tests/test_sampler_kernel.py)."""
 
 import pytest
 import torch
@@ -36,20 +37,25 @@ def _logits(rows, sharpness, seed):
 def _full_sort(monkeypatch, logits, meta):
     with monkeypatch.context() as m:
         m.setattr(sampler, "CANDIDATES", VOCAB)   # no candidate path: always the full sort
-        return Sampler()(logits, meta).token_ids
+        return Sampler(use_kernel=False)(logits, meta).token_ids
 
 
+BOTH_PATHS = pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
+
+
+@BOTH_PATHS
 @pytest.mark.parametrize("sharpness", [0.5, 3.0, 8.0])
-def test_candidates_pick_what_the_full_sort_picks(sharpness, monkeypatch):
+def test_candidates_pick_what_the_full_sort_picks(sharpness, use_kernel, monkeypatch):
     monkeypatch.setattr(sampler, "CANDIDATES", 256)
     for seed in range(6):
         logits = _logits(len(PARAMS), sharpness, seed)
         meta = _meta(PARAMS, seed * 100)
-        fast = Sampler()(logits, meta).token_ids
+        fast = Sampler(use_kernel)(logits, meta).token_ids
         assert torch.equal(fast, _full_sort(monkeypatch, logits, meta))
 
 
-def test_both_paths_are_taken(monkeypatch):
+@BOTH_PATHS
+def test_both_paths_are_taken(use_kernel, monkeypatch):
     """Peaked rows fit in the candidates, flat rows (top-p 0.999 at temperature 2 over random
     logits) do not; count the rows each path handles."""
     monkeypatch.setattr(sampler, "CANDIDATES", 256)
@@ -64,17 +70,18 @@ def test_both_paths_are_taken(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
     logits = _logits(2, 1.0, 0)
     logits[0] *= 8.0                                            # peaked: fits
-    Sampler()(logits, _meta([(1.0, 0, 0.9, 0.0), (2.0, 0, 0.999, 0.0)]))
+    Sampler(use_kernel)(logits, _meta([(1.0, 0, 0.9, 0.0), (2.0, 0, 0.999, 0.0)]))
     assert calls["full"] == 1                                   # only the flat row sorts
 
 
-def test_ties_at_the_candidate_boundary_fall_back(monkeypatch):
+@BOTH_PATHS
+def test_ties_at_the_candidate_boundary_fall_back(use_kernel, monkeypatch):
     """Every token equally likely: the kept prefix is decided among ties, which only the full
     sort orders (lower id first), so the row must not take the candidate path."""
     monkeypatch.setattr(sampler, "CANDIDATES", 256)
     logits = torch.zeros(1, VOCAB)
     meta = _meta([(1.0, 100, 1.0, 0.0)])
-    picked = Sampler()(logits, meta).token_ids
+    picked = Sampler(use_kernel)(logits, meta).token_ids
     assert picked.item() < 100 and torch.equal(picked, _full_sort(monkeypatch, logits, meta))
 
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from vserve import cpu_ops
 from vserve.core.seeds import uniform_for
 from vserve.engine.messages import LogprobsDelta
+from workers.cpu_sampling import sample_with_kernel
 
 
 @dataclass
@@ -55,19 +57,34 @@ class SamplerOutput:
 
 
 class Sampler:
+    """`use_kernel`: sample CPU logits with the fused kernel (vserve/cpu_ops/sample.cpp) when it
+    builds; False keeps the torch path everywhere (the oracle the kernel is tested against)."""
+
+    def __init__(self, use_kernel: bool = True) -> None:
+        self.use_kernel = use_kernel
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [rows, vocab] in the model's dtype (fp32 only where it is needed)."""
         wants_logprobs = any(n is not None for n in meta.num_logprobs)
         if meta.all_greedy and not _needs_processing(meta) and not wants_logprobs:
             return SamplerOutput(fast_argmax(logits))   # no copy of a [rows, vocab] tensor
-        raw = logits.float()
-        logits = self._process(raw.clone() if _needs_processing(meta) else raw, meta)
+        work = logits
+        if _needs_processing(meta):   # an fp32 copy: bias, penalties and masks in fp32
+            work = self._process(logits.to(torch.float32, copy=True), meta)
         if meta.all_greedy:
-            token_ids = fast_argmax(logits)
+            token_ids = fast_argmax(work)
         else:
-            token_ids = self._sample(logits, meta)
-        logprobs = _logprobs(raw, token_ids, meta.num_logprobs) if wants_logprobs else None
+            token_ids = self._sample(work, meta)
+        logprobs = _logprobs(logits, token_ids, meta.num_logprobs, self.kernel(logits)) \
+            if wants_logprobs else None
         return SamplerOutput(token_ids, logprobs)
+
+    def kernel(self, logits: torch.Tensor):
+        """The fused sampling kernel for these logits, or None (torch path)."""
+        if not self.use_kernel or logits.device.type != "cpu" or \
+                logits.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        return cpu_ops.load_sampler()
 
     # -- logits processing -----------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -87,6 +104,13 @@ class Sampler:
 
     # -- random sampling -------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        kernel = self.kernel(logits)
+        if kernel is not None:
+            return sample_with_kernel(kernel, logits, meta, CANDIDATES, _keep_top, _pick,
+                                      _sample_filtered)
+        return self._sample_torch(logits.float(), meta)
+
+    def _sample_torch(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         out = fast_argmax(logits)
         device = logits.device
         rows = [i for i, t in enumerate(meta.temperature) if t > 0.0]
@@ -264,22 +288,36 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
             logits[i] -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-              num_logprobs: list[int | None]) -> list[LogprobsDelta | None]:
-    logprobs = raw.log_softmax(dim=-1)
-    k = max(n or 0 for n in num_logprobs)
-    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
-    sampled_l, ranks_l, ids_l = sampled.tolist(), ranks.tolist(), token_ids.tolist()
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None],
+              kernel=None) -> list[LogprobsDelta | None]:
+    """From the raw logits (before any processing), for the rows that ask only: the fused
+    kernel's one pass per fact where it runs, else log_softmax in fp32."""
+    rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+    if len(rows) == len(num_logprobs):
+        raw, ids = logits, token_ids
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        raw, ids = logits[idx], token_ids[idx]
+    k = max(num_logprobs[i] for i in rows)
+    if kernel is not None:
+        sampled, ranks, top_ids, top_vals = kernel.logprobs(raw, ids, k)
+    else:
+        sampled, ranks, top_ids, top_vals = _logprobs_torch(raw.float(), ids, k)
+    sampled_l, ranks_l, ids_l = sampled.tolist(), ranks.tolist(), ids.tolist()
     top_v = top_vals.tolist() if k else None
     top_i = top_ids.tolist() if k else None
-    out: list[LogprobsDelta | None] = []
-    for i, n in enumerate(num_logprobs):
-        if n is None:
-            out.append(None)
-            continue
-        ids = [ids_l[i]] + (top_i[i][:n] if n else [])
-        vals = [sampled_l[i]] + (top_v[i][:n] if n else [])
-        out.append(LogprobsDelta([ids], [vals], [ranks_l[i]]))
+    out: list[LogprobsDelta | None] = [None] * len(num_logprobs)
+    for j, i in enumerate(rows):
+        n = num_logprobs[i]
+        ids_i = [ids_l[j]] + (top_i[j][:n] if n else [])
+        vals = [sampled_l[j]] + (top_v[j][:n] if n else [])
+        out[i] = LogprobsDelta([ids_i], [vals], [ranks_l[j]])
     return out
+
+
+def _logprobs_torch(raw: torch.Tensor, ids: torch.Tensor, k: int):
+    logprobs = raw.log_softmax(dim=-1)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    sampled = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > sampled.unsqueeze(1)).sum(dim=-1) + 1
+    return sampled, ranks, top_ids, top_vals

@@ -11,6 +11,10 @@ The extension is built with the system C++ compiler the first time a bf16 CPU mo
 source, the torch and Python versions and the CPU's instruction sets; later loads reuse it.
 Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. Only bf16
 uses these kernels: fp32 stays on the ops whose results equal transformers'.
+
+`sample.cpp` is a second extension, built the same way on the first sampled step of a CPU
+model of any dtype (`load_sampler`): fused temperature / top-k / top-p / min-p sampling over
+the full vocabulary (workers/cpu_sampling.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.cpp")
+SAMPLE_SOURCE = Path(__file__).with_name("sample.cpp")
 _state: dict[str, object] = {}
 
 
@@ -44,8 +49,8 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-def build_dir() -> Path:
-    key = (SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()
+def build_dir(source: Path = SOURCE) -> Path:
+    key = (source.read_bytes() + torch.__version__.encode() + sys.version.encode()
            + _cpu_flags())
     digest = hashlib.sha256(key).hexdigest()[:12]
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -54,28 +59,41 @@ def build_dir() -> Path:
 
 def load():
     """The compiled module, or None when it is disabled or cannot be built (logged once)."""
-    if "module" in _state:
-        return _state["module"]
+    return _load("module", lambda: _build())
+
+
+def load_sampler():
+    """The compiled sampling module (sample.cpp), or None, like `load`."""
+    return _load("sampler", lambda: _compile(SAMPLE_SOURCE, "vserve_cpu_sample"))
+
+
+def _load(key: str, build):
+    if key in _state:
+        return _state[key]
     module = None
     if enabled_by_env():
         try:
-            module = _build()
+            module = build()
         except Exception as exc:   # no compiler, headers or linker: the eager path still works
             log.warning("vserve CPU kernels unavailable, using eager torch ops: %s", exc)
-    _state["module"] = module
+    _state[key] = module
     return module
 
 
 def _build():
+    return _compile(SOURCE, "vserve_cpu_ops")
+
+
+def _compile(source: Path, name: str):
     from torch.utils.cpp_extension import load as load_extension
 
-    folder = build_dir()
+    folder = build_dir(source)
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):   # shown at the default log level: a 30 s pause
         log.warning("building vserve's CPU kernels into %s (once per machine, about 30 s)",
                     folder)
     _ninja_on_path()
-    return load_extension(f"vserve_cpu_ops_{folder.name}", [str(SOURCE)],
+    return load_extension(f"{name}_{folder.name}", [str(source)],
                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], build_directory=str(folder),
                           verbose=False)
