@@ -68,6 +68,8 @@ class EngineCoreProc:
         executor = self.core.executor
         if hasattr(executor, "on_failure"):
             executor.on_failure = lambda msg: self.input_queue.put(("executor_failed", msg))
+        if hasattr(executor, "add_host_process"):   # the front end works beside the forward
+            executor.add_host_process(parent_pid)
         self._send_now(FRAME_READY, self.encoder.encode(
             {"num_kv_blocks": self.core.num_kv_blocks, "pid": os.getpid()}))
         self.in_thread = threading.Thread(target=self._input_loop, args=(input_addr,),

@@ -2,11 +2,11 @@
 reserved for the host work (engine core and front end) that runs beside each forward.
 
 Pure functions of the CPU list, the number of local workers, the user's overrides and
-measured per-step figures; `vserve.executor.placement_control` applies the result. Why reserve: torch's
-OpenMP team stalls whenever the engine core or the front end takes one of its cores in the
-middle of a parallel region, so host work that is large next to the forward makes every
-forward slower; on its own core it runs beside the forward instead. Reserving costs the
-workers one core, so it pays only when the host work per step is a real share of the step.
+measured per-step figures; `vserve.executor.placement_control` applies them. Why reserve:
+torch's OpenMP team stalls whenever the engine core or the front end takes one of its cores
+in the middle of a parallel region, so host work that is large next to the forward makes
+every forward slower; on its own core it runs beside the forward instead. Reserving costs
+the workers one core, so it pays only when the host work per step is a real share of it.
 
 | reserved | workers' CPUs                         | threads per worker | host CPUs         |
 |----------|---------------------------------------|--------------------|-------------------|
