@@ -27,8 +27,9 @@ from vserve.executor.placement import (
 
 logger = logging.getLogger("vserve.executor")
 
-WINDOW_STEPS = 16          # at least this many steps ...
-WINDOW_SECONDS = 0.25      # ... and this much wall time per decision
+WINDOW_STEPS = 8           # at least this many steps ...
+WINDOW_SECONDS = 0.15      # ... and this much wall time per decision (short: a host-bound
+                           # run of a second must not spend a third of it unplaced)
 MIN_BUSY_FRACTION = 0.5    # windows where the worker idled more than this are discarded
 
 def overrides_from_env() -> PlacementOverrides:
