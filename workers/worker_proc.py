@@ -84,9 +84,6 @@ class _RankLoop:
         if setup.cpus:
             pin_process(os.getpid(), setup.cpus)
         self.worker = Worker(runner_config, self.pp, setup.num_threads)
-        # On CPU the sampled ids are on the host when the step returns: a single stage replies
-        # inline (a reply thread would only contend for the GIL with the next step)
-        self.inline_replies = self.world == 1 and runner_config.device == "cpu"
         self.replies: queue.Queue = queue.Queue()
         self.reply_thread = threading.Thread(target=self._reply_loop, daemon=True,
                                              name="vserve-reply")
@@ -152,9 +149,7 @@ class _RankLoop:
         pin_process(os.getpid(), cpus or self.all_cpus)
 
     def _expect_reply(self, out) -> None:
-        if self.inline_replies:
-            self._send(pickle.dumps(("out", out.get()), protocol=pickle.HIGHEST_PROTOCOL))
-        elif self.is_last:
+        if self.is_last:
             self.replies.put(("local", out))
         elif self.rank == 0:
             self.replies.put(("remote", None))
