@@ -119,8 +119,8 @@ class _EngineProcess:
         self.input_sock.close(linger=0)
         self.output_sock.close(linger=0)
         self._finalizer()
-        if self._cpus:   # in case the engine core could not give our CPUs back
-            pin_process(os.getpid(), self._cpus)
+        if self._cpus and process_cpus(os.getpid()) != self._cpus:
+            pin_process(os.getpid(), self._cpus)   # the engine core could not give them back
 
 
 def _stop_process(proc: subprocess.Popen, tmpdir: str) -> None:

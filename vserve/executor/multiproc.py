@@ -19,8 +19,8 @@ from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
-from vserve.executor.placement_control import PlacementController, overrides_from_env
 from vserve.executor.base import Executor, StepFuture, runner_config
+from vserve.executor.placement_control import PlacementController, overrides_from_env
 from workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.executor")
@@ -68,9 +68,9 @@ class MultiprocExecutor(Executor):
             measure_self=config.async_scheduling)
         initial = self.placement.placement
         self.procs = []
-        for rank in ranks:
+        for i, rank in enumerate(ranks):
             setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, port,
-                              initial.worker_threads[rank], initial.worker_cpus[rank])
+                              initial.worker_threads[i], initial.worker_cpus[i])
             conns = (req_r, resp_w) if rank == 0 else (None, None)
             proc = ctx.Process(target=worker_main, args=(runner_config(config, rank), setup,
                                                          *conns),
