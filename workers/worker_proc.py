@@ -84,6 +84,9 @@ class _RankLoop:
         if setup.cpus:
             pin_process(os.getpid(), setup.cpus)
         self.worker = Worker(runner_config, self.pp, setup.num_threads)
+        # On CPU the ids are on the host when a step returns: one stage replies at once instead
+        # of waking its reply thread (which waits for the GIL while the next step runs)
+        self.inline_replies = self.world == 1 and runner_config.device == "cpu"
         self.replies: queue.Queue = queue.Queue()
         self.reply_thread = threading.Thread(target=self._reply_loop, daemon=True,
                                              name="vserve-reply")
@@ -149,7 +152,9 @@ class _RankLoop:
         pin_process(os.getpid(), cpus or self.all_cpus)
 
     def _expect_reply(self, out) -> None:
-        if self.is_last:
+        if self.inline_replies:
+            self._send(pickle.dumps(("out", out.get()), protocol=pickle.HIGHEST_PROTOCOL))
+        elif self.is_last:
             self.replies.put(("local", out))
         elif self.rank == 0:
             self.replies.put(("remote", None))
