@@ -1,5 +1,5 @@
-"""Worker processes start with libgomp's spin count lowered (idle OpenMP threads must not hold
-a core the engine core and the front end need between steps), unless the user set it."""
+"""Worker processes start with libgomp's spin count pinned (vserve.executor.multiproc says why),
+unless the user set it."""
 
 import os
 

@@ -16,6 +16,12 @@ class Env:
                                    # or "grammar_compile_delay:S": compiles take S s longer
                                    # (testing hooks for failure handling)
     api_key: str | None            # VSERVE_API_KEY: server API key when --api-key is absent
+    cpu_num_reserved: str | None   # VSERVE_CPU_NUM_RESERVED: cores kept for the engine core
+                                   # and front end beside CPU workers ("auto" / unset: chosen
+                                   # from measured host work per step; vLLM's
+                                   # VLLM_CPU_NUM_OF_RESERVED_CPU)
+    cpu_threads_bind: str | None   # VSERVE_CPU_THREADS_BIND: "auto", "nobind" or one CPU list
+                                   # per local worker, "0-3|4-7" (VLLM_CPU_OMP_THREADS_BIND)
 
 
 def read_env() -> Env:
@@ -25,6 +31,8 @@ def read_env() -> Env:
         dist_timeout=float(os.environ.get("VSERVE_DIST_TIMEOUT", 1800)),
         fault_inject=os.environ.get("VSERVE_FAULT_INJECT") or None,
         api_key=os.environ.get("VSERVE_API_KEY") or None,
+        cpu_num_reserved=os.environ.get("VSERVE_CPU_NUM_RESERVED") or None,
+        cpu_threads_bind=os.environ.get("VSERVE_CPU_THREADS_BIND") or None,
     )
 
 

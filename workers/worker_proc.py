@@ -20,6 +20,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+from vserve.cpu_affinity import available_cpus, pin_process
 from vserve.envs import ENV
 from vserve.lifeline import exit_with_parent
 
@@ -33,6 +34,7 @@ class RankSetup:
     master_addr: str
     master_port: int
     num_threads: int | None = None
+    cpus: tuple[int, ...] = ()      # CPUs for every thread of this rank; () = unpinned
 
 
 def worker_main(runner_config, setup: RankSetup, req_conn=None, resp_conn=None) -> None:
@@ -82,7 +84,13 @@ class _RankLoop:
                      "float16": torch.float16}[runner_config.dtype]
             self.pp = PPComm(self.rank, self.world, setup.master_addr, setup.master_port,
                              torch.device(runner_config.device), hf.hidden_size, dtype)
+        self.all_cpus = available_cpus()
+        if setup.cpus:
+            pin_process(os.getpid(), setup.cpus)
         self.worker = Worker(runner_config, self.pp, setup.num_threads)
+        # On CPU the ids are on the host when a step returns: one stage replies at once instead
+        # of waking its reply thread (which waits for the GIL while the next step runs)
+        self.inline_replies = self.world == 1 and runner_config.device == "cpu"
         self.replies: queue.Queue = queue.Queue()
         self.reply_thread = threading.Thread(target=self._reply_loop, daemon=True,
                                              name="vserve-reply")
@@ -123,6 +131,8 @@ class _RankLoop:
                 self._expect_reply(out)
         elif kind == "sample":
             self._expect_reply(self.worker.sample_tokens(msg[1], msg[2]))
+        elif kind == "place":
+            self._place(msg[1])
         elif kind == "load":
             self.worker.load_model()
             self._direct_reply(None)
@@ -135,8 +145,20 @@ class _RankLoop:
         else:
             raise ValueError(f"unknown worker request {kind!r}")
 
+    def _place(self, per_rank: dict[int, tuple[int, tuple[int, ...]]]) -> None:
+        """Threads and CPUs chosen by the engine's placement controller; () = any CPU."""
+        if self.rank not in per_rank:     # a stage on another host keeps its own placement
+            return
+        import torch
+
+        num_threads, cpus = per_rank[self.rank]
+        torch.set_num_threads(num_threads)
+        pin_process(os.getpid(), cpus or self.all_cpus)
+
     def _expect_reply(self, out) -> None:
-        if self.is_last:
+        if self.inline_replies:
+            self._send(pickle.dumps(("out", out.get()), protocol=pickle.HIGHEST_PROTOCOL))
+        elif self.is_last:
             self.replies.put(("local", out))
         elif self.rank == 0:
             self.replies.put(("remote", None))

@@ -57,14 +57,15 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started: list[EngineCoreProc] = []   # the front end may die while we start or are stuck
     exit_with_parent(parent_pid, lambda: [p.request_shutdown() for p in started], grace_s=5.0)
-    proc = EngineCoreProc(config, input_addr, output_addr)
+    proc = EngineCoreProc(config, input_addr, output_addr, parent_pid)
     started.append(proc)
     signal.signal(signal.SIGTERM, lambda *_: proc.request_shutdown())
     os._exit(proc.run())
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
+                 parent_pid: int) -> None:
         self.ctx = zmq.Context()
         self.out_sock = self.ctx.socket(zmq.PUSH)
         self.out_sock.setsockopt(zmq.LINGER, 5000)
@@ -84,6 +85,8 @@ class EngineCoreProc:
         executor = self.core.executor
         if hasattr(executor, "on_failure"):
             executor.on_failure = lambda msg: self.input_queue.put(("executor_failed", msg))
+        if hasattr(executor, "add_host_process"):   # the front end works beside the forward
+            executor.add_host_process(parent_pid)
         self._send_now(FRAME_READY, self.encoder.encode(
             {"num_kv_blocks": self.core.num_kv_blocks, "pid": os.getpid()}))
         self.num_adds = 0   # ADD frames seen by the input thread (orders eager aborts)

@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from vserve.config import EngineConfig
+from vserve.cpu_affinity import pin_process, process_cpus
 from vserve.engine.core_proc import FRAME_DEAD, FRAME_OUTPUTS, FRAME_READY
 from vserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
 from vserve.envs import ENV
@@ -65,6 +66,7 @@ class _EngineProcess:
     scripts without a `__main__` guard, in notebooks and under `python -c`."""
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+        self._cpus = process_cpus(os.getpid())   # the engine core may pin us beside it
         self.tmpdir = tempfile.mkdtemp(prefix="vserve-")
         os.chmod(self.tmpdir, 0o700)
         input_addr = f"ipc://{self.tmpdir}/input"
@@ -140,6 +142,8 @@ class _EngineProcess:
         self.input_sock.close(linger=0)
         self.output_sock.close(linger=0)
         self._finalizer()
+        if self._cpus and process_cpus(os.getpid()) != self._cpus:
+            pin_process(os.getpid(), self._cpus)   # the engine core could not give them back
 
 
 def _stop_process(proc: subprocess.Popen, tmpdir: str, stopping: threading.Event) -> None:

@@ -24,16 +24,18 @@ from multiprocessing.connection import wait
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.executor.base import Executor, StepFuture, runner_config
+from vserve.executor.placement_control import PlacementController, overrides_from_env
 from workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.executor")
 
-# libgomp (torch's OpenMP runtime) lets an idle pool thread spin for 300k iterations after each
-# parallel region, milliseconds on this class of CPU. Between steps that spinning holds a core
-# the engine core and the front end need on a small machine, and the next step starts late;
-# 10k spins still bridge the short gaps between one step's own parallel regions. A value the
-# user sets wins.
-WORKER_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
+# libgomp (torch's OpenMP runtime) lets an idle pool thread spin for GOMP_SPINCOUNT iterations
+# after each parallel region before it sleeps. 10k spins (set here before) let threads fall
+# asleep inside a step, between one op's region and the next: measured on two cores, the async
+# forward took 12-18% longer at batch 32 (tiny model, 262k vocabulary) and the batch-1 steps
+# were no faster (embedded model) or slower (tiny). libgomp's own 300k is pinned here so a
+# runtime with another default does not change it; a value the user sets wins.
+WORKER_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "300000"}
 
 
 class WorkerError(RuntimeError):
@@ -68,10 +70,15 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         req_r, self.req_w = ctx.Pipe(duplex=False)
         self.resp_r, resp_w = ctx.Pipe(duplex=False)
-        threads = _threads_per_worker(len(local_ranks(par.pipeline_parallel_size, par.nnodes, 0)))
+        ranks = local_ranks(par.pipeline_parallel_size, par.nnodes, 0)
+        self.placement = PlacementController(
+            len(ranks), overrides_from_env(), lambda p: self._send(("place", _per_rank(p, ranks))),
+            measure_self=config.async_scheduling)
+        initial = self.placement.placement
         self.procs = []
-        for rank in local_ranks(par.pipeline_parallel_size, par.nnodes, 0):
-            setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, port, threads)
+        for i, rank in enumerate(ranks):
+            setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, port,
+                              initial.worker_threads[i], initial.worker_cpus[i])
             conns = (req_r, resp_w) if rank == 0 else (None, None)
             proc = ctx.Process(target=worker_main, args=(runner_config(config, rank), setup,
                                                          *conns),
@@ -81,9 +88,11 @@ class MultiprocExecutor(Executor):
             self.procs.append(proc)
         req_r.close()
         resp_w.close()
+        self.placement.worker_pids = [p.pid for p in self.procs]
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="vserve-watch")
         self._monitor.start()
         self._call(("load",))
+        self.placement.start()
 
     # -- Executor ----------------------------------------------------------------------------------
     def num_kv_blocks(self) -> int:
@@ -108,6 +117,10 @@ class MultiprocExecutor(Executor):
         future = StepFuture(lambda timeout: self._reply_for(step_id, timeout))
         return future if non_block else future.result()
 
+    def add_host_process(self, pid: int) -> None:
+        """The front end's process: pinned with the engine core, its CPU time is host work."""
+        self.placement.add_host_process(pid)
+
     def check_health(self) -> None:
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
@@ -118,6 +131,7 @@ class MultiprocExecutor(Executor):
         if self._closing:
             return
         self._closing = True
+        self.placement.release()
         try:
             self._send(("shutdown",))
         except (OSError, ValueError):
@@ -162,6 +176,8 @@ class MultiprocExecutor(Executor):
                 raise
             self.replies[value.step_id] = value
             self._last_reply_at = time.monotonic()
+            if value.timing is not None:
+                self.placement.step_done(value.timing.forward_end - value.timing.recv)
         self._sent_at.pop(step_id, None)
         return self.replies.pop(step_id)
 
@@ -215,6 +231,12 @@ class MultiprocExecutor(Executor):
         if not self._closing and self.on_failure is not None:
             dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
             self.on_failure(f"worker process died: rank/exit code {dead}")
+
+
+def _per_rank(placement, ranks: range) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """What each local rank needs of a placement: {rank: (torch threads, CPUs)}."""
+    return {rank: (placement.worker_threads[i], placement.worker_cpus[i])
+            for i, rank in enumerate(ranks)}
 
 
 @contextmanager
