@@ -76,9 +76,11 @@ class EngineConfig:
 
     @property
     def max_concurrent_batches(self) -> int:
+        """Steps in flight. PP: one per stage, plus (async) the step being scheduled, which
+        carries the requests of the step `pp` back, whose ids stage 0 has by then."""
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:
-            return pp
+            return pp + 1 if self.async_scheduling else pp
         return 2 if self.async_scheduling else 1
 
 
@@ -136,7 +138,8 @@ class EngineArgs:
                  f"block_size must be a power of two up to 128, got {self.block_size}")
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-            max_model_len=model_cfg.max_model_len, async_scheduling=async_on)
+            max_model_len=model_cfg.max_model_len, async_scheduling=async_on,
+            pipeline_parallel_size=parallel.pipeline_parallel_size)
         cache = CacheConfig(self.block_size, self.enable_prefix_caching,
                             self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization)
