@@ -54,6 +54,7 @@ class ParallelConfig:
     master_port: int = 0                         # 0: pick a free port
     nnodes: int = 1
     node_rank: int = 0
+    layer_partition: tuple[int, ...] = ()        # decoder layers per stage; () = even split
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class EngineArgs:
         _require(backend in available_backends(),
                  f"attention_backend must be one of {available_backends()}, got {backend!r}")
         async_on, reason = self._async_decision()
-        parallel = self._parallel_config(device, async_on)
+        parallel = self._parallel_config(device, async_on, hf_config, model_cfg.max_model_len)
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         batched = self.max_num_batched_tokens or 2048
         _require(batched >= 1, f"max_num_batched_tokens must be >= 1, got {batched}")
@@ -189,7 +190,8 @@ class EngineArgs:
             vocab_size=hf_config.vocab_size, eos_token_ids=eos_ids(model_path, hf_config),
             served_model_name=names[0], max_logprobs=self.max_logprobs)
 
-    def _parallel_config(self, device: str, async_on: bool) -> ParallelConfig:
+    def _parallel_config(self, device: str, async_on: bool, hf_config,
+                         max_model_len: int) -> ParallelConfig:
         pp = self.pipeline_parallel_size
         _require(isinstance(pp, int) and pp >= 1,
                  f"pipeline_parallel_size must be >= 1, got {pp!r}")
@@ -200,8 +202,14 @@ class EngineArgs:
                  "pipeline_parallel_size > 1 needs distributed_executor_backend='mp'")
         _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
                  f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        from vserve import envs
+        from vserve.models.partition import stage_layer_counts
+
+        # stages balanced by estimated cost (the lm_head counts), or VSERVE_PP_LAYER_PARTITION
+        partition = stage_layer_counts(hf_config, pp, min(max_model_len, 2048) // 2,
+                                       envs.ENV.pp_layer_partition) if pp > 1 else ()
         return ParallelConfig(pp, backend, self.master_addr, self.master_port, self.nnodes,
-                              self.node_rank)
+                              self.node_rank, partition)
 
     def _async_decision(self) -> tuple[bool, str | None]:
         if self.async_scheduling is False:

@@ -14,6 +14,8 @@ class Env:
     fault_inject: str | None       # VSERVE_FAULT_INJECT="execute_model:N": raise at step N
                                    # (testing hook for failure handling)
     api_key: str | None            # VSERVE_API_KEY: server API key when --api-key is absent
+    pp_layer_partition: str | None  # VSERVE_PP_LAYER_PARTITION="10,8": decoder layers per
+                                    # pipeline stage, first to last (default: by cost)
 
 
 def read_env() -> Env:
@@ -23,6 +25,7 @@ def read_env() -> Env:
         dist_timeout=float(os.environ.get("VSERVE_DIST_TIMEOUT", 1800)),
         fault_inject=os.environ.get("VSERVE_FAULT_INJECT") or None,
         api_key=os.environ.get("VSERVE_API_KEY") or None,
+        pp_layer_partition=os.environ.get("VSERVE_PP_LAYER_PARTITION") or None,
     )
 
 

@@ -46,6 +46,7 @@ class RunnerConfig:
     attention_backend: str = "torch"
     pp_rank: int = 0
     pp_size: int = 1
+    layer_partition: tuple[int, ...] = ()   # decoder layers per stage; () = even split
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -90,7 +91,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.shim = DeviceShim(self.device)
         self.dtype = _DTYPES[config.dtype]
-        self.stage = StageInfo.split(hf_config.num_hidden_layers, config.pp_size, config.pp_rank)
+        self.stage = (StageInfo.from_counts(config.layer_partition, config.pp_rank)
+                      if config.layer_partition else
+                      StageInfo.split(hf_config.num_hidden_layers, config.pp_size, config.pp_rank))
         self.pp = pp_comm
         max_blocks = -(-config.max_model_len // config.block_size)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks)
