@@ -64,10 +64,6 @@ class FeedbackQueue:
         self.max_pending = max_pending
 
     @property
-    def latest(self) -> Feedback | None:
-        return self.items[-1] if self.items else None
-
-    @property
     def source(self) -> Feedback | None:
         """The entry a step reads on the device (after `settle`)."""
         return self.items[0] if self.items else None
