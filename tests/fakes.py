@@ -108,10 +108,11 @@ class FakeRunner:
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                    max_model_len=128, async_scheduling=True, prefix_caching=True,
-                   spec=None) -> Scheduler:
+                   spec=None, pp: int = 1) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, async_scheduling=async_scheduling)
+                             max_model_len=max_model_len, async_scheduling=async_scheduling,
+                             pipeline_parallel_size=pp)
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching), spec)
 
 
@@ -336,7 +337,8 @@ def fake_engine_config(async_scheduling: bool = True, pp: int = 1, block_size: i
                         eos_token_ids=(EOS,), served_model_name="fake")
     sched = SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, async_scheduling=async_scheduling)
+                            max_model_len=max_model_len, async_scheduling=async_scheduling,
+                            pipeline_parallel_size=pp)
     return EngineConfig(model, CacheConfig(block_size=block_size), sched,
                         ParallelConfig(pipeline_parallel_size=pp,
                                        distributed_executor_backend="mp" if pp > 1 else "uni"),

@@ -34,7 +34,7 @@ def _drain(core, max_calls=1000):
     raise AssertionError("engine did not drain")
 
 
-@pytest.mark.parametrize("async_on, pp, depth", [(False, 1, 1), (True, 1, 2), (True, 3, 3),
+@pytest.mark.parametrize("async_on, pp, depth", [(False, 1, 1), (True, 1, 2), (True, 3, 4),
                                                  (False, 2, 2)])
 def test_s18_depth_order_and_drain(async_on, pp, depth):
     core = _core(async_on, pp)

@@ -1,10 +1,15 @@
 """Sync, async, pipeline parallel, in-process and multiprocess engines produce the same tokens
 (greedy and seeded sampling) on one workload with staggered arrivals, chunked prefill, prefix
-hits, preemption by a small KV cache, aborts and stop strings (scenarios 29, 31, 32, 36, 39)."""
+hits, preemption by a small KV cache, aborts and stop strings (scenarios 29, 31, 32, 36, 39).
+PP=3 runs the cost-balanced split of the 4-layer model (2, 1, 1) and, sync, a split whose
+first stage holds no layer (VSERVE_PP_LAYER_PARTITION)."""
+
+import dataclasses
 
 import pytest
 from hf_reference import PREFIX_PROMPTS, PROMPTS
 
+from vserve import envs
 from vserve.config import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
 from vserve.sampling_params import SamplingParams
@@ -24,7 +29,10 @@ MODES = {
                     distributed_executor_backend="mp"),
     "pp2-async": dict(multiprocess=True, async_scheduling=True, pipeline_parallel_size=2),
     "pp2-sync": dict(multiprocess=True, async_scheduling=False, pipeline_parallel_size=2),
+    "pp3-async": dict(multiprocess=True, async_scheduling=True, pipeline_parallel_size=3),
+    "pp3-sync": dict(multiprocess=True, async_scheduling=False, pipeline_parallel_size=3),
 }
+PARTITION = {"pp3-sync": "0,3,1"}   # VSERVE_PP_LAYER_PARTITION per mode (default: by cost)
 
 
 def _workload():
@@ -96,7 +104,10 @@ def test_reference_exercises_the_workload(reference):
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "sync-inproc"])
-def test_mode_matches_sync_reference(tiny_model_dir, reference, mode):
+def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatch):
+    if mode in PARTITION:
+        monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV,
+                                                             pp_layer_partition=PARTITION[mode]))
     engine = _engine(tiny_model_dir("qwen3"), MODES[mode])
     try:
         results, stats = _run(engine)

@@ -55,6 +55,7 @@ class ParallelConfig:
     master_port: int = 0                         # 0: pick a free port
     nnodes: int = 1
     node_rank: int = 0
+    layer_partition: tuple[int, ...] = ()        # decoder layers per stage; () = even split
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,11 @@ class EngineConfig:
 
     @property
     def max_concurrent_batches(self) -> int:
+        """Steps in flight. PP: one per stage, plus (async) the step being scheduled, which
+        carries the requests of the step `pp` back, whose ids stage 0 has by then."""
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:
-            return pp
+            return pp + 1 if self.async_scheduling else pp
         return 2 if self.async_scheduling else 1
 
 
@@ -133,7 +136,7 @@ class EngineArgs:
         _require(backend in available_backends(),
                  f"attention_backend must be one of {available_backends()}, got {backend!r}")
         async_on, reason = self._async_decision()
-        parallel = self._parallel_config(device, async_on)
+        parallel = self._parallel_config(device, async_on, hf_config, model_cfg.max_model_len)
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         batched = self.max_num_batched_tokens or 2048
         _require(batched >= 1, f"max_num_batched_tokens must be >= 1, got {batched}")
@@ -141,7 +144,8 @@ class EngineArgs:
                  f"block_size must be a power of two up to 128, got {self.block_size}")
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-            max_model_len=model_cfg.max_model_len, async_scheduling=async_on)
+            max_model_len=model_cfg.max_model_len, async_scheduling=async_on,
+            pipeline_parallel_size=parallel.pipeline_parallel_size)
         cache = CacheConfig(self.block_size, self.enable_prefix_caching,
                             self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
                             self.gpu_memory_utilization)
@@ -191,7 +195,8 @@ class EngineArgs:
             vocab_size=hf_config.vocab_size, eos_token_ids=eos_ids(model_path, hf_config),
             served_model_name=names[0], max_logprobs=self.max_logprobs)
 
-    def _parallel_config(self, device: str, async_on: bool) -> ParallelConfig:
+    def _parallel_config(self, device: str, async_on: bool, hf_config,
+                         max_model_len: int) -> ParallelConfig:
         pp = self.pipeline_parallel_size
         _require(isinstance(pp, int) and pp >= 1,
                  f"pipeline_parallel_size must be >= 1, got {pp!r}")
@@ -202,8 +207,14 @@ class EngineArgs:
                  "pipeline_parallel_size > 1 needs distributed_executor_backend='mp'")
         _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
                  f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        from vserve import envs
+        from vserve.models.partition import stage_layer_counts
+
+        # stages balanced by estimated cost (the lm_head counts), or VSERVE_PP_LAYER_PARTITION
+        partition = stage_layer_counts(hf_config, pp, min(max_model_len, 2048) // 2,
+                                       envs.ENV.pp_layer_partition) if pp > 1 else ()
         return ParallelConfig(pp, backend, self.master_addr, self.master_port, self.nnodes,
-                              self.node_rank)
+                              self.node_rank, partition)
 
     def _async_decision(self) -> tuple[bool, str | None]:
         if self.async_scheduling is False:

@@ -22,6 +22,8 @@ class Env:
                                    # VLLM_CPU_NUM_OF_RESERVED_CPU)
     cpu_threads_bind: str | None   # VSERVE_CPU_THREADS_BIND: "auto", "nobind" or one CPU list
                                    # per local worker, "0-3|4-7" (VLLM_CPU_OMP_THREADS_BIND)
+    pp_layer_partition: str | None  # VSERVE_PP_LAYER_PARTITION="10,8": decoder layers per
+                                    # pipeline stage, first to last (default: by cost)
 
 
 def read_env() -> Env:
@@ -33,6 +35,7 @@ def read_env() -> Env:
         api_key=os.environ.get("VSERVE_API_KEY") or None,
         cpu_num_reserved=os.environ.get("VSERVE_CPU_NUM_RESERVED") or None,
         cpu_threads_bind=os.environ.get("VSERVE_CPU_THREADS_BIND") or None,
+        pp_layer_partition=os.environ.get("VSERVE_PP_LAYER_PARTITION") or None,
     )
 
 

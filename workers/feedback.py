@@ -2,10 +2,14 @@
 them, and the next step reads them from there.
 
 `FeedbackQueue` holds one `Feedback` per sampling step, oldest first. Before a step is built,
-every entry but the newest is written back into the host rows (its host copy is done by then);
-the newest is planned into the step's `input_ids` on the device (`FeedbackQueue.plan`). An id
-only goes where its request still lives *in the same epoch*, so a request that was preempted
-and re-admitted never reads a stale id.
+every entry older than the newest one the step reads is written back into the host rows (its
+ids are there by then), and so is the oldest beyond `max_pending`; the first entry left is
+planned into the step's `input_ids` on the device (`FeedbackQueue.plan`). Without PP
+`max_pending` is 1: all but the newest entry are written back. On stage 0 of a pipeline the
+entries are the last stage's ids, still on their way: `max_pending` is the PP degree, so a step
+never waits for ids it does not read (its rows decode every `pp` steps, reading the entry `pp`
+steps old; the newer ones stay pending). An id only goes where its request still lives *in the
+same epoch*, so a request that was preempted and re-admitted never reads a stale id.
 """
 
 from __future__ import annotations
@@ -43,14 +47,26 @@ class Feedback:
             return self.host.wait()[0].tolist()
         return self.device_ids().tolist()
 
+    def feeds(self, spans: dict[str, tuple[int, int, int]]) -> bool:
+        """Whether a step whose queries cover `spans` reads one of these ids."""
+        for req_id, j in self.index.items():
+            span = spans.get(req_id)
+            if span is not None:
+                _, epoch, pos = self.entries[j]
+                if epoch == span[0] and span[1] <= pos < span[2]:
+                    return True
+        return False
+
 
 class FeedbackQueue:
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int = 1) -> None:
         self.items: deque[Feedback] = deque()
+        self.max_pending = max_pending
 
     @property
-    def latest(self) -> Feedback | None:
-        return self.items[-1] if self.items else None
+    def source(self) -> Feedback | None:
+        """The entry a step reads on the device (after `settle`)."""
+        return self.items[0] if self.items else None
 
     def push(self, step_id: int, batch: InputBatch, rows: list[int], req_ids: list[str],
              token_ids: torch.Tensor | None, wait_fn=None) -> Feedback:
@@ -64,22 +80,37 @@ class FeedbackQueue:
 
     def flush(self, batch: InputBatch, keep_latest: bool) -> None:
         """Write ids back into the host rows (all, or all but the newest)."""
-        while len(self.items) > (1 if keep_latest else 0):
+        self._write_back(batch, len(self.items) - (1 if keep_latest else 0))
+
+    def settle(self, batch: InputBatch, spans: dict[str, tuple[int, int, int]] | None) -> None:
+        """Before a step: write back every entry older than the newest one holding an id the
+        step reads (`spans`: req_id -> (epoch, first, end) positions of its query), and the
+        oldest ones beyond `max_pending`. `spans` may be None when `max_pending` is 1."""
+        keep = len(self.items) - self.max_pending
+        if self.max_pending > 1:
+            for k in range(len(self.items) - 1, max(keep, -1), -1):
+                if self.items[k].feeds(spans):
+                    keep = k
+                    break
+        self._write_back(batch, keep)
+
+    def _write_back(self, batch: InputBatch, count: int) -> None:
+        for _ in range(max(0, count)):
             fb = self.items.popleft()
             for (req_id, epoch, pos), token in zip(fb.entries, fb.host_ids()):
                 batch.write_token(req_id, epoch, pos, token)
 
     def plan(self, batch: InputBatch, host: HostInputs, req_ids: list[str], rows: np.ndarray,
              poison: bool = False) -> FeedbackPlan:
-        """Where the newest ids go; asserts that they cover every token the host lacks.
+        """Where the source entry's ids go; asserts that they cover every token the host lacks.
         `poison` (tests) writes garbage where the device ids will land."""
-        latest, plan = self.latest, FeedbackPlan()
+        source, plan = self.source, FeedbackPlan()
         computed, qsl = host.num_computed, host.query_start_loc
-        for i, req_id in enumerate(req_ids if latest is not None else ()):
-            j = latest.index.get(req_id)
+        for i, req_id in enumerate(req_ids if source is not None else ()):
+            j = source.index.get(req_id)
             if j is None:
                 continue
-            _, epoch, pos = latest.entries[j]
+            _, epoch, pos = source.entries[j]
             offset = int(pos - computed[i])
             if epoch == batch.rows[rows[i]].epoch and 0 <= offset < qsl[i + 1] - qsl[i]:
                 plan.add(i, j, offset, int(qsl[i] + offset))

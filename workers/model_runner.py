@@ -46,6 +46,7 @@ class RunnerConfig:
     attention_backend: str = "torch"
     pp_rank: int = 0
     pp_size: int = 1
+    layer_partition: tuple[int, ...] = ()   # decoder layers per stage; () = even split
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -90,14 +91,17 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.shim = DeviceShim(self.device)
         self.dtype = _DTYPES[config.dtype]
-        self.stage = StageInfo.split(hf_config.num_hidden_layers, config.pp_size, config.pp_rank)
+        self.stage = (StageInfo.from_counts(config.layer_partition, config.pp_rank)
+                      if config.layer_partition else
+                      StageInfo.split(hf_config.num_hidden_layers, config.pp_size, config.pp_rank))
         self.pp = pp_comm
         max_blocks = -(-config.max_model_len // config.block_size)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks)
         self.backend = get_attention_backend(config.attention_backend, config.block_size)
         self.step_sampler = StepSampler(self.batch, hf_config.vocab_size)
         self.step_sampler.flush_feedback = lambda: self.feedback.flush(self.batch, False)
-        self.feedback = FeedbackQueue()
+        # stage 0 of a pipeline: the last stage's ids of the pp newest steps may be pending
+        self.feedback = FeedbackQueue(config.pp_size if self.stage.is_first else 1)
         self._deferred = None   # a step whose sampling waits for its grammar bitmask
         self.model = None
         self.kv_caches: list[torch.Tensor | None] = []
@@ -171,8 +175,9 @@ class ModelRunner:
         if so.is_empty:
             return self._empty_output(so, timing)
         inputs = self._prepare_inputs(so)
-        timing.forward_start = time.perf_counter()
         first = inputs.input_ids if self.stage.is_first else self.pp.recv_hidden(so, inputs)
+        timing.forward_start = time.perf_counter()   # (a later stage's wait for its input is
+        # not its forward: the report compares the bottleneck stage's work with the interval)
         hidden = self._forward(first, inputs.meta)
         if not self.stage.is_last:
             self.pp.send_hidden(so, hidden)
@@ -245,9 +250,10 @@ class ModelRunner:
             batch.condense()
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        self.feedback.flush(self.batch, keep_latest=True)
         batch = self.batch
         rows = np.array(sorted(batch.row_of[r] for r in so.num_scheduled_tokens), dtype=np.int64)
+        self.feedback.settle(batch, self._query_spans(so, rows)
+                             if self.feedback.max_pending > 1 else None)
         req_ids = [batch.rows[r].req_id for r in rows]
         for req_id, drafts in so.spec_token_ids.items():   # drafts are host-known inputs
             row = batch.row_of[req_id]
@@ -257,7 +263,7 @@ class ModelRunner:
         layout, logits_rows = self._sample_layout(so, rows, req_ids, host)
         plan = (self.feedback.plan(batch, host, req_ids, rows, self.poison_feedback_slots)
                 if self.stage.is_first else FeedbackPlan())
-        prev = self.feedback.latest.device_ids() if plan.rows else None
+        prev = self.feedback.source.device_ids() if plan.rows else None
         dev = self.input_prep.build(host, plan, prev)
         batch.num_computed[rows] = host.seq_lens
         for i, req_id in enumerate(layout.req_ids):
@@ -267,6 +273,16 @@ class ModelRunner:
         logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
         return StepInputs(dev.input_ids if self.stage.is_first else None, meta, logits_idx,
                           layout)
+
+    def _query_spans(self, so, rows: np.ndarray) -> dict[str, tuple[int, int, int]]:
+        """req_id -> (epoch, first, end) positions this step computes for it."""
+        batch, spans = self.batch, {}
+        for row in rows.tolist():
+            state = batch.rows[row]
+            first = int(batch.num_computed[row])
+            spans[state.req_id] = (state.epoch, first,
+                                   first + so.num_scheduled_tokens[state.req_id])
+        return spans
 
     def _sample_layout(self, so, rows, req_ids, host: HostInputs):
         """Which requests sample and which logits rows they need: the last query token, or

@@ -1,8 +1,11 @@
 """Pipeline-parallel communication over torch.distributed.
 
-Three process groups, so that traffic of different kinds never interleaves:
+Four process groups, so that traffic of different kinds never interleaves:
 
-* control (gloo): rank 0 broadcasts each request it receives from the engine core;
+* chain (gloo): each request rank 0 receives from the engine core travels down the pipeline,
+  rank to rank, sent without waiting: a stage never waits for a later stage to take a request
+  (a gloo broadcast would hold rank 0 until every rank joined it, so the stages took turns);
+* control (gloo): start-up collectives (the smallest KV cache over ranks);
 * reply (gloo): the last stage sends each step's result back to rank 0, which forwards it
   to the engine core (so only rank 0 talks to the engine, even across hosts);
 * data (gloo on CPU, nccl on CUDA): hidden states stage to stage, and the sampled ids from
@@ -12,6 +15,7 @@ Three process groups, so that traffic of different kinds never interleaves:
 from __future__ import annotations
 
 import datetime
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -27,21 +31,32 @@ class PPComm:
         timeout = datetime.timedelta(seconds=ENV.dist_timeout)
         dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size, timeout=timeout)
+        self.chain = dist.new_group(backend="gloo")
         self.ctrl = dist.new_group(backend="gloo")
         self.reply = dist.new_group(backend="gloo")
         self.data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
         self.last = world_size - 1
-        self._inflight: list[tuple[object, torch.Tensor]] = []
+        # sends not yet waited for (gloo completes a send only in `wait`), with their tensors;
+        # the engine keeps at most pp + 1 steps in flight, so the oldest beyond this many was
+        # taken long ago and waiting for it costs nothing
+        self._inflight: deque[tuple[object, torch.Tensor]] = deque()
+        self._max_inflight = 4 * (world_size + 2)
 
     # -- control plane -----------------------------------------------------------------------------
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0 passes the payload, the others get it."""
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.ctrl)
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
-               else torch.empty(int(size.item()), dtype=torch.uint8))
-        dist.broadcast(buf, src=0, group=self.ctrl)
-        return data if self.rank == 0 else buf.numpy().tobytes()
+    def pass_request(self, data: bytes | None) -> bytes:
+        """Rank 0 passes the engine core's request; each other rank receives it from the
+        previous rank. Every rank but the last sends it on to the next without waiting."""
+        if self.rank > 0:
+            size = torch.empty(1, dtype=torch.int64)
+            dist.recv(size, src=self.rank - 1, group=self.chain)
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(buf, src=self.rank - 1, group=self.chain)
+            data = buf.numpy().tobytes()
+        if self.rank < self.last:
+            self._isend(torch.tensor([len(data)], dtype=torch.int64), self.rank + 1, self.chain)
+            self._isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.rank + 1,
+                        self.chain)
+        return data
 
     def min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
@@ -67,20 +82,21 @@ class PPComm:
         return buf
 
     def send_hidden(self, so, hidden: torch.Tensor) -> None:
-        self._isend(hidden.contiguous(), self.rank + 1)
+        self._isend(hidden.contiguous(), self.rank + 1, self.data)
 
     def send_sampled(self, so, token_ids: torch.Tensor) -> None:
-        self._isend(token_ids.contiguous(), 0)
+        self._isend(token_ids.contiguous(), 0, self.data)
 
     def recv_sampled(self, so, num: int):
         buf = torch.empty(num, dtype=torch.int64, device=self.device)
         work = dist.irecv(buf, src=self.last, group=self.data)
         return buf, work.wait
 
-    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
+    def _isend(self, tensor: torch.Tensor, dst: int, group) -> None:
         # keep the tensor alive until the send completed
-        self._inflight = [(w, t) for w, t in self._inflight if not w.is_completed()]
-        self._inflight.append((dist.isend(tensor, dst=dst, group=self.data), tensor))
+        self._inflight.append((dist.isend(tensor, dst=dst, group=group), tensor))
+        while len(self._inflight) > self._max_inflight:
+            self._inflight.popleft()[0].wait()
 
     def close(self) -> None:
         for work, _ in self._inflight:

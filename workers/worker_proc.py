@@ -1,9 +1,9 @@
 """The worker process: one pipeline stage, driven by requests from the engine core.
 
-Only rank 0 talks to the engine core (two pipes); it re-broadcasts every request to the other
-ranks over torch.distributed, so stages may live on other hosts. Each step's result comes from
-the last stage: a reply thread waits for the host copy of the sampled ids and sends it, so the
-main loop takes the next request at once. A rank that fails reports its error (rank 0 and the
+Only rank 0 talks to the engine core (two pipes); every request travels on from rank to rank
+over torch.distributed (`PPComm.pass_request`), so stages may live on other hosts. Each step's
+result comes from the last stage: a reply thread waits for the host copy of the sampled ids
+and sends it, so the main loop takes the next request at once. A rank that fails reports its error (rank 0 and the
 last rank carry the message to the engine) and exits non-zero.
 """
 
@@ -118,10 +118,8 @@ class _RankLoop:
                 return 1
 
     def _next_request(self) -> bytes:
-        if self.rank == 0:
-            data = self.req_conn.recv_bytes()
-            return self.pp.broadcast_bytes(data) if self.pp else data
-        return self.pp.broadcast_bytes(None)
+        data = self.req_conn.recv_bytes() if self.rank == 0 else None
+        return self.pp.pass_request(data) if self.pp else data
 
     def _handle(self, msg) -> None:
         kind = msg[0]

@@ -31,6 +31,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
     async_scheduling: bool = False   # let a request sit in consecutive in-flight steps
+    pipeline_parallel_size: int = 1  # PP: a decoding request joins at most every pp-th step
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _StepPlan:
     epochs: dict[str, int] = field(default_factory=dict)
     preempted_any: bool = False
     num_prompt_tokens: int = 0
+    num_decodes: int = 0
 
 
 class Scheduler:
@@ -113,7 +115,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            num_new = self._num_new_tokens(req, plan.budget)
+            decode = req.num_uncomputed == 1
+            num_new = 0 if self._pp_defers(req, decode, plan) else \
+                self._num_new_tokens(req, plan.budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -124,7 +128,20 @@ class Scheduler:
                 continue  # req itself was preempted; the list shifted under i
             plan.cached_reqs.append((req, block_ids, num_computed))
             self._schedule_req(req, num_new, plan, drafts)
+            plan.num_decodes += decode
             i += 1
+
+    def _pp_defers(self, req: Request, decode: bool, plan: _StepPlan) -> bool:
+        """Pipeline parallel: disjoint groups of decoding requests keep every stage busy.
+        A request whose input is a token still in flight waits until the step sampling it is
+        `pp` steps old, when stage 0 has that token (vLLM V2's decode cadence); and a step
+        takes at most 1/pp of the running requests as decodes, so the groups stay even."""
+        pp = self.config.pipeline_parallel_size
+        if pp == 1 or not decode:
+            return False
+        if req.num_output_placeholders and plan.step_id - req.inflight_step_ids[-1] < pp:
+            return True
+        return plan.num_decodes >= -(-len(self.running) // pp)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, plan: _StepPlan):
         while True:

@@ -61,6 +61,7 @@ def runner_config(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
         max_num_seqs=s.max_num_seqs, block_size=c.block_size, device=d.device,
         attention_backend=d.attention_backend, pp_rank=pp_rank,
         pp_size=config.parallel.pipeline_parallel_size,
+        layer_partition=config.parallel.layer_partition,
         kv_cache_memory_bytes=c.kv_cache_memory_bytes,
         gpu_memory_utilization=c.gpu_memory_utilization,
         num_gpu_blocks_override=c.num_gpu_blocks_override, enforce_eager=d.enforce_eager)

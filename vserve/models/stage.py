@@ -27,6 +27,12 @@ class StageInfo:
         return StageInfo(start, end, rank == 0, rank == num_stages - 1)
 
     @staticmethod
+    def from_counts(counts: tuple[int, ...] | list[int], rank: int) -> StageInfo:
+        """Stage `rank` of a split given as layers per stage (`vserve.models.partition`)."""
+        start = sum(counts[:rank])
+        return StageInfo(start, start + counts[rank], rank == 0, rank == len(counts) - 1)
+
+    @staticmethod
     def whole(num_layers: int) -> StageInfo:
         return StageInfo(0, num_layers, True, True)
 

@@ -1,0 +1,128 @@
+"""Pipeline-parallel communication: requests travel down the pipeline without holding a stage
+behind a later one, and stage 0 reads the last stage's ids only when it needs them."""
+
+import multiprocessing as mp
+import traceback
+
+import pytest
+import torch
+
+from vserve.executor.multiproc import free_port
+
+WORLD = 3
+AHEAD = 5     # requests rank 0 passes on before the later ranks take any (an engine keeps
+              # at most pp + 1 steps in flight)
+MORE = 40     # then many more: the sends rank 0 keeps track of stay bounded
+
+
+def _rank(rank: int, port: int, sent, results) -> None:
+    try:
+        from workers.pp_comm import PPComm
+
+        comm = PPComm(rank, WORLD, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
+        if rank == 0:
+            for i in range(AHEAD):
+                comm.pass_request(f"request {i}".encode() * (i + 1))
+            sent.set()   # before any later rank took a single request
+            for i in range(AHEAD, AHEAD + MORE):
+                comm.pass_request(f"request {i}".encode() * (i + 1))
+            got = []
+        else:
+            # a later stage busy with an older step: it takes nothing until rank 0 is done
+            if not sent.wait(timeout=60):
+                raise AssertionError("rank 0 was held until later ranks took its requests")
+            got = [comm.pass_request(None).decode() for _ in range(AHEAD + MORE)]
+        assert len(comm._inflight) <= comm._max_inflight
+        comm.close()
+        results.put((rank, got))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def test_requests_pass_down_the_pipeline_without_waiting():
+    ctx = mp.get_context("spawn")
+    sent, results = ctx.Event(), ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, sent, results), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=180) for _ in range(WORLD))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    expected = [(f"request {i}" * (i + 1)) for i in range(AHEAD + MORE)]
+    for rank in range(1, WORLD):
+        assert got[rank] == expected, got[rank]
+    assert got[0] == []
+
+
+class _Batch:
+    """The part of InputBatch that write-back touches."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[str, int, int, int]] = []
+
+    def write_token(self, req_id, epoch, pos, token) -> None:
+        self.written.append((req_id, epoch, pos, token))
+
+
+def _stage0_queue(pp: int):
+    """Stage 0 of a pp-stage pipeline after steps 1..pp, one group of requests each; every
+    entry records when its ids were waited for."""
+    from workers.feedback import Feedback, FeedbackQueue
+
+    queue, waited = FeedbackQueue(max_pending=pp), []
+    for step in range(1, pp + 1):
+        req_id = f"group{step}"
+        queue.items.append(Feedback(step, torch.tensor([100 + step]), [(req_id, 1, 5)],
+                                    {req_id: 0}, wait_fn=lambda s=step: waited.append(s)))
+    return queue, waited
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_stage0_waits_only_for_the_ids_a_step_reads(pp):
+    queue, waited = _stage0_queue(pp)
+    batch = _Batch()
+    # step pp+1 carries group 1 again: it reads step 1's id (position 5), nothing newer
+    queue.settle(batch, {"group1": (1, 5, 6)})
+    assert waited == [] and queue.source.step_id == 1
+    assert queue.source.device_ids().tolist() == [101] and waited == [1]
+    assert len(queue.items) == pp   # the newer steps' ids stay pending
+    # step pp+2 carries group 2: step 1's ids go to the host, steps 3.. stay pending
+    queue.settle(batch, {"group2": (1, 5, 6)})
+    assert batch.written == [("group1", 1, 5, 101)]
+    assert queue.source.step_id == 2 and waited == [1]
+
+
+def test_stage0_writes_back_beyond_max_pending_and_wrong_epochs_do_not_count():
+    from workers.feedback import FeedbackQueue
+
+    FeedbackQueue(max_pending=3).settle(_Batch(), {"a": (1, 0, 4)})   # nothing pending yet
+    queue, waited = _stage0_queue(3)
+    batch = _Batch()
+    queue.items.popleft()
+    queue.settle(batch, {"group2": (1, 5, 6)})   # fewer entries than max_pending
+    assert [fb.step_id for fb in queue.items] == [2, 3] and batch.written == []
+    queue, waited = _stage0_queue(3)
+    queue.settle(batch, {"group3": (2, 5, 6)})   # another epoch of group3: reads nothing
+    assert waited == [] and len(queue.items) == 3
+    from workers.feedback import Feedback
+
+    queue.items.append(Feedback(4, torch.tensor([104]), [("group4", 1, 5)], {"group4": 0},
+                                wait_fn=lambda: waited.append(4)))
+    queue.settle(batch, {})
+    assert waited == [1] and [fb.step_id for fb in queue.items] == [2, 3, 4]
+
+
+def test_without_pp_all_but_the_newest_are_written_back():
+    from workers.feedback import Feedback, FeedbackQueue
+
+    queue, batch = FeedbackQueue(), _Batch()
+    for step in (1, 2, 3):
+        queue.items.append(Feedback(step, torch.tensor([step]), [("a", 1, step)], {"a": 0}))
+    queue.settle(batch, None)
+    assert [fb.step_id for fb in queue.items] == [3] and len(batch.written) == 2
