@@ -118,6 +118,8 @@ class ModelRunner:
                         for i in range(self.stage.start_layer, self.stage.end_layer)}
         if hasattr(self.backend, "kernel"):   # bf16 CPU: fused decode attention
             self.backend.kernel = getattr(self.model, "kernel", None)
+        if self.stage.is_last:   # build the sampling kernel now, not on the first sampled step
+            self.step_sampler.sampler.kernel_for(self.device, self.dtype)
 
     def kv_bytes_per_block(self) -> int:
         per_layer = 0

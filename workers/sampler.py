@@ -81,8 +81,12 @@ class Sampler:
 
     def kernel(self, logits: torch.Tensor):
         """The fused sampling kernel for these logits, or None (torch path)."""
-        if not self.use_kernel or logits.device.type != "cpu" or \
-                logits.dtype not in (torch.bfloat16, torch.float32):
+        return self.kernel_for(logits.device, logits.dtype)
+
+    def kernel_for(self, device: torch.device, dtype: torch.dtype):
+        """The kernel for logits on `device` in `dtype` (built on the first call), or None."""
+        if not self.use_kernel or device.type != "cpu" or \
+                dtype not in (torch.bfloat16, torch.float32):
             return None
         return cpu_ops.load_sampler()
 

@@ -2,9 +2,10 @@
 
 Only rank 0 talks to the engine core (two pipes); every request travels on from rank to rank
 over torch.distributed (`PPComm.pass_request`), so stages may live on other hosts. Each step's
-result comes from the last stage: a reply thread waits for the host copy of the sampled ids
-and sends it, so the main loop takes the next request at once. A rank that fails reports its error (rank 0 and the
-last rank carry the message to the engine) and exits non-zero.
+result comes from the last stage: with PP or CUDA a reply thread waits for the host copy of
+the sampled ids and sends it, so the main loop takes the next request at once (a single CPU
+stage replies inline). A rank that fails reports its error (rank 0 and the last rank carry
+the message to the engine) and exits non-zero.
 """
 
 from __future__ import annotations

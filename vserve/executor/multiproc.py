@@ -1,7 +1,7 @@
 """Workers in their own processes (spawned), one per pipeline stage of this host.
 
-The engine core sends each `SchedulerOutput` to rank 0 (which re-broadcasts it to the other
-ranks) and receives one reply per step, in order. `execute_model(..., non_block=True)` returns
+The engine core sends each `SchedulerOutput` to rank 0 (which passes it on to the
+other ranks) and receives one reply per step, in order. `execute_model(..., non_block=True)` returns
 a future; resolving it reads replies FIFO while watching every local worker process, so a
 worker that dies or raises surfaces as an error within moments, never as a hang. A step that
 has run `watchdog_timeout` seconds without a reply (counted from when it was sent, or from the
