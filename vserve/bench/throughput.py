@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-max-batch-size", type=int, default=32)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--min-tokens", type=int, default=0,
                    help="min_tokens of every request (below it a request gets no drafts)")
     p.add_argument("--output-json", default=None)
@@ -61,7 +63,8 @@ def _run_vserve(args, engine_args, calibration=None) -> tuple[dict, list, list]:
     try:
         samples = load_samples(args, llm.get_tokenizer(), llm.config.model.vocab_size)
         _check_lengths(samples, llm.config.model.max_model_len)
-        params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0,
+        params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                 top_k=args.top_k,
                                  ignore_eos=True, max_tokens=s.output_len,
                                  min_tokens=min(args.min_tokens, s.output_len))
                   for s in samples]
