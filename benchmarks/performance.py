@@ -67,8 +67,8 @@ def main() -> None:
                      f"{_f(ov.get('mean_launch_interval_ms'))} | "
                      f"{_f(ov.get('stretched_forward_over_interval'), 3)} |")
     table = "\n".join(lines)
-    print(f"\n{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, greedy unless "
-          f"the row says otherwise, EOS ignored\n\n{table}")
+    print(f"\n{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+          f"greedy unless the row says otherwise, EOS ignored\n\n{table}")
     out_dir = Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)
     (out_dir / "performance.json").write_text(json.dumps(
