@@ -176,14 +176,18 @@ def test_compare_sync_keeps_an_explicit_executor(model):
     assert dataclasses.replace(sync, async_scheduling=True) == async_
 
 
-@pytest.mark.parametrize("min_tokens", [0, OUT_LEN])
+SPEC_OUT_LEN = 48   # a draft needs an n-gram match before the last id too: long enough to repeat
+
+
+@pytest.mark.parametrize("min_tokens", [0, SPEC_OUT_LEN])
 def test_min_tokens_keeps_requests_from_drafting(model, tmp_path, min_tokens):
     """The spec row of the overlap matrix: with min_tokens = the output length no request can
     draft, on prompts (a repeated run of tokens) where n-gram drafts are proposed otherwise."""
     out_json = tmp_path / "spec.json"
-    _bench("throughput", *_common(model), "--dataset-name", "repetitive", "--temperature", "0",
+    common = [*_common(model)[:-1], str(SPEC_OUT_LEN)]
+    _bench("throughput", *common, "--dataset-name", "repetitive", "--temperature", "0",
            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
            "--min-tokens", str(min_tokens), "--output-json", str(out_json))
     r = json.loads(out_json.read_text())
-    assert r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
+    assert r["total_num_output_tokens"] == NUM_PROMPTS * SPEC_OUT_LEN
     assert (r.get("spec_num_drafts", 0) > 0) == (min_tokens == 0)
