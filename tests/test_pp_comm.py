@@ -2,6 +2,7 @@
 behind a later one, and stage 0 reads the last stage's ids only when it needs them."""
 
 import multiprocessing as mp
+import os
 import traceback
 
 import pytest
@@ -126,3 +127,35 @@ def test_without_pp_all_but_the_newest_are_written_back():
         queue.items.append(Feedback(step, torch.tensor([step]), [("a", 1, step)], {"a": 0}))
     queue.settle(batch, None)
     assert [fb.step_id for fb in queue.items] == [3] and len(batch.written) == 2
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) of the sockets listening on port."""
+    found = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            fields = row.split()
+            addr, hex_port = fields[1].split(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port:   # 0A: LISTEN
+                found.append(addr)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net/tcp")
+def test_rendezvous_store_listens_on_master_addr_only():
+    """c10d's TCPStore alone listens on every interface (:: or 0.0.0.0) whatever host it is
+    given; the store of a pipeline must listen on --master-addr only (here loopback)."""
+    from workers.pp_comm import PPComm
+
+    port = free_port()
+    comm = PPComm(0, 1, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
+    try:
+        assert _listening(port) == ["0100007F"]   # 127.0.0.1, little-endian hex
+    finally:
+        comm.close()
+    assert _listening(port) == []

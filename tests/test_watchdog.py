@@ -148,12 +148,12 @@ def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
     timeout after it was sent, which is no hang. A step with no reply at all is one. The
     executor's clock is the test's, so nothing here depends on the machine's speed."""
     import multiprocessing as mp
-    import pickle
     from types import SimpleNamespace
 
     from vserve.core.sched_output import RunnerOutput
     from vserve.executor import multiproc
     from vserve.executor.multiproc import MultiprocExecutor, WorkerError
+    from workers import messages as wire
 
     clock = [0.0]
     monkeypatch.setattr(multiproc, "time", SimpleNamespace(monotonic=lambda: clock[0]))
@@ -164,7 +164,7 @@ def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
 
     def reply(step_id, delay=0.0):
         time.sleep(delay)
-        resp_w.send_bytes(pickle.dumps(("out", RunnerOutput(step_id))))
+        resp_w.send_bytes(wire.encode(wire.Out(RunnerOutput(step_id))))
 
     reply(1)
     clock[0] = 12.0   # step 1 ran 0.6 x the timeout

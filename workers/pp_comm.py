@@ -15,6 +15,7 @@ Four process groups, so that traffic of different kinds never interleaves:
 from __future__ import annotations
 
 import datetime
+import socket
 from collections import deque
 
 import torch
@@ -29,8 +30,9 @@ class PPComm:
         self.rank, self.world_size = rank, world_size
         self.device, self.hidden_size, self.dtype = device, hidden_size, dtype
         timeout = datetime.timedelta(seconds=ENV.dist_timeout)
-        dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size, timeout=timeout)
+        self._listener, store = _make_store(rank, world_size, master_addr, master_port, timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
         self.chain = dist.new_group(backend="gloo")
         self.ctrl = dist.new_group(backend="gloo")
         self.reply = dist.new_group(backend="gloo")
@@ -106,3 +108,19 @@ class PPComm:
                 pass
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def _make_store(rank: int, world_size: int, addr: str, port: int, timeout):
+    """The rendezvous store, its server (rank 0) listening on `addr` only. c10d's TCPStore
+    listens on every interface whatever host it is given, so rank 0 binds the socket itself
+    and hands it over; the socket must stay open while the store lives."""
+    if rank != 0:
+        return None, dist.TCPStore(addr, port, world_size, False, timeout)
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.create_server((addr, port), family=family)
+    store = dist.TCPStore(addr, port, world_size, True, timeout,
+                          master_listen_fd=listener.fileno())
+    return listener, store

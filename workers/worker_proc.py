@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import queue
 import signal
 import sys
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from vserve.cpu_affinity import available_cpus, pin_process
 from vserve.envs import ENV
 from vserve.lifeline import exit_with_parent
+from workers import messages as wire
 
 logger = logging.getLogger("vserve.worker")
 
@@ -59,7 +59,7 @@ def _report_startup_failure(resp_conn, rank: int) -> None:
     logger.error(message)
     if resp_conn is not None:
         try:
-            resp_conn.send_bytes(pickle.dumps(("error", message)))
+            resp_conn.send_bytes(wire.encode(wire.Error(message)))
         except OSError:
             pass
 
@@ -104,11 +104,11 @@ class _RankLoop:
                 data = self._next_request()
             except (EOFError, OSError, RuntimeError):
                 return 0 if self.rank else 1   # engine core or rank 0 went away
-            msg = pickle.loads(data)
-            if msg[0] == "shutdown":
-                self._close()
-                return 0
             try:
+                msg = wire.decode_request(data)   # typed: another host may have sent it
+                if isinstance(msg, wire.Shutdown):
+                    self._close()
+                    return 0
                 self._handle(msg)
             except BaseException:
                 message = f"worker rank {self.rank}: {traceback.format_exc()}"
@@ -122,27 +122,26 @@ class _RankLoop:
         data = self.req_conn.recv_bytes() if self.rank == 0 else None
         return self.pp.pass_request(data) if self.pp else data
 
-    def _handle(self, msg) -> None:
-        kind = msg[0]
-        if kind == "execute":
-            out = self.worker.execute_model(msg[1], msg[2])
-            if not msg[2]:   # a deferred step replies after its "sample" request
+    def _handle(self, msg: wire.WorkerRequest) -> None:
+        if isinstance(msg, wire.Execute):
+            out = self.worker.execute_model(msg.so, msg.defer_sampling)
+            if not msg.defer_sampling:   # a deferred step replies after its Sample request
                 self._expect_reply(out)
-        elif kind == "sample":
-            self._expect_reply(self.worker.sample_tokens(msg[1], msg[2]))
-        elif kind == "place":
-            self._place(msg[1])
-        elif kind == "load":
+        elif isinstance(msg, wire.Sample):
+            self._expect_reply(self.worker.sample_tokens(msg.step_id, msg.grammar_bitmask))
+        elif isinstance(msg, wire.Place):
+            self._place(msg.per_rank)
+        elif isinstance(msg, wire.Load):
             self.worker.load_model()
             self._direct_reply(None)
-        elif kind == "num_kv_blocks":
+        elif isinstance(msg, wire.NumKvBlocks):
             value = self.worker.num_kv_blocks()
             self._direct_reply(self.pp.min_over_ranks(value) if self.pp else value)
-        elif kind == "init_kv_cache":
-            self.worker.init_kv_cache(msg[1])
+        elif isinstance(msg, wire.InitKvCache):
+            self.worker.init_kv_cache(msg.num_blocks)
             self._direct_reply(None)
         else:
-            raise ValueError(f"unknown worker request {kind!r}")
+            raise ValueError(f"unknown worker request {type(msg).__name__}")
 
     def _place(self, per_rank: dict[int, tuple[int, tuple[int, ...]]]) -> None:
         """Threads and CPUs chosen by the engine's placement controller; () = any CPU."""
@@ -156,7 +155,7 @@ class _RankLoop:
 
     def _expect_reply(self, out) -> None:
         if self.inline_replies:
-            self._send(pickle.dumps(("out", out.get()), protocol=pickle.HIGHEST_PROTOCOL))
+            self._send(wire.encode(wire.Out(out.get())))
         elif self.is_last:
             self.replies.put(("local", out))
         elif self.rank == 0:
@@ -164,7 +163,7 @@ class _RankLoop:
 
     def _direct_reply(self, value) -> None:
         if self.rank == 0:
-            self._send(pickle.dumps(("ok", value)))
+            self._send(wire.encode(wire.Ok(value)))
 
     # -- replies ---------------------------------------------------------------------------------
     def _reply_loop(self) -> None:
@@ -175,11 +174,11 @@ class _RankLoop:
             kind, payload = item
             try:
                 if kind == "local":
-                    data = pickle.dumps(("out", payload.get()))
+                    data = wire.encode(wire.Out(payload.get()))
                 elif kind == "remote":
                     data = self.pp.recv_reply()
                 else:
-                    data = pickle.dumps(("error", payload))
+                    data = wire.encode(wire.Error(payload))
                 if self.rank == 0:
                     self._send(data)
                 else:
@@ -188,7 +187,7 @@ class _RankLoop:
                 logger.error("worker rank %d reply failed:\n%s", self.rank,
                              traceback.format_exc())
                 if self.rank == 0:
-                    self._send(pickle.dumps(("error", traceback.format_exc())))
+                    self._send(wire.encode(wire.Error(traceback.format_exc())))
                 os._exit(1)
 
     def _send(self, data: bytes) -> None:

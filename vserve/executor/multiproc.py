@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import socket
 import threading
 import time
@@ -25,6 +24,7 @@ from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.executor.base import Executor, StepFuture, runner_config
 from vserve.executor.placement_control import PlacementController, overrides_from_env
+from workers import messages as wire
 from workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.executor")
@@ -72,7 +72,7 @@ class MultiprocExecutor(Executor):
         self.resp_r, resp_w = ctx.Pipe(duplex=False)
         ranks = local_ranks(par.pipeline_parallel_size, par.nnodes, 0)
         self.placement = PlacementController(
-            len(ranks), overrides_from_env(), lambda p: self._send(("place", _per_rank(p, ranks))),
+            len(ranks), overrides_from_env(), lambda p: self._send(wire.Place(_per_rank(p, ranks))),
             measure_self=config.async_scheduling)
         initial = self.placement.placement
         self.procs = []
@@ -91,25 +91,25 @@ class MultiprocExecutor(Executor):
         self.placement.worker_pids = [p.pid for p in self.procs]
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="vserve-watch")
         self._monitor.start()
-        self._call(("load",))
+        self._call(wire.Load())
         self.placement.start()
 
     # -- Executor ----------------------------------------------------------------------------------
     def num_kv_blocks(self) -> int:
-        return self._call(("num_kv_blocks",))
+        return self._call(wire.NumKvBlocks())
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._call(("init_kv_cache", num_blocks))
+        self._call(wire.InitKvCache(num_blocks))
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False,
                       defer_sampling: bool = False):
-        self._send(("execute", so, defer_sampling))
+        self._send(wire.Execute(so, defer_sampling))
         self._sent_at[so.step_id] = time.monotonic()
         return None if defer_sampling else self._future(so.step_id, non_block)
 
     def sample_tokens(self, so: SchedulerOutput, non_block: bool = False):
         """Sampling of a deferred step, with the grammar bitmask known only now."""
-        self._send(("sample", so.step_id, so.grammar_bitmask))
+        self._send(wire.Sample(so.step_id, so.grammar_bitmask))
         self._sent_at[so.step_id] = time.monotonic()
         return self._future(so.step_id, non_block)
 
@@ -133,7 +133,7 @@ class MultiprocExecutor(Executor):
         self._closing = True
         self.placement.release()
         try:
-            self._send(("shutdown",))
+            self._send(wire.Shutdown())
         except (OSError, ValueError):
             pass
         for proc in self.procs:
@@ -158,22 +158,27 @@ class MultiprocExecutor(Executor):
             proc.join(timeout=5)
 
     # -- internals ---------------------------------------------------------------------------------
-    def _send(self, msg) -> None:
-        self.req_w.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    def _send(self, msg: wire.WorkerRequest) -> None:
+        self.req_w.send_bytes(wire.encode(msg))
 
-    def _call(self, msg, timeout: float | None = None):
+    def _call(self, msg: wire.WorkerRequest, timeout: float | None = None):
         self._send(msg)
-        kind, value = self._recv(timeout)
-        assert kind == "ok", kind
-        return value
+        reply = self._recv(timeout)
+        if not isinstance(reply, wire.Ok):
+            raise WorkerError(f"the workers answered {type(reply).__name__} to "
+                              f"{type(msg).__name__}")
+        return reply.value
 
     def _reply_for(self, step_id: int, timeout: float | None) -> RunnerOutput:
         while step_id not in self.replies:
             try:
-                kind, value = self._recv(self._wait_limit(step_id, timeout))
+                reply = self._recv(self._wait_limit(step_id, timeout))
             except TimeoutError:
                 self._check_deadline(step_id)
                 raise
+            if not isinstance(reply, wire.Out):
+                raise WorkerError(f"the workers answered {type(reply).__name__} to a step")
+            value = reply.output
             self.replies[value.step_id] = value
             self._last_reply_at = time.monotonic()
             if value.timing is not None:
@@ -207,18 +212,22 @@ class MultiprocExecutor(Executor):
                               f"{waited:.1f} s (watchdog_timeout={self.watchdog_timeout:g} s); "
                               "the workers were killed")
 
-    def _recv(self, timeout: float | None):
+    def _recv(self, timeout: float | None) -> wire.WorkerReply:
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs)}
         ready = wait([self.resp_r, *sentinels], timeout)
         if self.resp_r in ready:
             try:
-                kind, value = pickle.loads(self.resp_r.recv_bytes())
+                data = self.resp_r.recv_bytes()
             except (EOFError, OSError):
                 self.check_health()
                 raise WorkerError("the workers closed their reply channel") from None
-            if kind == "error":
-                raise WorkerError(value)
-            return kind, value
+            try:
+                reply = wire.decode_reply(data)   # typed: the last rank may be on another host
+            except wire.MessageError as e:
+                raise WorkerError(str(e)) from None
+            if isinstance(reply, wire.Error):
+                raise WorkerError(reply.message)
+            return reply
         if not ready:
             raise TimeoutError("no reply from the workers")
         rank, proc = sentinels[ready[0]]
