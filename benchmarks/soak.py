@@ -141,6 +141,19 @@ def histogram_p99(before: dict, after: dict, name: str) -> tuple[float | None, i
     return lower, int(total)
 
 
+async def sse_lines(response: httpx.Response):
+    """SSE lines split on "\n" only: httpx's aiter_lines also splits on U+0085 and U+2028,
+    which a model may emit raw inside a JSON string (valid SSE, valid JSON)."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buffer:
+        yield buffer
+
+
 # -- traffic ---------------------------------------------------------------------------------------
 class Traffic:
     def __init__(self, client: httpx.AsyncClient, model: str, args) -> None:
@@ -240,7 +253,7 @@ class Traffic:
             if r.status_code != 200:
                 self._error(f"http_{r.status_code}", f"{kind}: {(await r.aread()).decode()}")
                 return
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
