@@ -6,6 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VSERVE_DEBUG_INVARIANTS", "1")   # engine cores check KV blocks at idle
 if not __import__("torch").cuda.is_available():
     # Triton decides at import whether to interpret: set before anything imports it
     os.environ.setdefault("TRITON_INTERPRET", "1")

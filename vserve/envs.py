@@ -24,6 +24,9 @@ class Env:
                                    # per local worker, "0-3|4-7" (VLLM_CPU_OMP_THREADS_BIND)
     pp_layer_partition: str | None  # VSERVE_PP_LAYER_PARTITION="10,8": decoder layers per
                                     # pipeline stage, first to last (default: by cost)
+    debug_invariants: bool         # VSERVE_DEBUG_INVARIANTS=1: the engine core checks the
+                                   # scheduler and KV-block invariants each time it goes idle
+                                   # (free + cached + in-use == total, none in use); on in tests
 
 
 def read_env() -> Env:
@@ -36,6 +39,7 @@ def read_env() -> Env:
         cpu_num_reserved=os.environ.get("VSERVE_CPU_NUM_RESERVED") or None,
         cpu_threads_bind=os.environ.get("VSERVE_CPU_THREADS_BIND") or None,
         pp_layer_partition=os.environ.get("VSERVE_PP_LAYER_PARTITION") or None,
+        debug_invariants=os.environ.get("VSERVE_DEBUG_INVARIANTS", "0") not in ("", "0"),
     )
 
 

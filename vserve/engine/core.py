@@ -20,6 +20,7 @@ from vserve.core.scheduler import Scheduler
 from vserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from vserve.engine.recorder import StepRecorder, exposed_time
 from vserve.engine.structured_output import StructuredOutputManager
+from vserve.envs import read_env
 from vserve.executor import make_executor
 
 logger = logging.getLogger("vserve.engine")
@@ -52,6 +53,7 @@ class EngineCore:
         self._idle = True   # nothing ran since the engine last ran out of work
         self._draft_waits = 0   # the scheduler's count of requests held back for drafts ...
         self._held_for_drafts = False   # ... and whether the last schedule held one back
+        self.debug_invariants = read_env().debug_invariants
         self._log_mode()
 
     def _log_mode(self) -> None:
@@ -106,8 +108,34 @@ class EngineCore:
     def has_work(self) -> bool:
         busy = self.scheduler.has_requests() or bool(self.batch_queue)
         if not busy:
+            if self.debug_invariants and not self._idle:
+                self.check_idle_invariants()
             self._idle = True
         return busy
+
+    def check_idle_invariants(self) -> None:
+        """With no request and no step in flight, every block is free (a leak otherwise):
+        free + cached + in-use == total and in-use == 0. Debug mode runs it at each idle."""
+        kv = self.scheduler.kv
+        pool = kv.pool
+        in_use = pool.num_used_blocks
+        cached = sum(b.block_hash is not None for b in pool.blocks if b.ref_cnt == 0)
+        uncached_free = pool.num_free_blocks - cached
+        problem = None
+        if uncached_free + cached + in_use != pool.num_blocks:
+            problem = (f"free {uncached_free} + cached {cached} + in use {in_use} != "
+                       f"total {pool.num_blocks}")
+        elif in_use or kv.req_blocks:
+            problem = (f"{in_use} KV blocks in use at idle, held for "
+                       f"{sorted(kv.req_blocks)[:8]}")
+        else:
+            try:
+                self.scheduler.check_invariants()
+            except AssertionError as e:
+                problem = f"scheduler invariant broken: {e!r}"
+        if problem is not None:
+            logger.error("engine idle invariant violated: %s", problem)
+            raise RuntimeError(f"engine idle invariant violated: {problem}")
 
     # -- the step loops ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
