@@ -7,6 +7,7 @@ its workers are grandchildren, so the whole tree is recorded while the server ru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -136,3 +137,16 @@ def metric_value(text: str, name: str) -> float:
         if line.startswith((name + "{", name + " ")):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+@contextlib.contextmanager
+def serving(args: list[str]):
+    """A server for a test module: ready, its engine processes noted (`engine_pids`), and
+    stopped cleanly (exit 0) at the end."""
+    srv = ServerProcess(args)
+    try:
+        srv.wait_ready()
+        srv.engine_pids = children_of(srv.pid)
+        yield srv
+    finally:
+        assert srv.stop() == 0

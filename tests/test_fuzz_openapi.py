@@ -16,7 +16,7 @@ import httpx
 import pytest
 import schemathesis  # the `test` extra of pyproject.toml
 from hypothesis import HealthCheck, Phase, given, settings
-from openai_server import TINY_ARGS, ServerProcess, children_of
+from openai_server import TINY_ARGS, children_of, serving
 from schemathesis.generation import GenerationMode
 
 NUM_CASES = {GenerationMode.POSITIVE: 200, GenerationMode.NEGATIVE: 100}
@@ -25,14 +25,9 @@ MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 4}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = ServerProcess([tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "64",
-                         "--max-num-seqs", "32", "--request-timeout", "30"])
-    try:
-        srv.wait_ready()
-        srv.engine_pids = children_of(srv.pid)
+    with serving([tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "64",
+                 "--max-num-seqs", "32", "--request-timeout", "30"]) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0
 
 
 def _bounded(document: dict) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai_server import TINY_ARGS, ServerProcess, children_of
+from openai_server import TINY_ARGS, children_of, serving
 
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -22,15 +22,10 @@ MSGS = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = ServerProcess([tiny_model_dir("llama"), *TINY_ARGS, "--api-key", KEY,
-                         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1",
-                         "--max-num-queued-reqs", "2"])
-    try:
-        srv.wait_ready()
-        srv.engine_pids = children_of(srv.pid)
+    with serving([tiny_model_dir("llama"), *TINY_ARGS, "--api-key", KEY,
+                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1",
+                 "--max-num-queued-reqs", "2"]) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0
 
 
 DEEP_SCHEMA: dict = {"type": "integer"}

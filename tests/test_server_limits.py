@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from openai_server import TINY_ARGS, ServerProcess, children_of
+from openai_server import TINY_ARGS, children_of, serving
 
 MAX_BODY = 100_000
 LIMIT_ARGS = ["--max-model-len", "8192", "--max-request-body-bytes", str(MAX_BODY),
@@ -23,13 +23,8 @@ PROMPT = "The quick brown fox"
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     model_dir = tiny_model_dir("llama", max_position_embeddings=8192)
-    srv = ServerProcess([model_dir, *TINY_ARGS, *LIMIT_ARGS])
-    try:
-        srv.wait_ready()
-        srv.engine_pids = children_of(srv.pid)
+    with serving([model_dir, *TINY_ARGS, *LIMIT_ARGS]) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0
 
 
 def C(**body):
@@ -124,12 +119,9 @@ def _check_still_serving(server) -> None:
 # -- tokenization off the event loop ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def big_server(tiny_model_dir):
-    srv = ServerProcess([tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "256",
-                         "--max-prompt-chars", "5000000"])
-    try:
-        yield srv.wait_ready()
-    finally:
-        assert srv.stop() == 0
+    with serving([tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "256",
+                  "--max-prompt-chars", "5000000"]) as srv:
+        yield srv
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
