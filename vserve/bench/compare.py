@@ -41,6 +41,21 @@ def run_both(run_one: Callable, engine_args: EngineArgs):
     return sync, run_one(async_args, sync[1])
 
 
+def run_maybe_compared(args, engine_args: EngineArgs, run_one: Callable, key: str,
+                       higher_is_better: bool, unit: str):
+    """`run_one(args, engine_args, calibration=None) -> (result, records, spans)` once, or
+    sync then async with `--compare-sync` (the async run's tuple, its result gaining
+    `compare_sync` on `key`)."""
+    if not args.compare_sync:
+        return run_one(args, engine_args)
+    sync, (result, records, spans) = run_both(
+        lambda ea, calibration: run_one(args, ea, calibration), engine_args)
+    result["compare_sync"] = comparison(sync[0], result, key, higher_is_better)
+    result["compare_sync"]["sync_result"] = sync[0]
+    print_comparison(result["compare_sync"], unit)
+    return result, records, spans
+
+
 def comparison(sync: dict, async_: dict, key: str, higher_is_better: bool) -> dict:
     """Async's speedup over sync on one figure of the two results."""
     a, s = async_[key], sync[key]

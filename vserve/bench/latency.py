@@ -6,13 +6,7 @@ import json
 import statistics
 import time
 
-from vserve.bench.compare import (
-    add_compare_arg,
-    comparison,
-    mode_fields,
-    print_comparison,
-    run_both,
-)
+from vserve.bench.compare import add_compare_arg, mode_fields, run_maybe_compared
 from vserve.bench.datasets import random_samples
 from vserve.bench.overlap import overlap_report
 from vserve.bench.stats import percentile
@@ -41,14 +35,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     engine_args = engine_args_from(args)
-    if not args.compare_sync:
-        result, records, spans = _run_once(args, engine_args)
-    else:
-        sync, (result, records, spans) = run_both(
-            lambda ea, calibration: _run_once(args, ea, calibration), engine_args)
-        result["compare_sync"] = comparison(sync[0], result, "avg_latency", False)
-        result["compare_sync"]["sync_result"] = sync[0]
-        print_comparison(result["compare_sync"], "s")
+    result, records, spans = run_maybe_compared(args, engine_args, _run_once, "avg_latency",
+                                                False, "s")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

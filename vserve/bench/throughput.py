@@ -5,13 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from vserve.bench.compare import (
-    add_compare_arg,
-    comparison,
-    mode_fields,
-    print_comparison,
-    run_both,
-)
+from vserve.bench.compare import add_compare_arg, mode_fields, run_maybe_compared
 from vserve.bench.datasets import add_dataset_args, load_samples
 from vserve.bench.overlap import overlap_report
 from vserve.bench.trace import write_plot, write_trace
@@ -43,14 +37,8 @@ def run(args) -> int:
         if args.compare_sync:
             raise ValueError("--compare-sync needs --backend vserve")
         return _run_hf(args, engine_args)
-    if not args.compare_sync:
-        result, records, spans = _run_vserve(args, engine_args)
-    else:
-        sync, (result, records, spans) = run_both(
-            lambda ea, calibration: _run_vserve(args, ea, calibration), engine_args)
-        result["compare_sync"] = comparison(sync[0], result, "output_throughput", True)
-        result["compare_sync"]["sync_result"] = sync[0]
-        print_comparison(result["compare_sync"], "output tok/s")
+    result, records, spans = run_maybe_compared(args, engine_args, _run_vserve,
+                                                "output_throughput", True, "output tok/s")
     _write_outputs(args, result, records, spans)
     return 0
 
