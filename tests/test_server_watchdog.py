@@ -31,14 +31,15 @@ def _stream(url: str, body: dict, started: threading.Event) -> list:
 
 
 def _health_log(url: str, stop: threading.Event) -> list:
-    """/health status every 20 ms until the server stops listening ('refused' then)."""
+    """/health status every 20 ms until the server stops listening or drops the connection
+    ('refused' then)."""
     seen = []
     while not stop.is_set():
         try:
             seen.append(httpx.get(url + "/health", timeout=5).status_code)
-        except httpx.ConnectError:
-            seen.append("refused")
-            return seen
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            seen.append("refused")   # gone, or closed this connection as it exited (not a
+            return seen              # timeout: a hang still fails the test)
         time.sleep(0.02)
     return seen
 
