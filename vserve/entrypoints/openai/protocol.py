@@ -1,10 +1,10 @@
 """Pydantic models of the OpenAI-compatible HTTP API: requests, responses, stream chunks, errors.
 
-Requests allow unknown fields (as vLLM does: clients send `user`, `parallel_tool_calls` and
-provider-specific extras), and the server logs the ones it ignores. Shapes follow the OpenAI
-API plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
-`stop_token_ids`, `stop_reason`, ...). Range checks of sampling values live in
-`SamplingParams`; here only what the wire format itself constrains.
+Requests allow unknown fields (as vLLM does: clients send `user` and provider-specific
+extras), and the server logs the ones it ignores. Shapes follow the OpenAI API plus vLLM's
+extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+`stop_reason`, ...). Range checks of sampling values live in `SamplingParams`; here only what
+the wire format itself constrains.
 """
 
 from __future__ import annotations
@@ -175,10 +175,47 @@ class TextPart(OpenAIBaseModel):
     text: str
 
 
+# -- tools (requests; the checks that need the server's settings are in tool_calls.py) ------
+class FunctionDefinition(OpenAIBaseModel):
+    name: StrictStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of type object
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] | None = None   # JSON text (OpenAI) or an object
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call in an assistant message sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None   # assistant messages
+    tool_call_id: str | None = None                 # tool messages
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -197,7 +234,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -207,8 +246,6 @@ class ChatCompletionRequest(SamplingRequest):
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                                  f"{self.top_logprobs}")
-        if self.tools:
-            raise ValueError("tool calling is not supported")
         if self.chat_template is not None:
             raise ValueError("a chat template in the request is not trusted; start the "
                              "server with --chat-template instead")
@@ -224,6 +261,7 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -286,9 +324,36 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str   # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: the first delta of a call has id, type and name, later ones carry
+    argument fragments only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -311,6 +376,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

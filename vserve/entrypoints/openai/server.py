@@ -43,6 +43,7 @@ from vserve.entrypoints.openai.protocol import (
 from vserve.entrypoints.openai.serving_base import ServerContext
 from vserve.entrypoints.openai.serving_chat import ChatServer
 from vserve.entrypoints.openai.serving_completion import CompletionServer
+from vserve.entrypoints.openai.tool_calls import ToolSettings, template_tools
 from vserve.envs import ENV
 
 logger = logging.getLogger("vserve.server")
@@ -51,7 +52,8 @@ logger = logging.getLogger("vserve.server")
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     names, aliases = _model_names(engine, getattr(args, "served_model_name", None))
     ctx = ServerContext(engine, names, load_chat_template(getattr(args, "chat_template", None)),
-                        aliases, AdmissionLimits.from_args(args))
+                        aliases, AdmissionLimits.from_args(args),
+                        ToolSettings.from_args(args, engine.tokenizer))
     metrics = ServerMetrics(ctx.model_name)
 
     @contextlib.asynccontextmanager
@@ -155,7 +157,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         tok = ctx.engine.tokenizer
         if req.messages is not None:
             ids = await chat.render(req.messages, req.add_generation_prompt,
-                                    req.continue_final_message)
+                                    req.continue_final_message,
+                                    tools=template_tools(req.tools))
         else:
             ctx.limits.check_prompt_chars(len(req.prompt), ctx.max_model_len, "prompt")
             ids = await ctx.off_loop(tok.encode, req.prompt,
