@@ -150,3 +150,19 @@ def serving(args: list[str]):
         yield srv
     finally:
         assert srv.stop() == 0
+
+
+def offline_app(**args):
+    """The server's FastAPI app over a stand-in engine that is never called: for what needs no
+    engine (the OpenAPI document, the front door's errors, validation before admission).
+    Requests go through `starlette`'s TestClient with base_url http://127.0.0.1."""
+    import argparse
+    from types import SimpleNamespace
+
+    from vserve.entrypoints.openai.server import build_app
+
+    model = SimpleNamespace(served_model_name="offline", max_model_len=64, vocab_size=100)
+    engine = SimpleNamespace(config=SimpleNamespace(model=model,
+                                                    scheduler=SimpleNamespace(max_num_seqs=4)),
+                             tokenizer=None, errored=False)
+    return build_app(engine, argparse.Namespace(**args))

@@ -54,14 +54,14 @@ class StructuredOutputsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json: dict[str, Any] | StrictStr | None = None
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -280,10 +280,15 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 
 # -- responses ---------------------------------------------------------------------------------
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None   # null, as vLLM sends by default
 
 
 class CompletionLogprobs(BaseModel):
@@ -306,6 +311,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -353,6 +359,7 @@ class DeltaToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    refusal: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -369,6 +376,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -396,6 +404,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 
@@ -405,8 +414,20 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None   # with return_token_strs
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
