@@ -28,6 +28,7 @@ OPENAI_FIELDS = frozenset({
     "functions", "function_call", "metadata", "store", "service_tier", "reasoning_effort",
     "modalities", "audio", "prediction", "web_search_options", "role", "content", "name",
     "type", "text", "tool_calls", "tool_call_id", "json_schema", "schema", "strict",
+    "id", "function", "arguments", "parameters",
     "description"})
 
 # descriptions of the fields, vLLM's semantics; every field outside OPENAI_FIELDS has one
