@@ -73,12 +73,12 @@ class CompletionServer:
         ctx = self.ctx
         check_request(ctx, req, _num_prompts(req.prompt))
         prompts = await self._prompts(req)
-        prompt_lp = req.engine_prompt_logprobs
-        if _echo_only(req) and prompt_lp is None:   # only the prompt back, no generation
+        prompt_lp, echo_only = req.engine_prompt_logprobs, _echo_without_generation(req)
+        if echo_only and prompt_lp is None:   # only the prompt back, no generation
             return JSONResponse(self._echo_only(req, prompts, base_request_id(raw)))
         params = []
         for _, ids in prompts:
-            budget = check_context(ctx, len(ids), 1 if _echo_only(req) else req.max_tokens)
+            budget = check_context(ctx, len(ids), 1 if echo_only else req.max_tokens)
             sp = make_sampling_params(req, budget, req.logprobs)
             if prompt_lp is not None:
                 sp = sp.clone(prompt_logprobs=prompt_lp)
@@ -134,7 +134,7 @@ class CompletionServer:
         _raise_if_error(c)
         if c.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
-        if _echo_only(req):
+        if _echo_without_generation(req):
             return   # (the one token generated for the prompt's logprobs is not returned)
         choice.text += c.text
         choice.num_tokens += len(c.token_ids)
@@ -236,7 +236,7 @@ class CompletionServer:
                choices: list[_Choice]) -> CompletionChunk:
         """A choice's next event; its first one starts with the prompt when echoing."""
         first, choice.started = not choice.started, True
-        text, token_ids, entries = ("", [], None) if _echo_only(req) else \
+        text, token_ids, entries = ("", [], None) if _echo_without_generation(req) else \
             (c.text, c.token_ids, c.logprobs)
         choice.num_tokens += len(token_ids)
         echo = req.echo and first
@@ -272,7 +272,7 @@ def _usage(num_prompt: int, choices: list[_Choice]) -> UsageInfo:
                      total_tokens=num_prompt + num_out)
 
 
-def _echo_only(req: CompletionRequest) -> bool:
+def _echo_without_generation(req: CompletionRequest) -> bool:
     """`echo` with `max_tokens=0`: the prompt (and its logprobs) back, nothing generated."""
     return req.echo and req.max_tokens == 0
 
