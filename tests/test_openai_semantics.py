@@ -124,8 +124,10 @@ USAGE = {"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT,
          "prompt_tokens_details": Is(None)}
 COMPLETION_LOGPROBS = {"tokens": ListOf(STR), "token_logprobs": ListOf(FLOAT),
                        "top_logprobs": ListOf(DictOf(str, float)), "text_offset": ListOf(INT)}
+# vLLM sends prompt_logprobs: null on every completion choice unless they were asked for
 COMPLETION_CHOICE = {"index": INT, "text": STR, "logprobs": Nullable(COMPLETION_LOGPROBS),
-                     "finish_reason": FINISH, "stop_reason": STOP_REASON}
+                     "finish_reason": FINISH, "stop_reason": STOP_REASON,
+                     "prompt_logprobs": Is(None)}
 
 
 def completion(num_choices: int = 1) -> dict:

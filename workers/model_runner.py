@@ -15,7 +15,7 @@ decode-only steps replay a captured CUDA graph (`workers.cuda_graphs`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from workers.device import DeviceShim, HostCopy
 from workers.feedback import FeedbackQueue
 from workers.input_batch import InputBatch
 from workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
+from workers.prompt_logprobs import PromptSlice, compute_prompt_logprobs, plan_prompt_logprobs
 from workers.sample_step import SampleLayout, StepSampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +60,8 @@ class StepInputs:
     meta: AttentionMetadata
     logits_idx: torch.Tensor                       # [num_logits_rows]
     layout: SampleLayout                           # which requests sample, where their logits are
+    prompt_lp: list[PromptSlice] = field(default_factory=list)   # last stage, when asked
+    prompt_lp_out: dict | None = None              # their results (RunnerOutput.prompt_logprobs)
 
 
 class AsyncStepOutput:
@@ -67,12 +70,14 @@ class AsyncStepOutput:
     host."""
 
     def __init__(self, step_id, layout: SampleLayout | None, host: HostCopy | None,
-                 spec_ids: dict | None, logprobs: dict | None, timing) -> None:
+                 spec_ids: dict | None, logprobs: dict | None, timing,
+                 prompt_logprobs: dict | None = None) -> None:
         self.step_id, self.layout, self.host = step_id, layout, host
         self.spec_ids, self.logprobs, self.timing = spec_ids or {}, logprobs or {}, timing
+        self.prompt_logprobs = prompt_logprobs or {}
 
     def get(self) -> RunnerOutput:
-        out = RunnerOutput(self.step_id, timing=self.timing)
+        out = RunnerOutput(self.step_id, timing=self.timing, prompt_logprobs=self.prompt_logprobs)
         if self.layout is not None and self.layout.req_ids:
             plain = iter(self.host.wait()[0].tolist() if self.host is not None else [])
             out.req_ids = list(self.layout.req_ids)
@@ -109,6 +114,7 @@ class ModelRunner:
         self.input_prep = make_input_prep(self.shim)
         self.feedback_stats = self.input_prep.stats
         self.graphs: DecodeGraphs | None = None
+        self.prompt_lp_req_ids: set[str] = set()   # rows that asked for prompt logprobs
 
     # -- set up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -187,6 +193,8 @@ class ModelRunner:
             timing.forward_end = time.perf_counter()
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_idx])
+        if inputs.prompt_lp:
+            inputs.prompt_lp_out = compute_prompt_logprobs(self.model, hidden, inputs.prompt_lp)
         if defer_sampling:
             self._deferred = (so, inputs, logits, timing)
             return None
@@ -230,7 +238,7 @@ class ModelRunner:
             self.batch.append_tokens(self.batch.row_of[req_id], tokens)
         timing.forward_end = time.perf_counter()
         return AsyncStepOutput(so.step_id, layout, host, result.spec_ids, result.logprobs,
-                               timing)
+                               timing, inputs.prompt_lp_out)
 
     # -- batch state -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -238,9 +246,12 @@ class ModelRunner:
         gone = so.finished_req_ids | so.preempted_req_ids
         for req_id in gone:
             batch.remove(req_id)
+            self.prompt_lp_req_ids.discard(req_id)
         for new in so.scheduled_new_reqs:
             batch.remove(new.req_id)
             batch.add(new)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_lp_req_ids.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                    cached.num_computed_tokens):
@@ -273,8 +284,12 @@ class ModelRunner:
                 batch.append_placeholder(layout.rows[i])
         meta = self._attention_metadata(host, dev)
         logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
+        prompt_lp = plan_prompt_logprobs(
+            batch, self.prompt_lp_req_ids, req_ids, rows, host.query_start_loc,
+            host.num_computed, host.seq_lens) if self.prompt_lp_req_ids and self.stage.is_last \
+            else []
         return StepInputs(dev.input_ids if self.stage.is_first else None, meta, logits_idx,
-                          layout)
+                          layout, prompt_lp)
 
     def _query_spans(self, so, rows: np.ndarray) -> dict[str, tuple[int, int, int]]:
         """req_id -> (epoch, first, end) positions this step computes for it."""

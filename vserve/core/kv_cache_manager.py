@@ -51,8 +51,8 @@ class KVCacheManager:
     # -- prefix lookup ---------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks; at least one token is left to compute."""
-        if not self.uses_cache(request):
-            return [], 0
+        if not self.uses_cache(request) or request.sampling_params.prompt_logprobs is not None:
+            return [], 0   # (prompt logprobs need every prompt position computed, as in vLLM)
         max_hit_tokens = request.num_tokens - 1
         hits: list[KVCacheBlock] = []
         for block_hash in self._hashes_upto(request, max_hit_tokens):

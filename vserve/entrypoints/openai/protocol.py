@@ -153,6 +153,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None   # vLLM: top-k per prompt token, on each choice
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
@@ -163,11 +164,18 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be unset or equal to n)")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs}")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which are not supported")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value}")
         return self
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: vLLM's extra parameter, else `logprobs` with echo."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class TextPart(OpenAIBaseModel):
@@ -304,6 +312,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM: per prompt token, None for the first, else {token id: {logprob, rank,
+    # decoded_token}}; only when `prompt_logprobs` was asked
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
