@@ -38,6 +38,9 @@ from pathlib import Path
 
 import httpx
 
+from vserve.bench.sse import sse_lines
+from vserve.proc_tree import cmdline, descendants
+
 RSS_GROWTH_LIMIT = 0.05
 WORDS = ("the a of and to in is it that for on with as was at by an be this from or have "
          "one all were when we there can more if out so what up time about into than them "
@@ -54,36 +57,13 @@ KINDS = {"completion": 4, "completion_stream": 4, "chat": 2, "chat_stream": 2,
 
 
 # -- processes -----------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
-
-
-def process_tree(pid: int) -> list[int]:
-    found, todo = [pid], [pid]
-    while todo:
-        for kid in _children(todo.pop()):
-            if kid not in found:
-                found.append(kid)
-                todo.append(kid)
-    return found
-
-
 def rss_of(pid: int) -> tuple[str, int] | None:
     """(command line, RSS bytes) of a live process, None once it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return None
+    cmd = cmdline(pid).replace(b"\0", b" ").decode(errors="replace")
     for line in status.splitlines():
         if line.startswith("VmRSS:"):
             return cmd.strip()[:80], int(line.split()[1]) * 1024
@@ -91,7 +71,7 @@ def rss_of(pid: int) -> tuple[str, int] | None:
 
 
 def rss_table(pid: int) -> dict[int, tuple[str, int]]:
-    return {p: r for p in process_tree(pid) if (r := rss_of(p)) is not None}
+    return {p: r for p in [pid, *descendants(pid)] if (r := rss_of(p)) is not None}
 
 
 def free_port() -> int:
@@ -139,19 +119,6 @@ def histogram_p99(before: dict, after: dict, name: str) -> tuple[float | None, i
             return round(lower + (edge - lower) * frac, 6), int(total)
         lower, below = edge, count
     return lower, int(total)
-
-
-async def sse_lines(response: httpx.Response):
-    """SSE lines split on "\n" only: httpx's aiter_lines also splits on U+0085 and U+2028,
-    which a model may emit raw inside a JSON string (valid SSE, valid JSON)."""
-    buffer = ""
-    async for text in response.aiter_text():
-        buffer += text
-        *lines, buffer = buffer.split("\n")
-        for line in lines:
-            yield line.rstrip("\r")
-    if buffer:
-        yield buffer
 
 
 # -- traffic ---------------------------------------------------------------------------------------
@@ -326,7 +293,7 @@ class Server:
 
     def stop(self) -> tuple[int, list[int]]:
         """SIGTERM; (exit code, processes of the tree still alive 10 s later, then killed)."""
-        self.tree |= set(process_tree(self.proc.pid))
+        self.tree |= {self.proc.pid, *descendants(self.proc.pid)}
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:

@@ -14,25 +14,7 @@ from openai_server import TINY_ARGS
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from soak import histogram_p99, scrape, sse_lines  # noqa: E402
-
-
-def test_sse_lines_split_on_newline_only():
-    """A model may emit U+2028 or U+0085 raw inside a JSON string: still one SSE line
-    (httpx's aiter_lines splits there and the chunk no longer parses)."""
-    import asyncio
-
-    import httpx
-
-    event = 'data: {"text": "a\u2028b\x85c"}'
-    body = (event + "\n\n" + "data: [DONE]\n\n").encode()
-
-    async def collect():
-        return [line async for line in sse_lines(httpx.Response(200, content=body))]
-
-    lines = asyncio.run(collect())
-    assert [x for x in lines if x] == [event, "data: [DONE]"]
-    assert json.loads(lines[0][6:])["text"] == "a\u2028b\x85c"
+from soak import histogram_p99, scrape  # noqa: E402
 
 
 def test_histogram_p99_interpolates_inside_its_bucket():
