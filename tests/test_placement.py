@@ -215,3 +215,36 @@ def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, m
     finally:
         llm.shutdown()
     assert _thread_cpus(os.getpid()) == before
+
+
+def test_the_front_end_gets_its_cpus_back_when_the_engine_core_dies(tiny_model_dir,
+                                                                      monkeypatch):
+    """The engine core pins the front end beside itself and gives its CPUs back at shutdown;
+    killed, it cannot: the front end restores them itself once it sees the core gone (before,
+    it stayed on the host core until `shutdown()`)."""
+    import os
+    import signal
+    import time
+
+    from vserve import LLM, SamplingParams
+
+    before = _thread_cpus(os.getpid())
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    monkeypatch.setenv("VSERVE_CPU_NUM_RESERVED", "1")
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64,
+              async_scheduling=True, distributed_executor_backend="mp")
+    try:
+        llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4))
+        assert _thread_cpus(os.getpid()) == {cpus[:1]}
+        client = llm.engine.client
+        os.kill(client.engine.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while client.dead_message is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.dead_message is not None, "the engine core's death went unnoticed"
+        assert _thread_cpus(os.getpid()) == before
+    finally:
+        llm.shutdown()
+    assert _thread_cpus(os.getpid()) == before
