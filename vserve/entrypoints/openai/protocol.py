@@ -54,14 +54,15 @@ class StructuredOutputsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    # `json` on the wire; the attribute name would shadow BaseModel.json
+    json_schema: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, exclude_none=True)
+        return self.model_dump(exclude_none=True, by_alias=True)
 
 
 class JsonSchemaFormat(BaseModel):
