@@ -37,13 +37,14 @@ class HostCopy:
         return self._host
 
 
-def upload(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Host values (a list, an ndarray or a CPU tensor) as a tensor on `device`, without a host
     synchronisation: on CUDA they are staged in pinned memory and copied with `non_blocking`
     (a copy from pageable memory, as `torch.tensor(values, device=cuda)` makes, waits for the
     device to drain its queue). On CUDA the staging buffer is private to this copy (the caller
     may change `values` at once; the pinned pool keeps it until the copy has run); on CPU an
     ndarray or tensor is shared, not copied."""
+    device = torch.device(device)
     if isinstance(values, torch.Tensor):
         tensor = values if dtype is None else values.to(dtype)
     elif isinstance(values, np.ndarray):

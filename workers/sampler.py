@@ -138,9 +138,10 @@ class Sampler:
             rows, ids = (upload([b[k] for b in biased], device) for k in (0, 1))
             logits[rows, ids] += upload([b[2] for b in biased], device, torch.float32)
         masked = [(i, t) for i, ids in enumerate(meta.masked_ids) if ids for t in ids]
-        if masked:
-            logits[upload([m[0] for m in masked], device),
-                   upload([m[1] for m in masked], device)] = float("-inf")
+        if masked:   # (a tensor value: a Python one is copied to the device blocking)
+            logits.index_put_((upload([m[0] for m in masked], device),
+                               upload([m[1] for m in masked], device)),
+                              torch.full((len(masked),), float("-inf"), device=device))
         if meta.needs_penalties:
             _apply_penalties(logits, meta)
         return logits
@@ -348,7 +349,8 @@ def _token_counts(logits: torch.Tensor, meta: SamplingMetadata,
     seen = counts > 0
     prompt_flat = [slot[i] * vocab + t for i in rows if meta.repetition[i] != 1.0
                    for t in meta.prompt_ids[i]]
-    seen.view(-1)[upload(prompt_flat, device, torch.long)] = True
+    seen.view(-1).index_put_((upload(prompt_flat, device, torch.long),),
+                             torch.ones(len(prompt_flat), dtype=torch.bool, device=device))
     return counts, seen
 
 
