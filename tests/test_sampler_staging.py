@@ -151,3 +151,36 @@ def test_penalties_read_the_previous_steps_id_on_the_device():
     flushed.prompt_ids, flushed.output_ids = [[5, 6, 7, 8]], [[9, 10, 11]]
     want = _former_process(logits.clone(), flushed)
     assert torch.equal(Sampler(use_kernel=False)._process(logits.clone(), meta), want)
+
+
+def test_penalties_and_logprobs_equal_under_sync_and_async(tiny_model_dir, monkeypatch):
+    """End to end, the previous step's ids read on the device and logprobs resolved after
+    the host copy: async scheduling generates exactly what sync does."""
+    from conftest import make_llm
+    from hf_reference import PROMPTS
+
+    gathered = []
+    original = FeedbackQueue.device_ids_at
+
+    def counting(self, keys):
+        found, ids = original(self, keys)
+        gathered.append(len(found))
+        return found, ids
+
+    monkeypatch.setattr(FeedbackQueue, "device_ids_at", counting)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2,
+                             repetition_penalty=1.5, presence_penalty=1.0,
+                             frequency_penalty=0.5),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True,
+                             frequency_penalty=1.0, logit_bias={5: 2.0}, min_tokens=8),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)]
+    outs = {}
+    for async_on in (False, True):
+        llm = make_llm(tiny_model_dir("llama"), async_scheduling=async_on, max_model_len=128)
+        outs[async_on] = [(o.outputs[0].token_ids,
+                           [{t: lp.logprob for t, lp in e.items()}
+                            for e in (o.outputs[0].logprobs or [])])
+                          for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    assert sum(gathered) > 0   # the penalised rows read ids still on the device
+    assert outs[True] == outs[False]
+    assert len(outs[True][0][1]) == 16 and len(outs[True][2][1]) == 16
