@@ -67,13 +67,15 @@ class StepInputs:
 class AsyncStepOutput:
     """What `execute_model` returns: resolves to a `RunnerOutput` once the host has the ids.
     Plain rows' ids arrive through the host copy; verified draft rows are already on the
-    host."""
+    host; plain rows' logprobs arrive through their own copy (`pending`: the PendingLogprobs,
+    its rows' request ids and that copy)."""
 
     def __init__(self, step_id, layout: SampleLayout | None, host: HostCopy | None,
-                 spec_ids: dict | None, logprobs: dict | None, timing,
+                 spec_ids: dict | None, logprobs: dict | None, timing, pending=None,
                  prompt_logprobs: dict | None = None) -> None:
         self.step_id, self.layout, self.host = step_id, layout, host
         self.spec_ids, self.logprobs, self.timing = spec_ids or {}, logprobs or {}, timing
+        self.pending = pending
         self.prompt_logprobs = prompt_logprobs or {}
 
     def get(self) -> RunnerOutput:
@@ -83,6 +85,10 @@ class AsyncStepOutput:
             out.req_ids = list(self.layout.req_ids)
             out.sampled_token_ids = [self.spec_ids[r] if r in self.spec_ids else [next(plain)]
                                      for r in out.req_ids]
+            if self.pending is not None:
+                lp, req_ids, copy = self.pending
+                self.logprobs.update((r, d) for r, d in zip(req_ids, lp.resolve(copy.wait()))
+                                     if d is not None)
             if self.logprobs:
                 out.logprobs = [self.logprobs.get(r) for r in out.req_ids]
         self.timing.ready = time.perf_counter()
@@ -104,9 +110,9 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks)
         self.backend = get_attention_backend(config.attention_backend, config.block_size)
         self.step_sampler = StepSampler(self.batch, hf_config.vocab_size)
-        self.step_sampler.flush_feedback = lambda: self.feedback.flush(self.batch, False)
         # stage 0 of a pipeline: the last stage's ids of the pp newest steps may be pending
         self.feedback = FeedbackQueue(config.pp_size if self.stage.is_first else 1)
+        self.step_sampler.feedback = self.feedback
         self._deferred = None   # a step whose sampling waits for its grammar bitmask
         self.model = None
         self.kv_caches: list[torch.Tensor | None] = []
@@ -225,7 +231,10 @@ class ModelRunner:
     def _sample(self, so, inputs: StepInputs, logits, timing, bitmask) -> AsyncStepOutput:
         layout = inputs.layout
         result = self.step_sampler.sample(layout, logits, so.grammar_req_ids, bitmask)
-        host = None
+        host = pending = None
+        if result.pending_logprobs is not None:   # copied beside the ids, read in get()
+            pending = (result.pending_logprobs, result.plain_req_ids,
+                       self.shim.host_copy(result.pending_logprobs.tensors))
         if result.plain_ids is not None:
             plain = layout.plain
             rows = [layout.rows[i] for i in plain]
@@ -238,7 +247,7 @@ class ModelRunner:
             self.batch.append_tokens(self.batch.row_of[req_id], tokens)
         timing.forward_end = time.perf_counter()
         return AsyncStepOutput(so.step_id, layout, host, result.spec_ids, result.logprobs,
-                               timing, inputs.prompt_lp_out)
+                               timing, pending, inputs.prompt_lp_out)
 
     # -- batch state -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
