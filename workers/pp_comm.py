@@ -5,6 +5,8 @@ Four process groups, so that traffic of different kinds never interleaves:
 * chain (gloo): each request rank 0 receives from the engine core travels down the pipeline,
   rank to rank, sent without waiting: a stage never waits for a later stage to take a request
   (a gloo broadcast would hold rank 0 until every rank joined it, so the stages took turns);
+  with each step's hidden states, the (start, end) forward spans of the stages before, so the
+  last stage's reply carries every stage's forward (the overlap report's per-stage figures);
 * control (gloo): start-up collectives (the smallest KV cache over ranks);
 * reply (gloo): the last stage sends each step's result back to rank 0, which forwards it
   to the engine core (so only rank 0 talks to the engine, even across hosts);
@@ -77,13 +79,21 @@ class PPComm:
         return buf.numpy().tobytes()
 
     # -- data plane --------------------------------------------------------------------------------
-    def recv_hidden(self, so, inputs) -> torch.Tensor:
+    def recv_hidden(self, so, inputs) -> tuple[torch.Tensor, list[tuple[float, float]]]:
+        """The previous stage's hidden states [T, hidden] and the forward spans of every
+        stage before this one, first to last."""
+        spans = torch.empty(self.rank, 2, dtype=torch.float64)
+        dist.recv(spans, src=self.rank - 1, group=self.chain)
         buf = torch.empty(so.total_num_scheduled_tokens, self.hidden_size, dtype=self.dtype,
                           device=self.device)
         dist.recv(buf, src=self.rank - 1, group=self.data)
-        return buf
+        return buf, [(start, end) for start, end in spans.tolist()]
 
-    def send_hidden(self, so, hidden: torch.Tensor) -> None:
+    def send_hidden(self, so, hidden: torch.Tensor,
+                    spans: list[tuple[float, float]]) -> None:
+        """`spans`: the forward (start, end) of this stage and of every one before it."""
+        self._isend(torch.tensor(spans, dtype=torch.float64).reshape(self.rank + 1, 2),
+                    self.rank + 1, self.chain)
         self._isend(hidden.contiguous(), self.rank + 1, self.data)
 
     def send_sampled(self, so, token_ids: torch.Tensor) -> None:
