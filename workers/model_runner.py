@@ -177,12 +177,15 @@ class ModelRunner:
         if so.is_empty:
             return self._empty_output(so, timing)
         inputs = self._prepare_inputs(so)
-        first = inputs.input_ids if self.stage.is_first else self.pp.recv_hidden(so, inputs)
+        first, spans = (inputs.input_ids, []) if self.stage.is_first else \
+            self.pp.recv_hidden(so, inputs)   # (with the earlier stages' forward spans)
         timing.forward_start = time.perf_counter()   # (a later stage's wait for its input is
         # not its forward: the report compares the bottleneck stage's work with the interval)
         hidden = self._forward(first, inputs.meta)
+        timing.stage_forwards = spans
         if not self.stage.is_last:
-            self.pp.send_hidden(so, hidden)
+            spans.append((timing.forward_start, time.perf_counter()))
+            self.pp.send_hidden(so, hidden, spans)
             self._expect_sampled(so, inputs)
             timing.forward_end = time.perf_counter()
             return None
@@ -229,6 +232,8 @@ class ModelRunner:
         for req_id, tokens in result.spec_ids.items():   # verified drafts: host rows now
             self.batch.append_tokens(self.batch.row_of[req_id], tokens)
         timing.forward_end = time.perf_counter()
+        if self.pp is not None:   # the last stage's own span (with its sampling)
+            timing.stage_forwards.append((timing.forward_start, timing.forward_end))
         return AsyncStepOutput(so.step_id, layout, host, result.spec_ids, result.logprobs,
                                timing)
 
