@@ -261,7 +261,7 @@ class ModelRunner:
         rows = np.array(sorted(batch.row_of[r] for r in so.num_scheduled_tokens), dtype=np.int64)
         self.feedback.settle(batch, self._query_spans(so, rows)
                              if self.feedback.max_pending > 1 else None)
-        req_ids = [batch.rows[r].req_id for r in rows]
+        req_ids = [batch.rows[r].req_id for r in rows.tolist()]
         for req_id, drafts in so.spec_token_ids.items():   # drafts are host-known inputs
             row = batch.row_of[req_id]
             start = int(batch.num_computed[row]) + 1
@@ -273,9 +273,8 @@ class ModelRunner:
         prev = self.feedback.source.device_ids() if plan.rows else None
         dev = self.input_prep.build(host, plan, prev)
         batch.num_computed[rows] = host.seq_lens
-        for i, req_id in enumerate(layout.req_ids):
-            if req_id not in layout.drafts:
-                batch.append_placeholder(layout.rows[i])
+        batch.append_placeholders(np.array([layout.rows[i] for i in layout.plain],
+                                           dtype=np.int64))
         meta = self._attention_metadata(host, dev)
         logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
         return StepInputs(dev.input_ids if self.stage.is_first else None, meta, logits_idx,
@@ -294,6 +293,8 @@ class ModelRunner:
     def _sample_layout(self, so, rows, req_ids, host: HostInputs):
         """Which requests sample and which logits rows they need: the last query token, or
         every query token of a request with drafts (the drafts' positions and one more)."""
+        if not so.spec_token_ids:
+            return self._plain_layout(so, rows, req_ids, host)
         layout, logits_rows = SampleLayout(), []
         qsl = host.query_start_loc
         for i, req_id in enumerate(req_ids):
@@ -312,6 +313,16 @@ class ModelRunner:
             else:
                 logits_rows.append(int(qsl[i + 1]) - 1)
         return layout, logits_rows
+
+    def _plain_layout(self, so, rows, req_ids, host: HostInputs):
+        """`_sample_layout` of a step without drafts, in numpy: the last query token each."""
+        keep = np.array([r in so.sampling_req_ids for r in req_ids], dtype=bool)
+        picked = rows[keep]
+        lost = np.flatnonzero(self.batch.num_tokens[picked] != host.seq_lens[keep])
+        assert not len(lost), "worker lost track of " + req_ids[np.flatnonzero(keep)[lost[0]]]
+        layout = SampleLayout([r for r, k in zip(req_ids, keep.tolist()) if k],
+                              picked.tolist(), list(range(len(picked))))
+        return layout, (host.query_start_loc[1:][keep] - 1).tolist()
 
     def _host_inputs(self, so: SchedulerOutput, rows: np.ndarray,
                      req_ids: list[str]) -> HostInputs:
