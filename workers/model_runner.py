@@ -74,10 +74,14 @@ class AsyncStepOutput:
     def get(self) -> RunnerOutput:
         out = RunnerOutput(self.step_id, timing=self.timing)
         if self.layout is not None and self.layout.req_ids:
-            plain = iter(self.host.wait()[0].tolist() if self.host is not None else [])
+            ids = self.host.wait()[0].tolist() if self.host is not None else []
             out.req_ids = list(self.layout.req_ids)
-            out.sampled_token_ids = [self.spec_ids[r] if r in self.spec_ids else [next(plain)]
-                                     for r in out.req_ids]
+            if self.spec_ids:
+                plain = iter(ids)
+                out.sampled_token_ids = [self.spec_ids[r] if r in self.spec_ids
+                                         else [next(plain)] for r in out.req_ids]
+            else:
+                out.sampled_token_ids = [[token] for token in ids]
             if self.logprobs:
                 out.logprobs = [self.logprobs.get(r) for r in out.req_ids]
         self.timing.ready = time.perf_counter()
@@ -247,12 +251,13 @@ class ModelRunner:
             batch.remove(new.req_id)
             batch.add(new)
         cached = so.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                   cached.num_computed_tokens):
-            row = batch.row_of[req_id]
-            assert batch.rows[row].epoch == so.req_epochs[req_id], "stale row for " + req_id
-            batch.append_blocks(row, block_ids)
-            batch.num_computed[row] = num_computed
+        rows = np.array([batch.row_of[r] for r in cached.req_ids], dtype=np.int64)
+        stale = np.flatnonzero(batch.epochs[rows] != [so.req_epochs[r] for r in cached.req_ids])
+        assert not len(stale), "stale row for " + cached.req_ids[stale[0]]
+        batch.num_computed[rows] = cached.num_computed_tokens
+        for row, block_ids in zip(rows.tolist(), cached.new_block_ids):
+            if block_ids:
+                batch.append_blocks(row, block_ids)
         if gone or so.scheduled_new_reqs:
             batch.condense()
 
