@@ -95,6 +95,22 @@ def _engine(model_dir, mode):
                                       multiprocess=multiprocess)
 
 
+def _check_stage_forwards(records, pp: int) -> None:
+    """With PP every step with tokens reports each stage's own forward, in pipeline order:
+    a stage starts after the stage before it ended (it waited for its hidden states)."""
+    busy = [r for r in records if r.num_tokens]
+    assert busy
+    for r in busy:
+        spans = r.stage_forwards
+        assert len(spans) == (pp if pp > 1 else 0), (r.step_id, spans)
+        for start, end in spans:
+            assert start <= end
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert end <= start, (r.step_id, spans)
+        if spans:
+            assert tuple(spans[-1]) == (r.forward_start, r.forward_end)
+
+
 def test_reference_exercises_the_workload(reference):
     assert "abort-a" not in reference and "abort-b" not in reference
     stop = reference["stop"][0]
@@ -111,9 +127,11 @@ def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatc
     engine = _engine(tiny_model_dir("qwen3"), MODES[mode])
     try:
         results, stats = _run(engine)
+        records = engine.take_step_records()
     finally:
         engine.shutdown()
     assert results == reference
+    _check_stage_forwards(records, MODES[mode].get("pipeline_parallel_size", 1))
     assert stats.num_preemptions > 0          # the small KV cache forced recomputation
     assert stats.prefix_cache_hits > 0
     assert stats.kv_cache_usage == 0.0 and stats.num_running_reqs == 0

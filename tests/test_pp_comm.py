@@ -64,6 +64,8 @@ def test_requests_pass_down_the_pipeline_without_waiting():
 class _Batch:
     """The part of InputBatch that write-back touches."""
 
+    layout_version = 0
+
     def __init__(self) -> None:
         self.written: list[tuple[str, int, int, int]] = []
 
@@ -79,8 +81,8 @@ def _stage0_queue(pp: int):
     queue, waited = FeedbackQueue(max_pending=pp), []
     for step in range(1, pp + 1):
         req_id = f"group{step}"
-        queue.items.append(Feedback(step, torch.tensor([100 + step]), [(req_id, 1, 5)],
-                                    {req_id: 0}, wait_fn=lambda s=step: waited.append(s)))
+        queue.items.append(Feedback.of(step, torch.tensor([100 + step]), [(req_id, 1, 5)],
+                                       wait_fn=lambda s=step: waited.append(s)))
     return queue, waited
 
 
@@ -113,8 +115,8 @@ def test_stage0_writes_back_beyond_max_pending_and_wrong_epochs_do_not_count():
     assert waited == [] and len(queue.items) == 3
     from workers.feedback import Feedback
 
-    queue.items.append(Feedback(4, torch.tensor([104]), [("group4", 1, 5)], {"group4": 0},
-                                wait_fn=lambda: waited.append(4)))
+    queue.items.append(Feedback.of(4, torch.tensor([104]), [("group4", 1, 5)],
+                                   wait_fn=lambda: waited.append(4)))
     queue.settle(batch, {})
     assert waited == [1] and [fb.step_id for fb in queue.items] == [2, 3, 4]
 
@@ -124,7 +126,7 @@ def test_without_pp_all_but_the_newest_are_written_back():
 
     queue, batch = FeedbackQueue(), _Batch()
     for step in (1, 2, 3):
-        queue.items.append(Feedback(step, torch.tensor([step]), [("a", 1, step)], {"a": 0}))
+        queue.items.append(Feedback.of(step, torch.tensor([step]), [("a", 1, step)]))
     queue.settle(batch, None)
     assert [fb.step_id for fb in queue.items] == [3] and len(batch.written) == 2
 

@@ -10,12 +10,17 @@ entries are the last stage's ids, still on their way: `max_pending` is the PP de
 never waits for ids it does not read (its rows decode every `pp` steps, reading the entry `pp`
 steps old; the newer ones stay pending). An id only goes where its request still lives *in the
 same epoch*, so a request that was preempted and re-admitted never reads a stale id.
+
+Each entry remembers the rows it was pushed for and the batch's `layout_version` then: while no
+row has been added, removed or moved since (the common decode step), writing back and planning
+are numpy operations on those rows; after a change they go request by request.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -31,10 +36,37 @@ class Feedback:
 
     step_id: int
     token_ids: torch.Tensor | None                 # [num_sampled] on the device
-    entries: list[tuple[str, int, int]]            # (req_id, epoch, position) per id
-    index: dict[str, int]                          # req_id -> index into token_ids
+    req_ids: list[str]                             # per id
+    rows: np.ndarray                               # [num_sampled] batch rows when pushed
+    epochs: np.ndarray                             # [num_sampled]
+    positions: np.ndarray                          # [num_sampled] where each id goes
+    layout_version: int                            # the batch's, when pushed
     host: HostCopy | None = None
     wait_fn: object = None                          # PP: waits for the ids from the last stage
+
+    @classmethod
+    def of(cls, step_id: int, token_ids: torch.Tensor | None,
+           entries: list[tuple[str, int, int]], wait_fn=None) -> Feedback:
+        """From (req_id, epoch, position) entries with no rows: planned and written back
+        request by request."""
+        req_ids, epochs, positions = zip(*entries) if entries else ((), (), ())
+        return cls(step_id, token_ids, list(req_ids), np.full(len(entries), -1, np.int64),
+                   np.array(epochs, np.int64), np.array(positions, np.int64), -1,
+                   wait_fn=wait_fn)
+
+    @cached_property
+    def entries(self) -> list[tuple[str, int, int]]:
+        """(req_id, epoch, position) per id."""
+        return list(zip(self.req_ids, self.epochs.tolist(), self.positions.tolist()))
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """req_id -> index into token_ids."""
+        return {req_id: j for j, req_id in enumerate(self.req_ids)}
+
+    def rows_valid(self, batch: InputBatch) -> bool:
+        """Whether `rows` still hold the same requests (no row added, removed or moved)."""
+        return self.layout_version == batch.layout_version
 
     def device_ids(self) -> torch.Tensor:
         if self.wait_fn is not None:
@@ -42,10 +74,10 @@ class Feedback:
             self.wait_fn = None
         return self.token_ids
 
-    def host_ids(self) -> list[int]:
+    def host_ids(self) -> np.ndarray:
         if self.host is not None:
-            return self.host.wait()[0].tolist()
-        return self.device_ids().tolist()
+            return self.host.wait()[0].numpy()
+        return self.device_ids().cpu().numpy()
 
     def feeds(self, spans: dict[str, tuple[int, int, int]]) -> bool:
         """Whether a step whose queries cover `spans` reads one of these ids."""
@@ -71,10 +103,9 @@ class FeedbackQueue:
     def push(self, step_id: int, batch: InputBatch, rows: list[int], req_ids: list[str],
              token_ids: torch.Tensor | None, wait_fn=None) -> Feedback:
         """Rows just got a placeholder each for the id `token_ids[k]` (in row order)."""
-        entries = [(req_id, batch.rows[r].epoch, int(batch.num_tokens[r]) - 1)
-                   for r, req_id in zip(rows, req_ids)]
-        index = {req_id: j for j, req_id in enumerate(req_ids)}
-        fb = Feedback(step_id, token_ids, entries, index, wait_fn=wait_fn)
+        rows = np.asarray(rows, dtype=np.int64)
+        fb = Feedback(step_id, token_ids, list(req_ids), rows, batch.epochs[rows],
+                      batch.num_tokens[rows] - 1, batch.layout_version, wait_fn=wait_fn)
         self.items.append(fb)
         return fb
 
@@ -112,7 +143,10 @@ class FeedbackQueue:
     def _write_back(self, batch: InputBatch, count: int) -> None:
         for _ in range(max(0, count)):
             fb = self.items.popleft()
-            for (req_id, epoch, pos), token in zip(fb.entries, fb.host_ids()):
+            if fb.rows_valid(batch):
+                batch.token_ids[fb.rows, fb.positions] = fb.host_ids()
+                continue
+            for (req_id, epoch, pos), token in zip(fb.entries, fb.host_ids().tolist()):
                 batch.write_token(req_id, epoch, pos, token)
 
     def plan(self, batch: InputBatch, host: HostInputs, req_ids: list[str], rows: np.ndarray,
@@ -121,6 +155,9 @@ class FeedbackQueue:
         `poison` (tests) writes garbage where the device ids will land."""
         source, plan = self.source, FeedbackPlan()
         computed, qsl = host.num_computed, host.query_start_loc
+        if source is not None and source.rows_valid(batch):
+            plan = _plan_rows(source, rows, computed, qsl)
+            source = None   # planned
         for i, req_id in enumerate(req_ids if source is not None else ()):
             j = source.index.get(req_id)
             if j is None:
@@ -135,3 +172,19 @@ class FeedbackQueue:
         unknown[plan.dest] = False
         assert not unknown.any(), "a token the host does not know was not fed back"
         return plan
+
+
+def _plan_rows(source: Feedback, rows: np.ndarray, computed: np.ndarray,
+               qsl: np.ndarray) -> FeedbackPlan:
+    """`FeedbackQueue.plan` while the source's rows hold the same requests (same epochs) as
+    when it was pushed: match them against the step's sorted `rows` in numpy."""
+    if not len(rows) or not len(source.rows):
+        return FeedbackPlan()
+    where = np.minimum(np.searchsorted(rows, source.rows), len(rows) - 1)
+    offset = source.positions - computed[where]
+    keep = (rows[where] == source.rows) & (offset >= 0) & (offset < qsl[where + 1] - qsl[where])
+    src = np.flatnonzero(keep)
+    src = src[np.argsort(where[src], kind="stable")]   # in the step's row order
+    i = where[src]
+    return FeedbackPlan(i.tolist(), src.tolist(), offset[src].tolist(),
+                        (qsl[i] + offset[src]).tolist())

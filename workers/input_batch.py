@@ -35,9 +35,11 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.epochs = np.zeros(max_num_reqs, dtype=np.int64)      # of each row's request
         self.rows: list[RowState | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self.num_rows = 0      # rows [0, num_rows) may be occupied (holes until condense)
+        self.layout_version = 0   # bumped whenever a row gets, loses or changes its request
 
     # -- membership ------------------------------------------------------------------------------
     def __contains__(self, req_id: str) -> bool:
@@ -54,6 +56,8 @@ class InputBatch:
         self.append_blocks(row, new.block_ids)
         self.rows[row] = RowState(new.req_id, new.epoch, new.num_prompt_tokens,
                                   new.sampling_params, new.sampling_seed, new.stop_token_ids)
+        self.epochs[row] = new.epoch
+        self.layout_version += 1
         self.row_of[new.req_id] = row
         self.num_rows = max(self.num_rows, row + 1)
         return row
@@ -62,6 +66,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.rows[row] = None
+            self.layout_version += 1
 
     def condense(self) -> None:
         """Move the highest occupied rows into the lowest holes."""
@@ -80,10 +85,11 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         self.token_ids[dst, n:] = -1
-        for arr in (self.num_tokens, self.num_computed, self.num_blocks):
+        for arr in (self.num_tokens, self.num_computed, self.num_blocks, self.epochs):
             arr[dst] = arr[src]
         self.block_table[dst] = self.block_table[src]
         self.rows[dst], self.rows[src] = self.rows[src], None
+        self.layout_version += 1
         self.row_of[self.rows[dst].req_id] = dst
 
     # -- per step updates ------------------------------------------------------------------------
@@ -99,6 +105,11 @@ class InputBatch:
         self.token_ids[row, pos] = -1
         self.num_tokens[row] = pos + 1
         return pos
+
+    def append_placeholders(self, rows: np.ndarray) -> None:
+        """`append_placeholder` for each of `rows` (distinct)."""
+        self.token_ids[rows, self.num_tokens[rows]] = -1
+        self.num_tokens[rows] += 1
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         """Ids already on the host (verified drafts): they take the next positions."""

@@ -81,10 +81,14 @@ class AsyncStepOutput:
     def get(self) -> RunnerOutput:
         out = RunnerOutput(self.step_id, timing=self.timing, prompt_logprobs=self.prompt_logprobs)
         if self.layout is not None and self.layout.req_ids:
-            plain = iter(self.host.wait()[0].tolist() if self.host is not None else [])
+            ids = self.host.wait()[0].tolist() if self.host is not None else []
             out.req_ids = list(self.layout.req_ids)
-            out.sampled_token_ids = [self.spec_ids[r] if r in self.spec_ids else [next(plain)]
-                                     for r in out.req_ids]
+            if self.spec_ids:
+                plain = iter(ids)
+                out.sampled_token_ids = [self.spec_ids[r] if r in self.spec_ids
+                                         else [next(plain)] for r in out.req_ids]
+            else:
+                out.sampled_token_ids = [[token] for token in ids]
             if self.pending is not None:
                 lp, req_ids, copy = self.pending
                 self.logprobs.update((r, d) for r, d in zip(req_ids, lp.resolve(copy.wait()))
@@ -189,12 +193,15 @@ class ModelRunner:
         if so.is_empty:
             return self._empty_output(so, timing)
         inputs = self._prepare_inputs(so)
-        first = inputs.input_ids if self.stage.is_first else self.pp.recv_hidden(so, inputs)
+        first, spans = (inputs.input_ids, []) if self.stage.is_first else \
+            self.pp.recv_hidden(so, inputs)   # (with the earlier stages' forward spans)
         timing.forward_start = time.perf_counter()   # (a later stage's wait for its input is
         # not its forward: the report compares the bottleneck stage's work with the interval)
         hidden = self._forward(first, inputs.meta)
+        timing.stage_forwards = spans
         if not self.stage.is_last:
-            self.pp.send_hidden(so, hidden)
+            spans.append((timing.forward_start, time.perf_counter()))
+            self.pp.send_hidden(so, hidden, spans)
             self._expect_sampled(so, inputs)
             timing.forward_end = time.perf_counter()
             return None
@@ -246,6 +253,8 @@ class ModelRunner:
         for req_id, tokens in result.spec_ids.items():   # verified drafts: host rows now
             self.batch.append_tokens(self.batch.row_of[req_id], tokens)
         timing.forward_end = time.perf_counter()
+        if self.pp is not None:   # the last stage's own span (with its sampling)
+            timing.stage_forwards.append((timing.forward_start, timing.forward_end))
         return AsyncStepOutput(so.step_id, layout, host, result.spec_ids, result.logprobs,
                                timing, pending, inputs.prompt_lp_out)
 
@@ -262,12 +271,13 @@ class ModelRunner:
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_lp_req_ids.add(new.req_id)
         cached = so.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                   cached.num_computed_tokens):
-            row = batch.row_of[req_id]
-            assert batch.rows[row].epoch == so.req_epochs[req_id], "stale row for " + req_id
-            batch.append_blocks(row, block_ids)
-            batch.num_computed[row] = num_computed
+        rows = np.array([batch.row_of[r] for r in cached.req_ids], dtype=np.int64)
+        stale = np.flatnonzero(batch.epochs[rows] != [so.req_epochs[r] for r in cached.req_ids])
+        assert not len(stale), "stale row for " + cached.req_ids[stale[0]]
+        batch.num_computed[rows] = cached.num_computed_tokens
+        for row, block_ids in zip(rows.tolist(), cached.new_block_ids):
+            if block_ids:
+                batch.append_blocks(row, block_ids)
         if gone or so.scheduled_new_reqs:
             batch.condense()
 
@@ -276,7 +286,7 @@ class ModelRunner:
         rows = np.array(sorted(batch.row_of[r] for r in so.num_scheduled_tokens), dtype=np.int64)
         self.feedback.settle(batch, self._query_spans(so, rows)
                              if self.feedback.max_pending > 1 else None)
-        req_ids = [batch.rows[r].req_id for r in rows]
+        req_ids = [batch.rows[r].req_id for r in rows.tolist()]
         for req_id, drafts in so.spec_token_ids.items():   # drafts are host-known inputs
             row = batch.row_of[req_id]
             start = int(batch.num_computed[row]) + 1
@@ -288,9 +298,8 @@ class ModelRunner:
         prev = self.feedback.source.device_ids() if plan.rows else None
         dev = self.input_prep.build(host, plan, prev)
         batch.num_computed[rows] = host.seq_lens
-        for i, req_id in enumerate(layout.req_ids):
-            if req_id not in layout.drafts:
-                batch.append_placeholder(layout.rows[i])
+        batch.append_placeholders(np.array([layout.rows[i] for i in layout.plain],
+                                           dtype=np.int64))
         meta = self._attention_metadata(host, dev)
         logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
         prompt_lp = plan_prompt_logprobs(
@@ -313,6 +322,8 @@ class ModelRunner:
     def _sample_layout(self, so, rows, req_ids, host: HostInputs):
         """Which requests sample and which logits rows they need: the last query token, or
         every query token of a request with drafts (the drafts' positions and one more)."""
+        if not so.spec_token_ids:
+            return self._plain_layout(so, rows, req_ids, host)
         layout, logits_rows = SampleLayout(), []
         qsl = host.query_start_loc
         for i, req_id in enumerate(req_ids):
@@ -331,6 +342,16 @@ class ModelRunner:
             else:
                 logits_rows.append(int(qsl[i + 1]) - 1)
         return layout, logits_rows
+
+    def _plain_layout(self, so, rows, req_ids, host: HostInputs):
+        """`_sample_layout` of a step without drafts, in numpy: the last query token each."""
+        keep = np.array([r in so.sampling_req_ids for r in req_ids], dtype=bool)
+        picked = rows[keep]
+        lost = np.flatnonzero(self.batch.num_tokens[picked] != host.seq_lens[keep])
+        assert not len(lost), "worker lost track of " + req_ids[np.flatnonzero(keep)[lost[0]]]
+        layout = SampleLayout([r for r, k in zip(req_ids, keep.tolist()) if k],
+                              picked.tolist(), list(range(len(picked))))
+        return layout, (host.query_start_loc[1:][keep] - 1).tolist()
 
     def _host_inputs(self, so: SchedulerOutput, rows: np.ndarray,
                      req_ids: list[str]) -> HostInputs:

@@ -5,6 +5,9 @@ Four process groups, so that traffic of different kinds never interleaves:
 * chain (gloo): each request rank 0 receives from the engine core travels down the pipeline,
   rank to rank, sent without waiting: a stage never waits for a later stage to take a request
   (a gloo broadcast would hold rank 0 until every rank joined it, so the stages took turns);
+  on CUDA, with each step's hidden states, the (start, end) forward spans of the stages before
+  (on CPU they ride in the hidden states' message), so the last stage's reply carries every
+  stage's forward (the overlap report's per-stage figures);
 * control (gloo): start-up collectives (the smallest KV cache over ranks);
 * reply (gloo): the last stage sends each step's result back to rank 0, which forwards it
   to the engine core (so only rank 0 talks to the engine, even across hosts);
@@ -77,14 +80,35 @@ class PPComm:
         return buf.numpy().tobytes()
 
     # -- data plane --------------------------------------------------------------------------------
-    def recv_hidden(self, so, inputs) -> torch.Tensor:
-        buf = torch.empty(so.total_num_scheduled_tokens, self.hidden_size, dtype=self.dtype,
-                          device=self.device)
+    def recv_hidden(self, so, inputs) -> tuple[torch.Tensor, list[tuple[float, float]]]:
+        """The previous stage's hidden states [T, hidden] and the forward spans of every
+        stage before this one, first to last. On CPU both come in one message (each message
+        costs the sender a gloo send, about as long as the copy of a batch's hidden states)."""
+        shape = (so.total_num_scheduled_tokens, self.hidden_size)
+        if self.device.type != "cpu":
+            spans = torch.empty(self.rank, 2, dtype=torch.float64)
+            dist.recv(spans, src=self.rank - 1, group=self.chain)
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            dist.recv(buf, src=self.rank - 1, group=self.data)
+            return buf, [(start, end) for start, end in spans.tolist()]
+        num_bytes = shape[0] * shape[1] * self.dtype.itemsize
+        buf = torch.empty(num_bytes + 16 * self.rank, dtype=torch.uint8)
         dist.recv(buf, src=self.rank - 1, group=self.data)
-        return buf
+        spans = buf[num_bytes:].clone().view(torch.float64).view(self.rank, 2)
+        return buf[:num_bytes].view(self.dtype).view(shape), \
+            [(start, end) for start, end in spans.tolist()]
 
-    def send_hidden(self, so, hidden: torch.Tensor) -> None:
-        self._isend(hidden.contiguous(), self.rank + 1, self.data)
+    def send_hidden(self, so, hidden: torch.Tensor,
+                    spans: list[tuple[float, float]]) -> None:
+        """`spans`: the forward (start, end) of this stage and of every one before it."""
+        spans_t = torch.tensor(spans, dtype=torch.float64).reshape(self.rank + 1, 2)
+        if self.device.type != "cpu":   # (the spans stay off the device: no copy to wait for)
+            self._isend(spans_t, self.rank + 1, self.chain)
+            self._isend(hidden.contiguous(), self.rank + 1, self.data)
+            return
+        packed = torch.cat([hidden.contiguous().view(-1).view(torch.uint8),
+                            spans_t.view(-1).view(torch.uint8)])
+        self._isend(packed, self.rank + 1, self.data)
 
     def send_sampled(self, so, token_ids: torch.Tensor) -> None:
         self._isend(token_ids.contiguous(), 0, self.data)

@@ -46,6 +46,8 @@ class TorchAttentionBackend:
 
     # -- per step ------------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata, windows: set[int | None]) -> list[_Group]:
+        if meta.max_query_len == 1:   # decode only: one group, every row in order
+            return [self._decode_group(meta, None, windows)]
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
         decode = [i for i, n in enumerate(q_lens) if n == 1]
@@ -68,17 +70,22 @@ class TorchAttentionBackend:
         return -(-length // self.block_size)
 
     def _decode_group(self, meta, rows, windows) -> _Group:
+        """rows: the decode rows, or None when every row decodes (no gathers)."""
         device = meta.block_tables.device
-        rows_t = torch.tensor(rows, device=device)
-        nb = self._num_blocks(max(meta.seq_lens_cpu[i] for i in rows))
+        if rows is None:
+            rows_t, num_rows = slice(None), meta.num_reqs
+            nb = self._num_blocks(meta.max_seq_len)
+        else:
+            rows_t, num_rows = torch.tensor(rows, device=device), len(rows)
+            nb = self._num_blocks(max(meta.seq_lens_cpu[i] for i in rows))
         seq_lens = meta.seq_lens[rows_t].long()
         masks = {}
         if self.kernel is None:   # the kernel masks by position itself
             j = torch.arange(nb * self.block_size, device=device)
             masks = {w: ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, j, w)   # [B, 1, 1, L]
                      for w in windows}
-        token_idx = meta.query_start_loc[:-1][rows_t].long()
-        return _Group("decode", token_idx, len(rows), 1,
+        token_idx = None if rows is None else meta.query_start_loc[:-1][rows_t].long()
+        return _Group("decode", token_idx, num_rows, 1,
                       meta.block_tables[rows_t, :nb].long(), masks, seq_lens)
 
     def _direct_group(self, meta, rows, q_len, windows) -> _Group:

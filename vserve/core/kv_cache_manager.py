@@ -100,6 +100,8 @@ class KVCacheManager:
         if not blocks:
             return
         start = self.num_cached_blocks.get(request.request_id, 0)
+        if min(num_settled_tokens, request.num_tokens) // self.block_size <= start:
+            return   # no new full block (most calls: a decode step fills one token)
         hashes = self._hashes_upto(request, num_settled_tokens)
         end = min(len(hashes), len(blocks))
         for i in range(start, end):
