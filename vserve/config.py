@@ -239,12 +239,10 @@ def _watchdog_timeout(value) -> float:
 
 
 def load_hf_config(model_path: str):
-    from transformers import AutoConfig
+    """The resolved config (cached as JSON after the first load: vserve.models.hf_config)."""
+    from vserve.models.hf_config import load_hf_config as load
 
-    try:
-        return AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot read the model config in {model_path}: {e}") from e
+    return load(model_path)
 
 
 def eos_ids(model_path: str, hf_config) -> tuple[int, ...]:
