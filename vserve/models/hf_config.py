@@ -34,11 +34,17 @@ class ModelHFConfig(SimpleNamespace):
 def load_hf_config(model_path: str):
     cache = _cache_path(Path(model_path))
     try:
-        return ModelHFConfig(**json.loads(cache.read_text()))
-    except (OSError, ValueError, TypeError):
+        return _from_json(json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
         pass
     values = _resolve(model_path).to_dict()
     _write(cache, values)
+    return ModelHFConfig(**values)
+
+
+def _from_json(values: dict) -> ModelHFConfig:
+    if isinstance(values.get("id2label"), dict):   # JSON made its integer keys strings
+        values["id2label"] = {int(k): v for k, v in values["id2label"].items()}
     return ModelHFConfig(**values)
 
 
