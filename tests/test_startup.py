@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from importlib.metadata import version
 
 import httpx
 import pytest
@@ -50,7 +51,13 @@ def test_phase_lines_in_process(tiny_model_dir, caplog):
 
 
 def test_metrics_export_resident_memory_per_process(tiny_model_dir):
-    with serving([tiny_model_dir("llama"), *TINY_ARGS]) as srv:
+    from vserve.config import load_hf_config
+    from vserve.tokenizer import load_tokenizer
+
+    model_dir = tiny_model_dir("llama")
+    load_hf_config(model_dir)    # warm caches, as on any start after the first
+    load_tokenizer(model_dir)
+    with serving([model_dir, *TINY_ARGS]) as srv:
         text = httpx.get(srv.url + "/metrics", timeout=30).text
         values = {m.group(1): float(m.group(2)) for m in re.finditer(
             r'^vserve:process_resident_memory_bytes\{[^}]*process="(\w+)"[^}]*\} (\S+)$',
@@ -58,6 +65,9 @@ def test_metrics_export_resident_memory_per_process(tiny_model_dir):
         assert set(values) == {"frontend", "engine_core", "worker_0"}, text[-2000:]
         assert all(v > 10 * 2**20 for v in values.values()), values
         log = srv.log_tail(50000)   # the multiprocess start-up: every process's phases
+        maps = open(f"/proc/{srv.pid}/maps").read()
+    if version("torch").endswith("+cpu"):   # the front end has no use for torch
+        assert "libtorch" not in maps
     for process in ("frontend", "engine_core", "worker_0"):
         assert re.search(rf"start-up {process}: \w", log), (process, log[-3000:])
     assert re.search(r"start-up worker_0: load weights \d+\.\d\d s", log)
