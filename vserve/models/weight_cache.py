@@ -28,7 +28,7 @@ from torch import nn
 
 logger = logging.getLogger("vserve")
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 
 MIN_BYTES = 64 * 2**20   # smaller checkpoints load in moments: no copy on disk for them
@@ -71,7 +71,12 @@ def load_into(model: nn.Module, path: Path) -> bool:
         logger.warning("ignoring the weight cache %s: %s", path, e)
         return False
     params = dict(model.named_parameters())
-    if not _fits(params, tensors):
+    if not isinstance(tensors, dict) or not isinstance(tensors.get("aliases"), dict):
+        tensors = None
+    else:
+        tensors = {**tensors["tensors"],
+                   **{a: tensors["tensors"].get(n) for a, n in tensors["aliases"].items()}}
+    if tensors is None or not _fits(params, tensors):
         logger.warning("ignoring the weight cache %s: it does not fit the model", path)
         return False
     for name, tensor in tensors.items():
@@ -83,18 +88,30 @@ def load_into(model: nn.Module, path: Path) -> bool:
 
 def _fits(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> bool:
     return set(params) == set(tensors) and all(
-        params[n].shape == tensors[n].shape and params[n].dtype == tensors[n].dtype
-        for n in params)
+        isinstance(tensors[n], torch.Tensor) and params[n].shape == tensors[n].shape
+        and params[n].dtype == tensors[n].dtype for n in params)
 
 
 def save(model: nn.Module, path: Path) -> None:
     """Write the parameters (atomically); a failure only costs the next load its speed."""
     tensors = {name: p.detach() for name, p in model.named_parameters()}
+    aliases = _tied(model, tensors)
+    for name in aliases:
+        del tensors[name]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(tensors, tmp)
+        torch.save({"tensors": tensors, "aliases": aliases}, tmp)
         tmp.replace(path)
     except OSError as e:
         logger.warning("cannot write the weight cache %s: %s", path, e)
         tmp.unlink(missing_ok=True)
+
+
+def _tied(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """A tied head's weight is a copy of the embedding table: stored once, mapped twice."""
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if (getattr(model, "tie", False) and head is not None and embed is not None
+            and head.shape == embed.shape and torch.equal(head, embed)):
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    return {}
