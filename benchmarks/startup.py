@@ -78,20 +78,20 @@ def tree_rss_mb(pid: int) -> dict[str, int]:
         return {}
     found: dict[str, int] = {}
     workers = 0
-    for p in procs:
+    for p in sorted(procs, key=lambda p: p.pid):
         try:
             cmd = " ".join(p.cmdline())
             rss = p.memory_info().rss >> 20
         except psutil.Error:
             continue
-        if "resource_tracker" in cmd:
-            continue
         if p.pid == pid:
             name = "frontend"
         elif "core_proc" in cmd:
             name = "engine_core"
-        else:
+        elif "spawn_main" in cmd and "resource_tracker" not in cmd:
             name, workers = f"worker_{workers}", workers + 1
+        else:   # the resource tracker, a kernel build's compiler: not part of the engine
+            continue
         found[name] = rss
     return found
 
