@@ -239,12 +239,10 @@ def _watchdog_timeout(value) -> float:
 
 
 def load_hf_config(model_path: str):
-    from transformers import AutoConfig
+    """The resolved config (cached as JSON after the first load: vserve.models.hf_config)."""
+    from vserve.models.hf_config import load_hf_config as load
 
-    try:
-        return AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot read the model config in {model_path}: {e}") from e
+    return load(model_path)
 
 
 def eos_ids(model_path: str, hf_config) -> tuple[int, ...]:
@@ -277,6 +275,8 @@ def cpu_has_bf16() -> bool:
 
 
 def _resolve_device(device: str) -> str:
+    if device == "auto" and _cpu_only_torch():
+        return "cpu"   # known without importing torch (a second of start-up, 300 MB)
     import torch
 
     if device == "auto":
@@ -284,6 +284,16 @@ def _resolve_device(device: str) -> str:
     _require(device in ("cpu", "cuda"), f"device must be auto, cpu or cuda; got {device!r}")
     _require(device != "cuda" or torch.cuda.is_available(), "device='cuda' but no CUDA device")
     return device
+
+
+def _cpu_only_torch() -> bool:
+    """A torch build without any GPU support (its version says `+cpu`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch").endswith("+cpu")
+    except PackageNotFoundError:
+        return False
 
 
 def _require(ok: bool, message: str) -> None:

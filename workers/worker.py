@@ -9,6 +9,7 @@ import time
 import torch
 
 from vserve.core.sched_output import SchedulerOutput
+from vserve.startup import phase
 from workers.device import tune_host_allocator
 from workers.model_runner import AsyncStepOutput, ModelRunner, RunnerConfig
 
@@ -23,18 +24,23 @@ class Worker:
             torch.set_num_threads(num_threads)
         if config.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", config.pp_rank)))
-        self.runner = ModelRunner(config, load_hf_config(config.model_path), pp_comm)
+        self.name = f"worker_{config.pp_rank}"
+        with phase("model config", self.name):
+            hf_config = load_hf_config(config.model_path)
+        self.runner = ModelRunner(config, hf_config, pp_comm)
         self._num_steps = 0
         self._fail_at, self._hang = _fault_step()
 
     def load_model(self) -> None:
-        self.runner.load_model()
+        with phase("load weights", self.name):
+            self.runner.load_model()
 
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks()
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.runner.init_kv_cache(num_blocks)
+        with phase("KV cache", self.name):
+            self.runner.init_kv_cache(num_blocks)
 
     def execute_model(self, so: SchedulerOutput,
                       defer_sampling: bool = False) -> AsyncStepOutput | None:

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import importlib
 
-from vserve.attention.base import AttentionBackend, AttentionMetadata
+
+def __getattr__(name: str):
+    # the interface types import torch: loaded on first use, so that the front end, which
+    # only checks a backend's name, never imports torch
+    if name in ("AttentionBackend", "AttentionMetadata"):
+        from vserve.attention import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _REGISTRY = {
     "torch": ("vserve.attention.torch_backend", "TorchAttentionBackend"),
@@ -24,7 +32,7 @@ def default_backend(device_type: str) -> str:
     return "triton" if device_type == "cuda" else "torch"
 
 
-def get_attention_backend(name: str, block_size: int) -> AttentionBackend:
+def get_attention_backend(name: str, block_size: int):
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; choose one of "
                          f"{available_backends()}")

@@ -21,7 +21,7 @@ from vserve.engine.output_processor import OutputKind, OutputProcessor, RequestS
 from vserve.engine.processor import InputProcessor, Prompt
 from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
-from vserve.tokenizer import load_tokenizer
+from vserve.startup import phase, resident_bytes, start_with_tokenizer
 
 logger = logging.getLogger("vserve")
 
@@ -29,10 +29,10 @@ logger = logging.getLogger("vserve")
 class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.tokenizer, self.client = start_with_tokenizer(config.model.tokenizer,
+                                                           lambda: AsyncMPClient(config))
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = AsyncMPClient(config)
         self.dead_error: str | None = None
         self.last_stats: SchedulerStats | None = None
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
@@ -42,7 +42,9 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls(args.create_engine_config())
+        with phase("config", "frontend"):
+            config = args.create_engine_config()
+        return cls(config)
 
     @property
     def errored(self) -> bool:
@@ -186,6 +188,10 @@ class AsyncLLM:
     async def call_utility(self, method: str, *args):
         self._start()
         return await self.client.call_utility_async(method, *args)
+
+    async def process_memory(self) -> dict[str, int]:
+        """Resident bytes of this process, the engine core and each worker."""
+        return {"frontend": resident_bytes(), **await self.call_utility("process_memory")}
 
     def shutdown(self) -> None:
         if self._handler is not None:

@@ -22,6 +22,7 @@ from vserve.engine.recorder import StepRecorder, exposed_time
 from vserve.engine.structured_output import StructuredOutputManager
 from vserve.envs import read_env
 from vserve.executor import make_executor
+from vserve.startup import phase, resident_bytes
 
 logger = logging.getLogger("vserve.engine")
 
@@ -31,7 +32,8 @@ GRAMMAR_WAIT = "structured output: sampling waits for older steps to advance the
 class EngineCore:
     def __init__(self, config: EngineConfig, executor=None) -> None:
         self.config = config
-        self.executor = executor if executor is not None else make_executor(config)
+        with phase("workers started, model loaded", "engine_core"):
+            self.executor = executor if executor is not None else make_executor(config)
         num_blocks = self.executor.num_kv_blocks()
         block_size = config.cache.block_size
         if num_blocks * block_size < config.model.max_model_len:
@@ -39,7 +41,8 @@ class EngineCore:
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "
                 f"sequence of max_model_len={config.model.max_model_len}; lower max_model_len "
                 "or give the cache more memory (kv_cache_memory_bytes, num_gpu_blocks_override)")
-        self.executor.init_kv_cache(num_blocks)
+        with phase("KV cache", "engine_core"):
+            self.executor.init_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         m = config.model
@@ -136,6 +139,10 @@ class EngineCore:
         if problem is not None:
             logger.error("engine idle invariant violated: %s", problem)
             raise RuntimeError(f"engine idle invariant violated: {problem}")
+
+    def process_memory(self) -> dict[str, int]:
+        """Resident bytes of this process and of each worker process."""
+        return {"engine_core": resident_bytes(), **self.executor.worker_memory()}
 
     # -- the step loops ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

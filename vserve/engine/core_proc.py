@@ -47,13 +47,14 @@ logger = logging.getLogger("vserve.engine")
 
 FRAME_READY, FRAME_OUTPUTS, FRAME_DEAD = b"R", b"O", b"D"
 UTILITY_METHODS = {"reset_prefix_cache", "take_step_records", "ping", "num_kv_blocks_info",
-                   "stats"}
+                   "stats", "process_memory"}
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
                     log_level: str) -> None:
     """Process entry point (spawn)."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    os.environ.setdefault("VSERVE_LOG_LEVEL", log_level)   # workers log at the same level
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started: list[EngineCoreProc] = []   # the front end may die while we start or are stuck
     exit_with_parent(parent_pid, lambda: [p.request_shutdown() for p in started], grace_s=5.0)
@@ -193,6 +194,9 @@ class EngineCoreProc:
 
     def _util_num_kv_blocks_info(self) -> int:
         return self.core.num_kv_blocks
+
+    def _util_process_memory(self) -> dict[str, int]:
+        return self.core.process_memory()
 
     def _util_stats(self) -> dict:
         return msgspec.structs.asdict(self.core.make_stats())

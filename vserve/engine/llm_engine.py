@@ -16,7 +16,7 @@ from vserve.engine.processor import InputProcessor, Prompt
 from vserve.engine.recorder import StepRecord
 from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
-from vserve.tokenizer import load_tokenizer
+from vserve.startup import phase, resident_bytes, start_with_tokenizer
 
 logger = logging.getLogger("vserve")
 
@@ -24,24 +24,27 @@ logger = logging.getLogger("vserve")
 class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess: bool = False) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.tokenizer, self.client = start_with_tokenizer(
+            config.model.tokenizer, lambda: _make_client(config, multiprocess))
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        if multiprocess:
-            from vserve.engine.mp_client import SyncMPClient
-
-            self.client = SyncMPClient(config)
-        else:
-            from vserve.engine.client import InprocClient
-
-            self.client = InprocClient(config)
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.last_stats = None
         self.detokenize_spans: list[tuple[float, float]] = []  # front-end lane of the trace
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> LLMEngine:
-        return cls(args.create_engine_config(), multiprocess)
+        with phase("config", "frontend"):
+            config = args.create_engine_config()
+        return cls(config, multiprocess)
+
+    def process_memory(self) -> dict[str, int]:
+        """Resident bytes of each process: this one, and the engine core and workers when
+        they run in their own."""
+        memory = {"frontend": resident_bytes()}
+        if not hasattr(self.client, "core"):
+            memory.update(self.client.call_utility("process_memory"))
+        return memory
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
@@ -95,3 +98,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _make_client(config: EngineConfig, multiprocess: bool):
+    if multiprocess:
+        from vserve.engine.mp_client import SyncMPClient
+
+        return SyncMPClient(config)
+    from vserve.engine.client import InprocClient
+
+    return InprocClient(config)

@@ -37,8 +37,10 @@ def _generate_parser(sub) -> None:
 
 def _generate(args) -> int:
     from vserve import LLM, SamplingParams
+    from vserve.startup import log_memory, log_ready
 
     llm = LLM(**vars(engine_args_from(args)))
+    log_ready("frontend")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p)
     if args.chat:
@@ -47,6 +49,7 @@ def _generate(args) -> int:
         outs = llm.generate(args.prompts, params)
     for prompt, out in zip(args.prompts, outs):
         print(f"\n>>> {prompt}\n{out.outputs[0].text}")
+    log_memory(llm.engine.process_memory())
     llm.shutdown()
     return 0
 

@@ -50,6 +50,10 @@ class Executor:
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
+    def worker_memory(self) -> dict[str, int]:
+        """Resident bytes of each worker process ({} when the workers run in this one)."""
+        return {}
+
     def shutdown(self) -> None:
         pass
 

@@ -117,6 +117,11 @@ class MultiprocExecutor(Executor):
         future = StepFuture(lambda timeout: self._reply_for(step_id, timeout))
         return future if non_block else future.result()
 
+    def worker_memory(self) -> dict[str, int]:
+        from vserve.startup import resident_bytes
+
+        return {f"worker_{rank}": resident_bytes(p.pid) for rank, p in enumerate(self.procs)}
+
     def add_host_process(self, pid: int) -> None:
         """The front end's process: pinned with the engine core, its CPU time is host work."""
         self.placement.add_host_process(pid)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from vserve import cpu_ops
+from vserve.models import weight_cache
 from vserve.models.fused_decode import attach_kernel
 from vserve.models.packed_linear import can_pack, pack_linears, share_tied_head
 from vserve.models.registry import model_class
 from vserve.models.stage import StageInfo
+
+logger = logging.getLogger("vserve")
 
 
 def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
@@ -26,7 +30,7 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    model.load_weights(iter_weights(model_path, dtype))
+    _fill(model, model_path, dtype, device, stage)
     for module in model.modules():
         if hasattr(module, "post_load"):
             module.post_load()   # tables: rotary cos/sin, and those derived from the weights
@@ -39,6 +43,21 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
             share_tied_head(model)
             attach_kernel(model, kernel)
     return model
+
+
+def _fill(model: nn.Module, model_path: str, dtype: torch.dtype, device: torch.device,
+          stage: StageInfo) -> None:
+    """The checkpoint's weights, or their memory-mapped copy from an earlier load."""
+    files = _safetensors_files(Path(model_path))
+    if not files or not weight_cache.enabled(device, files):
+        model.load_weights(iter_weights(model_path, dtype))
+        return
+    path = weight_cache.cache_file(model_path, files, dtype, stage)
+    if weight_cache.load_into(model, path):
+        logger.info("weights memory-mapped from %s", path)
+        return
+    model.load_weights(iter_weights(model_path, dtype))
+    weight_cache.save(model, path)
 
 
 def iter_weights(model_path: str, dtype: torch.dtype):

@@ -3,9 +3,11 @@
 Two feeds from the engine: `SchedulerStats` (every step commit, once more when the engine goes
 idle, and on each scrape through the `stats` utility call, so gauges read 0 after an abort
 storm) and per-request outputs (TTFT, inter-token latency, end-to-end latency, finish reasons,
-aborts included). Counters that the engine reports cumulatively (prefix cache, preemptions)
-are turned into increments here. A stats message drains the engine's per-step lists, so each
-step's overlap figures are observed exactly once whichever path delivers them.
+aborts included). Each scrape also sets the resident memory of every process
+(`process_resident_memory_bytes{process=...}`). Counters that the engine reports cumulatively
+(prefix cache, preemptions) are turned into increments here. A stats message drains the
+engine's per-step lists, so each step's overlap figures are observed exactly once whichever
+path delivers them.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class ServerMetrics:
             ("scheduler_busy_time_seconds", "Scheduler time per step", _STEP_BUCKETS),
             ("scheduler_exposed_time_seconds",
              "Scheduler time per step not hidden under a forward", _STEP_BUCKETS))}
+        self.memory = Gauge("vserve:process_resident_memory_bytes",
+                            "Resident memory of each process (frontend, engine_core, worker_N)",
+                            ["model_name", "process"], registry=self.registry)
         self.request_success = Counter("vserve:request_success", "Finished requests by reason",
                                        ["model_name", "finished_reason"],
                                        registry=self.registry)
@@ -132,13 +137,20 @@ class ServerMetrics:
         call is in flight at a time."""
         if engine.errored or (self._pending is not None and not self._pending.done()):
             return
-        self._pending = asyncio.ensure_future(engine.call_utility("stats"))
+        self._pending = asyncio.ensure_future(self._fetch(engine))
         self._pending.add_done_callback(self._apply_utility)
         await asyncio.wait({self._pending}, timeout=timeout)
 
+    @staticmethod
+    async def _fetch(engine) -> tuple[dict, dict[str, int]]:
+        return await engine.call_utility("stats"), await engine.process_memory()
+
     def _apply_utility(self, task: asyncio.Future) -> None:
         if not task.cancelled() and task.exception() is None:
-            self.on_stats(SchedulerStats(**task.result()))
+            stats, memory = task.result()
+            self.on_stats(SchedulerStats(**stats))
+            for process, value in memory.items():
+                self.memory.labels(self.model_name, process).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -51,6 +51,7 @@ from vserve.entrypoints.openai.serving_chat import ChatServer
 from vserve.entrypoints.openai.serving_completion import CompletionServer
 from vserve.entrypoints.openai.tool_calls import ToolSettings, template_tools
 from vserve.envs import ENV
+from vserve.startup import log_memory, log_ready
 
 logger = logging.getLogger("vserve.server")
 
@@ -67,6 +68,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         # binds the engine to this loop now, so its death is seen before any request
         await engine.call_utility("ping")
         metrics.attach(engine)
+        log_ready("frontend")
+        log_memory(await engine.process_memory())
         task = asyncio.create_task(
             watchdog(ctx, metrics, not getattr(args, "disable_log_stats", True)))
         yield

@@ -1,0 +1,226 @@
+"""Start-up time and resident memory, each case a fresh process, repeated.
+
+* generate: wall time of `vserve generate "The capital of France is"` (start to exit), the
+  start-up phases it logs, and the largest resident memory of each of its processes;
+* serve: time from starting `vserve serve` to the first `/health` 200, then one completion,
+  then the resident memory of every process (read from outside, and as `/metrics` exports
+  it).
+
+    python benchmarks/startup.py [--model M] [--runs 3] [--engine-args "--dtype float32"]
+                                 [--compare-tree /path/to/other/checkout]
+
+`--compare-tree` runs the same cases with another source tree on PYTHONPATH, interleaved
+run by run with this one, and reports the ratios (the machine may be shared: compare within
+one run). Caches are warm after the first run of each tree: the first run of each is a
+warm-up and not counted unless `--runs 1`. Prints a table and writes
+benchmarks/results/startup.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The capital of France is"
+_PHASE = re.compile(r"start-up (\w+): (.+?) (\d+\.\d+) s$", re.M)
+
+
+def _env(tree: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _cli(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "vserve.entrypoints.cli", *args]
+
+
+def run_generate(tree: Path, model: str, engine_args: list[str]) -> dict:
+    """Wall time; memory: each process's largest RSS, sampled from outside every 0.1 s."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(_cli(["--log-level", "INFO", "generate", PROMPT,
+                                      "--max-tokens", "8", "--model", model, *engine_args]),
+                                env=_env(tree), cwd=tree, stdout=subprocess.DEVNULL,
+                                stderr=err)
+        peak: dict[str, int] = {}
+        while proc.poll() is None:
+            for name, value in tree_rss_mb(proc.pid).items():
+                peak[name] = max(peak.get(name, 0), value)
+            time.sleep(0.1)
+        wall = time.perf_counter() - start
+        err.seek(0)
+        log = err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"generate failed:\n{log[-3000:]}")
+    return {"wall_s": wall, "phases": _phases(log), "rss_mb": peak}
+
+
+def tree_rss_mb(pid: int) -> dict[str, int]:
+    """RSS (MB) of a front end and its engine processes, named by role."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    found: dict[str, int] = {}
+    workers = 0
+    for p in sorted(procs, key=lambda p: p.pid):
+        try:
+            cmd = " ".join(p.cmdline())
+            rss = p.memory_info().rss >> 20
+        except psutil.Error:
+            continue
+        if p.pid == pid:
+            name = "frontend"
+        elif "core_proc" in cmd:
+            name = "engine_core"
+        elif "spawn_main" in cmd and "resource_tracker" not in cmd:
+            name, workers = f"worker_{workers}", workers + 1
+        else:   # the resource tracker, a kernel build's compiler: not part of the engine
+            continue
+        found[name] = rss
+    return found
+
+
+def run_serve(tree: Path, model: str, engine_args: list[str]) -> dict:
+    port = _free_port()
+    log = tree / f".startup-bench-{port}.log" if os.access(tree, os.W_OK) else Path(
+        f"/tmp/startup-bench-{port}.log")
+    with open(log, "w") as sink:
+        start = time.perf_counter()
+        proc = subprocess.Popen(_cli(["serve", model, "--port", str(port), *engine_args]),
+                                env=_env(tree), cwd=tree, stdout=sink,
+                                stderr=subprocess.STDOUT)
+        try:
+            ready = _wait_health(proc, f"http://127.0.0.1:{port}", start)
+            url = f"http://127.0.0.1:{port}"
+            httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8,
+                                                      "temperature": 0}, timeout=300)
+            rss = tree_rss_mb(proc.pid)   # from outside: any version of the server
+            exported = _metric_rss(httpx.get(url + "/metrics", timeout=60).text)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    text = log.read_text()
+    log.unlink(missing_ok=True)
+    return {"ready_s": ready, "phases": _phases(text), "rss_mb": rss,
+            "metrics_rss_mb": exported}
+
+
+def _wait_health(proc: subprocess.Popen, url: str, start: float) -> float:
+    while time.perf_counter() - start < 900:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("server not ready in 900 s")
+
+
+def _metric_rss(text: str) -> dict[str, int]:
+    found = re.findall(r'^vserve:process_resident_memory_bytes\{[^}]*process="(\w+)"[^}]*\} '
+                       r'(\S+)$', text, re.M)
+    return {name: int(float(value) / 2**20) for name, value in found}
+
+
+def _phases(log: str) -> dict[str, float]:
+    return {f"{process}: {name}": float(secs) for process, name, secs in _PHASE.findall(log)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarize(runs: list[dict]) -> dict:
+    counted = runs[1:] if len(runs) > 1 else runs   # the first run warms the caches
+    key = "wall_s" if "wall_s" in runs[0] else "ready_s"
+    phases = {name: statistics.median(r["phases"].get(name, 0.0) for r in counted)
+              for name in counted[-1]["phases"]}
+    rss = counted[-1]["rss_mb"]
+    return {key: statistics.median(r[key] for r in counted), "phases": phases,
+            "rss_mb": rss, "rss_total_mb": sum(rss.values()), "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--engine-args", default="", help="extra engine flags, one string")
+    parser.add_argument("--cases", default="generate,serve")
+    parser.add_argument("--compare-tree", default=None,
+                        help="another vserve checkout, run interleaved with this one")
+    parser.add_argument("--output-json", default=str(ROOT / "benchmarks/results/startup.json"))
+    args = parser.parse_args()
+    trees = {"this": ROOT}
+    if args.compare_tree:
+        trees["compare"] = Path(args.compare_tree).resolve()
+    engine_args = shlex.split(args.engine_args)
+    cases = {"generate": run_generate, "serve": run_serve}
+    results: dict[str, dict[str, list]] = {t: {c: [] for c in args.cases.split(",")}
+                                           for t in trees}
+    for i in range(args.runs):
+        for case in args.cases.split(","):
+            for tree_name, tree in trees.items():
+                result = cases[case](tree, args.model, engine_args)
+                results[tree_name][case].append(result)
+                print(f"run {i} {tree_name:8s} {case:8s} "
+                      f"{result.get('wall_s', result.get('ready_s')):6.2f} s "
+                      f"rss {sum(result['rss_mb'].values())} MB", flush=True)
+    summary = {t: {c: summarize(r) for c, r in cases_.items()} for t, cases_ in results.items()}
+    print_table(summary)
+    out = Path(args.output_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": args.model, "engine_args": engine_args,
+                               "runs": args.runs, "trees": {t: str(p) for t, p in
+                                                             trees.items()},
+                               "summary": summary}, indent=2))
+    print(f"wrote {out}")
+
+
+def print_table(summary: dict) -> None:
+    print("\n| tree | case | time (s) | RSS total (MB) | RSS per process (MB) |")
+    print("|---|---|---|---|---|")
+    for tree, cases in summary.items():
+        for case, s in cases.items():
+            value = s.get("wall_s", s.get("ready_s"))
+            per = ", ".join(f"{k} {v}" for k, v in s["rss_mb"].items())
+            print(f"| {tree} | {case} | {value:.2f} | {s['rss_total_mb']} | {per} |")
+    names = sorted({n for cases in summary.values() for s in cases.values()
+                    for n in s["phases"]})
+    if not names:
+        return
+    trees = list(summary)
+    print("\n| phase (median s) | " + " | ".join(f"{t} {c}" for t in trees
+                                                  for c in summary[t]) + " |")
+    print("|---|" + "---|" * sum(len(summary[t]) for t in trees))
+    for name in names:
+        cells = [f"{summary[t][c]['phases'].get(name, float('nan')):.2f}"
+                 for t in trees for c in summary[t]]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A model's Hugging Face config, resolved by transformers once and then read as plain JSON.
+
+Building the config through `AutoConfig` costs about a second of CPU in every process that does
+it (importing transformers scans its 1,700 model files), and the worker and engine core need
+nothing from transformers but the resolved values (defaults and derived fields such as
+`layer_types` and `rope_parameters` included). The first load resolves the config with
+transformers and stores `to_dict()` in `$XDG_CACHE_HOME/vserve/configs`, keyed by the
+`config.json` file's identity and the transformers version (like the kernel cache); later
+loads, in any process, read that file into a `ModelHFConfig`, attribute for attribute the
+same values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+logger = logging.getLogger("vserve")
+
+CACHE_VERSION = 1
+
+
+class ModelHFConfig(SimpleNamespace):
+    """The resolved config's attributes (`to_dict()` of the transformers config)."""
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def load_hf_config(model_path: str):
+    cache = _cache_path(Path(model_path))
+    try:
+        return _from_json(json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    values = _resolve(model_path).to_dict()
+    _write(cache, values)
+    return ModelHFConfig(**values)
+
+
+def _from_json(values: dict) -> ModelHFConfig:
+    if isinstance(values.get("id2label"), dict):   # JSON made its integer keys strings
+        values["id2label"] = {int(k): v for k, v in values["id2label"].items()}
+    return ModelHFConfig(**values)
+
+
+def _resolve(model_path: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the model config in {model_path}: {e}") from e
+
+
+def _cache_path(folder: Path) -> Path:
+    try:
+        stat = (folder / "config.json").stat()
+        identity = f"{stat.st_size}:{stat.st_mtime_ns}"
+    except OSError:
+        identity = "-"
+    key = "\n".join([str(folder.resolve()), identity, _transformers_version(),
+                     str(CACHE_VERSION)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vserve" / "configs" / f"{digest}.json"
+
+
+def _transformers_version() -> str:
+    """The installed version without importing transformers (its metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "-"
+
+
+def _write(path: Path, values: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(values))
+        tmp.replace(path)
+    except (OSError, TypeError, ValueError) as e:   # read-only cache or an odd value
+        logger.debug("cannot cache the resolved config in %s: %s", path, e)
