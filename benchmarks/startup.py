@@ -33,7 +33,9 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
+
+from vserve import proc_tree
+from vserve.startup import resident_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
@@ -71,20 +73,14 @@ def run_generate(tree: Path, model: str, engine_args: list[str]) -> dict:
 
 def tree_rss_mb(pid: int) -> dict[str, int]:
     """RSS (MB) of a front end and its engine processes, named by role."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return {}
     found: dict[str, int] = {}
     workers = 0
-    for p in sorted(procs, key=lambda p: p.pid):
-        try:
-            cmd = " ".join(p.cmdline())
-            rss = p.memory_info().rss >> 20
-        except psutil.Error:
+    for p in sorted([pid, *proc_tree.descendants(pid)]):
+        cmd = proc_tree.cmdline(p).replace(b"\0", b" ").decode(errors="replace")
+        rss = resident_bytes(p) >> 20
+        if not rss:   # gone meanwhile
             continue
-        if p.pid == pid:
+        if p == pid:
             name = "frontend"
         elif "core_proc" in cmd:
             name = "engine_core"
