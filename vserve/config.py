@@ -21,7 +21,11 @@ logger = logging.getLogger("vserve")
 _DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
            "fp16": "float16"}
-DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+# CPU defaults that suit a small machine (2 cores): a batch of 64 already saturates the
+# matmuls, and an 8k-token prompt takes seconds to prefill. The KV budget follows from them.
+CPU_DEFAULT_MAX_NUM_SEQS = 64
+CPU_DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,9 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None   # None: 4 GiB on CPU, gpu_memory_utilization on CUDA
+    # None: what max_num_seqs x max_model_len use, at most 4 GiB, on CPU (committed as blocks
+    # fill); gpu_memory_utilization on CUDA
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
 
 
@@ -96,7 +102,7 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None   # None: 64 on CPU, 256 on CUDA
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -137,13 +143,16 @@ class EngineArgs:
                  f"attention_backend must be one of {available_backends()}, got {backend!r}")
         async_on, reason = self._async_decision()
         parallel = self._parallel_config(device, async_on, hf_config, model_cfg.max_model_len)
-        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = CPU_DEFAULT_MAX_NUM_SEQS if device == "cpu" else DEFAULT_MAX_NUM_SEQS
+        _require(max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}")
         batched = self.max_num_batched_tokens or 2048
         _require(batched >= 1, f"max_num_batched_tokens must be >= 1, got {batched}")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two up to 128, got {self.block_size}")
         scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=model_cfg.max_model_len, async_scheduling=async_on,
             pipeline_parallel_size=parallel.pipeline_parallel_size)
         cache = CacheConfig(self.block_size, self.enable_prefix_caching,
@@ -182,7 +191,8 @@ class EngineArgs:
                 # bf16 instructions; pass dtype="float32" for exact fp32 numerics
                 dtype = "bfloat16"
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-        max_len = self.max_model_len or limit
+        default_len = min(limit, CPU_DEFAULT_MAX_MODEL_LEN) if device == "cpu" else limit
+        max_len = self.max_model_len or default_len
         _require(isinstance(max_len, int) and 1 < max_len <= limit,
                  f"max_model_len must be in [2, {limit}] (the model's "
                  f"max_position_embeddings), got {self.max_model_len!r}")

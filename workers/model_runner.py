@@ -30,6 +30,7 @@ from workers.device import DeviceShim, HostCopy
 from workers.feedback import FeedbackQueue
 from workers.input_batch import InputBatch
 from workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
+from workers.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, new_kv_tensor, num_blocks_for
 from workers.sample_step import SampleLayout, StepSampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,23 +136,23 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             return max(0, int(total * self.config.gpu_memory_utilization) - used)
-        return 4 * 1024**3
+        return DEFAULT_CPU_KV_CACHE_BYTES   # a ceiling: pages are committed as blocks fill
 
     def num_kv_blocks(self) -> int:
         """How many blocks this stage could hold (the engine takes the min over stages)."""
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
-        by_memory = self.available_kv_bytes() // max(1, self.kv_bytes_per_block())
-        per_seq = -(-self.config.max_model_len // self.config.block_size)
-        return int(min(by_memory, 2 * per_seq * self.config.max_num_seqs))
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        return num_blocks_for(self.kv_bytes_per_block(), self.available_kv_bytes(),
+                              cfg.max_num_seqs, cfg.max_model_len, cfg.block_size)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = [None] * self.hf_config.num_hidden_layers
         bs = self.config.block_size
         for i in range(self.stage.start_layer, self.stage.end_layer):
             spec = self.model.layer_specs[i]
-            self.kv_caches[i] = torch.zeros(2, num_blocks, bs, spec.num_kv_heads,
-                                            spec.head_dim, dtype=self.dtype, device=self.device)
+            self.kv_caches[i] = new_kv_tensor(num_blocks, bs, spec.num_kv_heads, spec.head_dim,
+                                              self.dtype, self.device)
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self) -> DecodeGraphs | None:
