@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from vserve.core.scheduler import SchedulerConfig
+from vserve.core.sliding_window import local_block_cap
 from vserve.core.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger("vserve")
@@ -51,6 +52,9 @@ class CacheConfig:
     # fill); gpu_memory_utilization on CUDA
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # window of the sliding-window layers' own KV group, whose blocks are returned once out of
+    # the window; None: one group for every layer
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,16 @@ class EngineConfig:
         if pp > 1:
             return pp + 1 if self.async_scheduling else pp
         return 2 if self.async_scheduling else 1
+
+    @property
+    def local_block_cap(self) -> int:
+        """Most blocks the sliding-window KV group can use at once (0: no such group)."""
+        window = self.cache.sliding_window
+        if window is None:
+            return 0
+        s = self.scheduler
+        return local_block_cap(window, self.cache.block_size, s.max_num_seqs,
+                               s.max_num_batched_tokens, self.max_concurrent_batches)
 
 
 @dataclass
@@ -157,7 +171,8 @@ class EngineArgs:
             pipeline_parallel_size=parallel.pipeline_parallel_size)
         cache = CacheConfig(self.block_size, self.enable_prefix_caching,
                             self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
-                            self.gpu_memory_utilization)
+                            self.gpu_memory_utilization,
+                            kv_sliding_window(hf_config, backend, model_cfg.max_model_len))
         return EngineConfig(model_cfg, cache, scheduler, parallel,
                             DeviceConfig(device, backend, self.enforce_eager), async_on, reason,
                             self._speculative(), _watchdog_timeout(self.watchdog_timeout))
@@ -230,6 +245,17 @@ class EngineArgs:
         if self.async_scheduling is False:
             return False, "async_scheduling=False was requested"
         return True, None
+
+
+def kv_sliding_window(hf_config, backend: str, max_model_len: int) -> int | None:
+    """The window of a separate KV group for the sliding-window layers, or None: no such
+    layers, a window as long as the context, or the Triton backend (one block table)."""
+    from vserve.models.decoder import layer_windows
+
+    windows = [w for w in layer_windows(hf_config) if w]
+    if backend != "torch" or not windows or max(windows) >= max_model_len:
+        return None
+    return max(windows)
 
 
 def default_executor(pp: int, device: str, async_on: bool) -> str:
