@@ -85,3 +85,20 @@ def test_cpu_defaults(tiny_model_dir):
     cfg = EngineArgs(model=tiny_model_dir("llama", max_position_embeddings=32768),
                      device="cpu", max_model_len=16384, max_num_seqs=256).create_engine_config()
     assert (cfg.model.max_model_len, cfg.scheduler.max_num_seqs) == (16384, 256)
+
+
+def test_uncached_blocks_are_reused_first(tiny_model_dir):
+    """Without prefix caching a freed block holds nothing worth keeping: the pool hands it out
+    again before a block no step has written, so resident memory stays at the peak in use
+    instead of creeping through the whole budget request after request."""
+    llm = make_llm(tiny_model_dir("llama"), max_model_len=1024, block_size=16,
+                   num_gpu_blocks_override=4096, enable_prefix_caching=False)
+    runner = llm.engine.client.core.executor.worker.runner
+    caches = [c for c in runner.kv_caches if c is not None]
+    per_block = sum(c[:, 0].nbytes for c in caches)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i in range(6):   # 6 requests of 308 tokens (20 blocks) one after the other
+        llm.generate([{"prompt_token_ids": [5 + (i + j) % 300 for j in range(300)]}], sp,
+                     use_tqdm=False)
+    resident = sum(resident_bytes(c) for c in caches)
+    assert resident <= 22 * per_block + len(caches) * 2 * PAGE, resident / per_block
