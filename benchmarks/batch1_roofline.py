@@ -7,8 +7,10 @@ copy benchmark, counts the weight bytes from the checkpoint, runs one request th
 model step time of its decode steps (the worker's forward through sampling) with the floor.
 
     python benchmarks/batch1_roofline.py [--model PATH] [--dtype auto] [--output-len 128]
+        [--device auto|cpu|cuda] [--output-json PATH]
 
-Prints a markdown table and writes benchmarks/results/batch1_roofline.json.
+On a GPU the bandwidth is the device's (HBM) copy bandwidth. Prints a markdown table and
+writes benchmarks/results/batch1_roofline.json (or --output-json).
 """
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ import torch
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def copy_bandwidth(mib: int = 512, repeats: int = 10) -> float:
+def copy_bandwidth(mib: int = 512, repeats: int = 10, device: str = "cpu") -> float:
     """Best of `repeats` copies of a `mib` MiB buffer, in GB/s counting read and write bytes."""
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     for _ in range(3):
         dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         best = min(best, time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / best / 1e9
 
@@ -66,7 +71,8 @@ def _numel(shape) -> int:
 def decode_step_times(args) -> tuple[list[float], object]:
     from vserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              max_model_len=args.input_len + args.output_len + 16)
     prompt = {"prompt_token_ids": list(range(1000, 1000 + args.input_len))}
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)   # warm up every shape once
@@ -88,8 +94,12 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    bandwidth = copy_bandwidth()                    # before the engine owns the cores
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    bandwidth = copy_bandwidth(device=args.device)   # before the engine owns the cores
     steps, config = decode_step_times(args)
     wbytes = weight_bytes(config.model, config.dtype)
     floor_ms = wbytes / (bandwidth * 1e9) * 1e3
@@ -104,9 +114,9 @@ def main() -> None:
     table = "\n".join(["| quantity | value |", "|---|---|"]
                       + [f"| {k} | {v} |" for k, v in rows])
     print(f"\nbatch 1, {args.input_len} in / {args.output_len} out, greedy\n\n{table}")
-    out_dir = Path(__file__).parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "batch1_roofline.json").write_text(json.dumps({
+    out = Path(args.output_json or Path(__file__).parent / "results" / "batch1_roofline.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "args": vars(args), "dtype": config.dtype, "copy_bandwidth_gbs": bandwidth,
         "weight_bytes": wbytes, "streaming_ms": floor_ms, "step_median_ms": median_ms,
         "step_mean_ms": mean_ms, "ratio": median_ms / floor_ms, "num_steps": len(steps)},

@@ -1,198 +1,167 @@
 #!/usr/bin/env bash
-# One-shot check of vserve on a GPU machine: install, GPU tests, then `vserve bench throughput`
-# and `vserve bench latency` on the embedded Gemma-3-270M and on a random-weight Llama-shaped
-# ~1B model (built here with transformers), sync and async, CUDA graphs and eager, printing
-# the throughput summaries, the overlap reports and a table of the figures at the end.
+# One-shot check of vserve on the lent GPU machine (no network; see README, GPU check):
+# installs the carried wheels (.whl, from benchmarks/gpu_wheels.sh) into a target folder,
+# runs the GPU tests, builds random-weight models on the device (Llama ~1.1B, Gemma-3-270M
+# shaped), then throughput and latency (sync vs async, CUDA graphs vs eager, temperature 0
+# and 1), the Triton kernels against their torch references on real shapes, and a batch-1
+# decode against the HBM roofline. Every figure goes to $OUT/results.json, a table to
+# $OUT/summary.md, the whole log to $OUT/gpu_check.log.
 #
-#   bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh                 # on the GPU machine (carry [".whl"])
+#   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh # the dry run here: same steps, CPU sizes
 #
-# Sized to finish in under 8 minutes on one H200. Without a CUDA device it runs its CPU
-# fallback: no GPU tests, the embedded model only, tiny sizes, eager only (CUDA graphs do not
-# exist on CPU). Every step runs under a time limit; a failed step is reported and the rest
-# still run; the exit status is non-zero if any step failed.
+# Steps run in priority order (most important first), each under its own time limit; no step
+# starts unless it fits in what is left of GPU_CHECK_BUDGET (default 480 s on a GPU), so the
+# run ends inside 8 minutes and reports what it skipped. A failed step is reported and the
+# rest still run; the exit status is non-zero if any step failed.
 #
-# Environment: PYTHON (default python3), SKIP_INSTALL=1 (use the environment as it is),
-# GPU_CHECK_DIR (built model and JSON results; default /tmp/vserve-gpu-check, no spaces),
-# GPU_CHECK_BUDGET (seconds after which no new step starts; GPU default 390). Runs are ordered
-# by priority (async before sync, graphs before eager, both models per mode) so a budget cut
-# drops the least informative ones.
+# Environment: PYTHON (default python3), OUT (default $GPU_CHECK_DIR/out), GPU_CHECK_DIR
+# (models and results; default /tmp/vserve-gpu-check), GPU_CHECK_WHEELS (default .whl),
+# GPU_CHECK_BUDGET (seconds), GPU_CHECK_ONLY (space-separated step names: a targeted rerun),
+# GPU_CHECK_CPU=1 (CPU mode even where CUDA exists).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 WORK="${GPU_CHECK_DIR:-/tmp/vserve-gpu-check}"
+OUT="${OUT:-$WORK/out}"
+WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.whl}"
 RESULTS="$WORK/results"
-FAILED=()
-SKIPPED=()
 START=$SECONDS
+STEPS="$WORK/steps.tsv"
+FAILED=0
+mkdir -p "$OUT" "$RESULTS"
+rm -f "$RESULTS"/*.json "$STEPS"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 
-run() {  # run NAME LIMIT_S CMD...: time one step; a failure is recorded, not fatal
-  local name=$1 limit=$2
+# -- install: carried wheels only, never a network -----------------------------------------------
+export PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
+SITE="$WORK/site"
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  rm -rf "$SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    "$WHEELS"/*.whl || { echo "installing $WHEELS failed"; exit 1; }
+  echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE"
+else
+  echo "no wheels in $WHEELS: using the environment as it is"
+fi
+export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+
+CUDA=0
+if [ "${GPU_CHECK_CPU:-0}" != 1 ] && "$PY" -c "import torch; assert torch.cuda.is_available()" \
+    2>/dev/null; then
+  CUDA=1
+fi
+BUDGET="${GPU_CHECK_BUDGET:-$([ "$CUDA" = 1 ] && echo 480 || echo 5400)}"
+RESERVE=15   # for the summary
+if [ "$CUDA" = 1 ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  SCALE=1   # time limits as written
+else
+  # CPU mode: the same steps, small sizes, limits for a loaded 2-core machine (the first
+  # engine also builds the CPU kernels)
+  export CUDA_VISIBLE_DEVICES=""
+  SCALE=8
+fi
+"$PY" -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], \
+'| torch', torch.__version__, '| triton', triton.__version__, '| transformers', \
+transformers.__version__, '| cuda', torch.cuda.is_available())" || true
+
+step() {  # step NAME LIMIT_S CMD...: one timed step in priority order; failures are recorded
+  local name=$1 limit=$(($2 * SCALE)) left
   shift 2
-  echo
-  if [ $((SECONDS - START)) -ge "$BUDGET" ]; then
-    echo "=== $name: SKIPPED (past the ${BUDGET} s budget for starting steps) ==="
-    SKIPPED+=("$name")
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then
     return
   fi
-  echo "=== $name ==="
+  left=$((BUDGET - RESERVE - (SECONDS - START)))
+  [ "$limit" -le "$left" ] || limit=$left
+  echo
+  if [ "$limit" -lt 20 ]; then
+    echo "=== $name: SKIPPED (${left} s left of the ${BUDGET} s budget) ==="
+    printf '%s\tskipped\t0\n' "$name" >>"$STEPS"
+    return
+  fi
+  echo "=== $name (limit ${limit} s) ==="
   echo "+ $*"
-  local t0=$SECONDS
-  if timeout "$limit" "$@"; then
+  local t0=$SECONDS rc
+  timeout -k 5 "$limit" "$@"
+  rc=$?
+  if [ "$rc" = 0 ]; then
     echo "--- $name: ok ($((SECONDS - t0)) s)"
+    printf '%s\tok\t%s\n' "$name" $((SECONDS - t0)) >>"$STEPS"
   else
-    echo "--- $name: FAILED (exit $?, $((SECONDS - t0)) s)"
-    FAILED+=("$name")
+    [ "$rc" = 124 ] && rc="timeout"
+    echo "--- $name: FAILED ($rc, $((SECONDS - t0)) s)"
+    printf '%s\tFAILED (%s)\t%s\n' "$name" "$rc" $((SECONDS - t0)) >>"$STEPS"
+    FAILED=1
   fi
 }
 
-has_nvidia() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
-torch_cuda() { "$PY" -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; }
-
-# -- (a) install -------------------------------------------------------------------------------
-install() {
-  if [ "${SKIP_INSTALL:-0}" = 1 ]; then
-    echo "SKIP_INSTALL=1: using the environment as it is"
-  elif ! "$PY" -m pip install -q --retries 1 --timeout 15 -e ".[test]"; then
-    # an offline machine: the dependencies must already be there
-    echo "pip install -e .[test] failed; trying without dependencies"
-    "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
-      || { echo "no install: running from the source tree"; export PYTHONPATH="$ROOT"; }
-  fi
-  if has_nvidia && ! torch_cuda; then
-    echo "a GPU is present but this torch cannot use it: installing torch"
-    "$PY" -m pip install -q --retries 1 --timeout 15 torch
-  fi
-}
-install
-CUDA=0
-torch_cuda && CUDA=1
-# No step starts after BUDGET seconds: with each GPU step capped below, the whole run stays
-# under 8 minutes on an H200 even when something is slow. The CPU fallback has no such target.
-BUDGET="${GPU_CHECK_BUDGET:-390}"
-[ "$CUDA" = 1 ] || BUDGET="${GPU_CHECK_BUDGET:-1800}"
-VSERVE=("$PY" -m vserve.entrypoints.cli --log-level INFO)
-export VSERVE_LOG_LEVEL=INFO   # engine processes log their start-up (CUDA graph capture)
-mkdir -p "$RESULTS"
-rm -f "$RESULTS"/*.json
+VSERVE=("$PY" -m vserve.entrypoints.cli --log-level WARNING)
+MODELS="$WORK/models"
+LLAMA="$MODELS/llama-1b"
+GEMMA="$MODELS/gemma3-270m-shape"
 if [ "$CUDA" = 1 ]; then
-  "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), '| torch', \
-torch.__version__)"
+  SMALL=()
+  DEV=(--device cuda --dtype bfloat16)
+  TPUT=(--num-prompts 128 --input-len 256 --output-len 128 --max-num-seqs 128
+        --max-model-len 512)
+  LAT=(--batch-size 8 --input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 3
+       --max-num-seqs 16 --max-model-len 512)
 else
-  echo "device: no CUDA device, CPU fallback"
+  SMALL=(--small)
+  DEV=(--device cpu --dtype bfloat16)
+  TPUT=(--num-prompts 8 --input-len 32 --output-len 16 --max-num-seqs 8 --max-model-len 128)
+  LAT=(--batch-size 2 --input-len 16 --output-len 16 --num-iters-warmup 0 --num-iters 1
+       --max-num-seqs 4 --max-model-len 128)
 fi
 
-# -- (b) GPU tests -----------------------------------------------------------------------------
-if [ "$CUDA" = 1 ]; then
-  run "GPU tests" 240 "$PY" -m pytest -m gpu -q
-else
-  echo
-  echo "=== GPU tests: skipped (no CUDA device) ==="
-fi
-
-# -- (c) benchmarks ----------------------------------------------------------------------------
-# a random-weight Llama-shaped ~1.1B model with the embedded model's tokenizer
-BUILD_1B=$(cat <<'EOF'
-import shutil
-import sys
-from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-
-from vserve.models.resolve import embedded_model_path
-
-dest = Path(sys.argv[1])
-if (dest / ".complete").is_file():
-    print(f"reusing {dest}")
-    sys.exit(0)
-tok = embedded_model_path()
-cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-                  num_key_value_heads=8, intermediate_size=8192, vocab_size=32000,
-                  max_position_embeddings=2048, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-                  tie_word_embeddings=False)
-with torch.device("cuda"):   # initialising 1.1B weights on the GPU takes a second
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-model.save_pretrained(str(dest))
-for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-    if (tok / name).is_file():
-        shutil.copy(tok / name, dest / name)
-(dest / ".complete").write_text("ok")
-print(f"built {dest}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
-EOF
-)
-
-bench() {  # bench LABEL SCHED GRAPHS MODEL_FLAGS...: one throughput and one latency run
-  local label=$1 sched=$2 graphs=$3
+tput() {  # tput NAME MODEL TEMPERATURE FLAGS...
+  local name=$1 model=$2 temp=$3
   shift 3
-  local flags=("$@" --no-async-scheduling)
-  [ "$sched" = async ] && flags=("$@" --async-scheduling)
-  [ "$graphs" = eager ] && flags+=(--enforce-eager)
-  local tag="${label}_${sched}_${graphs}"
-  run "throughput: $label $sched $graphs" "$BENCH_LIMIT" "${VSERVE[@]}" bench throughput \
-    "${flags[@]}" "${THROUGHPUT[@]}" --output-json "$RESULTS/throughput_$tag.json"
-  run "latency: $label $sched $graphs" "$BENCH_LIMIT" "${VSERVE[@]}" bench latency \
-    "${flags[@]}" "${LATENCY[@]}" --output-json "$RESULTS/latency_$tag.json"
+  step "$name" 90 "${VSERVE[@]}" bench throughput --model "$model" "${DEV[@]}" "${TPUT[@]}" \
+    --temperature "$temp" "$@" --output-json "$RESULTS/$name.json"
+}
+lat() {  # lat NAME MODEL FLAGS...
+  local name=$1 model=$2
+  shift 2
+  step "$name" 75 "${VSERVE[@]}" bench latency --model "$model" "${DEV[@]}" "${LAT[@]}" \
+    --temperature 0 "$@" --output-json "$RESULTS/$name.json"
 }
 
-LLAMA_1B="$WORK/llama-1b-random"
-if [ "$CUDA" = 1 ]; then
-  BENCH_LIMIT=75
-  THROUGHPUT=(--num-prompts 64 --input-len 256 --output-len 128 --max-num-seqs 64
-              --max-model-len 512)
-  LATENCY=(--batch-size 8 --input-len 32 --output-len 128 --num-iters-warmup 1 --num-iters 2
-           --max-num-seqs 64 --max-model-len 512)
-  run "build the 1B model" 120 "$PY" -c "$BUILD_1B" "$LLAMA_1B"
-  for sched in async sync; do
-    for graphs in graphs eager; do
-      bench gemma-270m "$sched" "$graphs" --dtype bfloat16
-      if [ -f "$LLAMA_1B/.complete" ]; then
-        bench llama-1b "$sched" "$graphs" --model "$LLAMA_1B" --dtype bfloat16
-      fi
-    done
-  done
-else
-  BENCH_LIMIT=600
-  THROUGHPUT=(--num-prompts 4 --input-len 32 --output-len 32 --max-model-len 128
-              --temperature 0)
-  LATENCY=(--batch-size 4 --input-len 32 --output-len 32 --num-iters-warmup 0 --num-iters 1
-           --max-model-len 128 --temperature 0)
-  for sched in async sync; do
-    bench gemma-270m "$sched" eager     # CUDA graphs do not exist on CPU
-  done
-  echo
-  echo "=== 1B model: skipped (no CUDA device) ==="
-fi
+# -- 1. correctness first: no host sync in a mixed sampling batch, then the GPU tests ----------
+step sync_check 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_sampler_staging.py \
+  tests/test_gpu.py::test_mixed_batch_decode_steps_never_sync_the_host
+step imports 60 "$PY" -c "import fastapi, msgspec, pydantic, uvicorn, xgrammar, zmq; \
+import vserve.entrypoints.openai.server, vserve.engine.mp_client, vserve.engine.core_proc; \
+print('server, engine and structured-output imports ok')"
+GPU_TESTS=(tests/test_gpu.py tests/test_triton_kernels.py tests/test_cuda_graph_padding.py)
+step gpu_tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" -k "not never_sync"
 
-# -- summary -----------------------------------------------------------------------------------
+# -- 2. models built on the device ---------------------------------------------------------------
+step models 120 "$PY" benchmarks/gpu_models.py "$MODELS" "${SMALL[@]}"
+
+# -- 3. figures, most telling first --------------------------------------------------------------
+tput tput_llama_async_graphs_t0_vs_sync "$LLAMA" 0 --async-scheduling --compare-sync
+tput tput_llama_async_graphs_t1 "$LLAMA" 1.0 --async-scheduling
+step roofline_llama_batch1 90 "$PY" benchmarks/batch1_roofline.py --model "$LLAMA" \
+  --dtype bfloat16 --input-len 128 --output-len 64 --num-iters 2 \
+  --output-json "$RESULTS/roofline_llama_batch1.json"
+step kernels 120 "$PY" benchmarks/gpu_kernels.py "$RESULTS/kernels.json" "${SMALL[@]}"
+tput tput_llama_async_eager_t0 "$LLAMA" 0 --async-scheduling --enforce-eager
+lat lat_llama_async_graphs "$LLAMA" --async-scheduling
+lat lat_llama_async_eager "$LLAMA" --async-scheduling --enforce-eager
+tput tput_gemma_async_graphs_t0_vs_sync "$GEMMA" 0 --async-scheduling --compare-sync
+tput tput_gemma_async_graphs_t1 "$GEMMA" 1.0 --async-scheduling
+lat lat_llama_sync_graphs "$LLAMA" --no-async-scheduling
+step roofline_gemma_batch1 90 "$PY" benchmarks/batch1_roofline.py --model "$GEMMA" \
+  --dtype bfloat16 --input-len 128 --output-len 64 --num-iters 2 \
+  --output-json "$RESULTS/roofline_gemma_batch1.json"
+
+# -- summary -------------------------------------------------------------------------------------
 echo
-"$PY" - "$RESULTS" <<'EOF'
-import json
-import sys
-from pathlib import Path
-
-
-def f(value, digits=1):
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-rows = ["| run | output tok/s | avg latency (s) | forward (ms) | launch interval (ms) | "
-        "overlap eff. | TPOT p50 (ms) |", "|---|---|---|---|---|---|---|"]
-for path in sorted(Path(sys.argv[1]).glob("*.json")):
-    r = json.loads(path.read_text())
-    ov = r.get("overlap") or {}
-    rows.append(f"| {path.stem.replace('_', ' ')} | {f(r.get('output_throughput'))} | "
-                f"{f(r.get('avg_latency'), 3)} | {f(ov.get('mean_forward_ms'), 2)} | "
-                f"{f(ov.get('mean_launch_interval_ms'), 2)} | "
-                f"{f(ov.get('overlap_efficiency'), 3)} | {f(ov.get('tpot_p50_ms'), 2)} |")
-print("\n".join(rows))
-EOF
-echo
-echo "gpu_check: $((SECONDS - START)) s in all"
-[ ${#SKIPPED[@]} -eq 0 ] || printf 'SKIPPED (time budget): %s\n' "${SKIPPED[@]}"
-if [ ${#FAILED[@]} -gt 0 ]; then
-  printf 'FAILED: %s\n' "${FAILED[@]}"
-  exit 1
-fi
-echo "all steps passed"
+"$PY" benchmarks/gpu_summary.py "$RESULTS" "$STEPS" "$OUT" "$CUDA" "$((SECONDS - START))"
+echo "gpu_check: $((SECONDS - START)) s in all; results in $OUT"
+exit "$FAILED"

@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from vserve import proc_tree  # noqa: E402
+
 MODES = {
     "sync-uni": dict(async_scheduling=False, distributed_executor_backend="uni"),
     "sync-mp": dict(async_scheduling=False, distributed_executor_backend="mp"),
@@ -36,12 +38,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    kids = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            kids += [int(k) for k in f.read().split()]
-    return [k for k in kids if b"resource_tracker" not in
-            Path(f"/proc/{k}/cmdline").read_bytes()]
+    return [k for k in proc_tree.children(pid) if b"resource_tracker" not in proc_tree.cmdline(k)]
 
 
 def run_mode(model: str, mode: str, reps: int = 3) -> list[tuple[float, dict, dict]]:

@@ -1,7 +1,7 @@
 """Soak and chaos: minutes of mixed traffic at full concurrency against `vserve serve`.
 
     python benchmarks/soak.py [--minutes 30] [--model gemma-3-270m] [--concurrency 32]
-                              [-- extra `vserve serve` flags]
+                              [--short] [-- extra `vserve serve` flags]
 
 Starts a server (engine core in debug mode: VSERVE_DEBUG_INVARIANTS=1, so every time it goes
 idle it checks free + cached + in-use blocks == total with none in use), then runs seeded,
@@ -12,7 +12,8 @@ choice from the list, JSON that parses). Afterwards it waits for idle and checks
 
 - no error of any kind (HTTP status, exception, client timeout = hang, malformed answer);
 - KV cache in use at the end is 0 (`vserve:kv_cache_usage_perc`), nothing running or waiting;
-- RSS of every process of the server's tree grew < 5 % between the end of warm-up and the end;
+- RSS of every process of the server's tree grew < 5 % between the end of warm-up and the end
+  (warm-up: 15 % of the run, 10 s to 2 min, and 4 requests per client done);
 - `/health` is 200 and the server exits cleanly on SIGTERM with no process left behind.
 
 It reports requests served, errors by kind, and the p99 of the step launch interval and of the
@@ -38,6 +39,9 @@ from pathlib import Path
 
 import httpx
 
+from vserve.bench.sse import sse_lines
+from vserve.proc_tree import cmdline, descendants
+
 RSS_GROWTH_LIMIT = 0.05
 WORDS = ("the a of and to in is it that for on with as was at by an be this from or have "
          "one all were when we there can more if out so what up time about into than them "
@@ -48,42 +52,23 @@ CHOICES = ["red", "green", "blue", "yellow"]
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                            "ok": {"type": "boolean"}},
           "required": ["n", "ok"], "additionalProperties": False}
+# --short: two minutes, sized for a tiny model on a small CI machine
+SHORT_MODE = {"minutes": 2.0, "concurrency": 16, "window": 20.0, "request_timeout": 60.0,
+              "ready_timeout": 120.0}
+WARMUP_REQUESTS_PER_CLIENT = 4   # and at least 15 % of the run (10 s to 2 min): see _warm
 # request kinds and their weights
 KINDS = {"completion": 4, "completion_stream": 4, "chat": 2, "chat_stream": 2,
          "guided_choice": 1, "json_schema": 1, "disconnect": 2, "abort": 1}
 
 
 # -- processes -----------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
-
-
-def process_tree(pid: int) -> list[int]:
-    found, todo = [pid], [pid]
-    while todo:
-        for kid in _children(todo.pop()):
-            if kid not in found:
-                found.append(kid)
-                todo.append(kid)
-    return found
-
-
 def rss_of(pid: int) -> tuple[str, int] | None:
     """(command line, RSS bytes) of a live process, None once it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return None
+    cmd = cmdline(pid).replace(b"\0", b" ").decode(errors="replace")
     for line in status.splitlines():
         if line.startswith("VmRSS:"):
             return cmd.strip()[:80], int(line.split()[1]) * 1024
@@ -91,7 +76,7 @@ def rss_of(pid: int) -> tuple[str, int] | None:
 
 
 def rss_table(pid: int) -> dict[int, tuple[str, int]]:
-    return {p: r for p in process_tree(pid) if (r := rss_of(p)) is not None}
+    return {p: r for p in [pid, *descendants(pid)] if (r := rss_of(p)) is not None}
 
 
 def free_port() -> int:
@@ -139,19 +124,6 @@ def histogram_p99(before: dict, after: dict, name: str) -> tuple[float | None, i
             return round(lower + (edge - lower) * frac, 6), int(total)
         lower, below = edge, count
     return lower, int(total)
-
-
-async def sse_lines(response: httpx.Response):
-    """SSE lines split on "\n" only: httpx's aiter_lines also splits on U+0085 and U+2028,
-    which a model may emit raw inside a JSON string (valid SSE, valid JSON)."""
-    buffer = ""
-    async for text in response.aiter_text():
-        buffer += text
-        *lines, buffer = buffer.split("\n")
-        for line in lines:
-            yield line.rstrip("\r")
-    if buffer:
-        yield buffer
 
 
 # -- traffic ---------------------------------------------------------------------------------------
@@ -326,7 +298,7 @@ class Server:
 
     def stop(self) -> tuple[int, list[int]]:
         """SIGTERM; (exit code, processes of the tree still alive 10 s later, then killed)."""
-        self.tree |= set(process_tree(self.proc.pid))
+        self.tree |= {self.proc.pid, *descendants(self.proc.pid)}
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -377,11 +349,13 @@ async def drive(server: Server, args) -> dict:
         while not all(w.done() for w in workers):
             await asyncio.sleep(0.5)
             now = time.monotonic()
-            if rss_start is None and now - start >= warmup:
-                rss_start = rss_table(server.proc.pid)
+            if rss_start is None and _warm(traffic, now - start, warmup, duration, args):
+                rss_start, warmup = rss_table(server.proc.pid), round(now - start, 1)
             if now >= next_window or all(w.done() for w in workers):
                 cur = scrape((await client.get("/metrics", timeout=30)).text)
-                windows.append(_window(now - start, last, cur))
+                windows.append({**_window(now - start, last, cur),
+                                "rss_mib": {p: round(r[1] / 2**20, 1)
+                                            for p, r in rss_table(server.proc.pid).items()}})
                 last, next_window = cur, now + args.window
         await asyncio.gather(*workers)
         traffic_s = time.monotonic() - start
@@ -392,6 +366,16 @@ async def drive(server: Server, args) -> dict:
     return {"traffic": traffic, "windows": windows, "rss_start": rss_start or {},
             "rss_end": rss_end, "final": final, "health": health, "traffic_s": traffic_s,
             "warmup_s": warmup}
+
+
+def _warm(traffic: Traffic, elapsed: float, warmup: float, duration: float, args) -> bool:
+    """Warm-up is over (RSS is read as the start) after `warmup` seconds once every client
+    has finished WARMUP_REQUESTS_PER_CLIENT requests, so that a slow start on a busy machine
+    does not count as growth; at half the run at the latest."""
+    done = sum(traffic.served.values()) + sum(traffic.chaos.values()) + \
+        sum(traffic.errors.values())
+    return elapsed >= duration / 2 or (
+        elapsed >= warmup and done >= WARMUP_REQUESTS_PER_CLIENT * args.concurrency)
 
 
 def _window(t: float, before: dict, after: dict) -> dict:
@@ -451,10 +435,12 @@ def report(result: dict) -> None:
         growth = "-" if r["growth"] is None else f"{100 * r['growth']:+.1f}%"
         print(f"  {r['pid']:>8} {r['rss_start_mib'] or '-':>14} {r['rss_end_mib']:>12} "
               f"{growth:>8}  {r['cmd']}")
-    print(f"  {'t (s)':>8} {'steps':>7} {'launch p99 (s)':>15} {'forward p99 (s)':>16}")
+    print(f"  {'t (s)':>8} {'steps':>7} {'launch p99 (s)':>15} {'forward p99 (s)':>16}  "
+          "RSS MiB by pid")
     for w in result["windows"]:
         print(f"  {w['t_s']:>8} {w['launch_interval_steps']:>7} "
-              f"{w['launch_interval_p99_s'] or '-':>15} {w['forward_p99_s'] or '-':>16}")
+              f"{w['launch_interval_p99_s'] or '-':>15} {w['forward_p99_s'] or '-':>16}  "
+              f"{w.get('rss_mib', '-')}")
     for name, ok in result["checks"].items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
 
@@ -473,7 +459,14 @@ def parse_args(argv=None):
                    help="a request slower than this counts as a hang (client_timeout)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--result", default=str(Path(__file__).parent / "results" / "soak.json"))
+    p.add_argument("--short", action="store_true",
+                   help="the short mode CI runs on a tiny model: " + ", ".join(
+                       f"--{k.replace('_', '-')} {v:g}" for k, v in SHORT_MODE.items())
+                   + " (flags given as well win)")
     args, extra = p.parse_known_args(argv)
+    if args.short:
+        p.set_defaults(**SHORT_MODE)
+        args, extra = p.parse_known_args(argv)
     return args, [a for a in extra if a != "--"]
 
 

@@ -1,8 +1,8 @@
 """A live `vserve serve` process for tests: start on a free port, wait for /health, stop, and
 check that no process of its tree outlives it.
 
-Descendants are found through /proc (no psutil): the engine core is a child of the server and
-its workers are grandchildren, so the whole tree is recorded while the server runs.
+Descendants are found through /proc (`vserve.proc_tree`): the engine core is a child of the
+server and its workers are grandchildren, so the whole tree is recorded while the server runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ from pathlib import Path
 
 import httpx
 
+from vserve.proc_tree import children as children_of
+from vserve.proc_tree import descendants, is_running
+
+__all__ = ["TINY_ARGS", "ServerProcess", "children_of", "free_port", "is_running", "metric_value",
+           "serving"]
+
 # small, fast settings for the tiny test models
 TINY_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "2048"]
 
@@ -27,39 +33,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def children_of(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(entry.name))
-    return kids
-
-
-def descendants_of(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        for kid in children_of(todo.pop()):
-            if kid not in found:
-                found.add(kid)
-                todo.append(kid)
-    return found
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an exited child its new parent has not reaped yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 class ServerProcess:
@@ -93,7 +66,7 @@ class ServerProcess:
         raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
 
     def remember_tree(self) -> set[int]:
-        self.tree |= descendants_of(self.pid)
+        self.tree |= set(descendants(self.pid))
         return self.tree
 
     def wait_exit(self, timeout: float) -> int | None:
@@ -150,3 +123,19 @@ def serving(args: list[str]):
         yield srv
     finally:
         assert srv.stop() == 0
+
+
+def offline_app(**args):
+    """The server's FastAPI app over a stand-in engine that is never called: for what needs no
+    engine (the OpenAPI document, the front door's errors, validation before admission).
+    Requests go through `starlette`'s TestClient with base_url http://127.0.0.1."""
+    import argparse
+    from types import SimpleNamespace
+
+    from vserve.entrypoints.openai.server import build_app
+
+    model = SimpleNamespace(served_model_name="offline", max_model_len=64, vocab_size=100)
+    engine = SimpleNamespace(config=SimpleNamespace(model=model,
+                                                    scheduler=SimpleNamespace(max_num_seqs=4)),
+                             tokenizer=None, errored=False)
+    return build_app(engine, argparse.Namespace(**args))

@@ -1,50 +1,23 @@
-"""Process-tree helpers for failure tests (Linux /proc, no extra dependency)."""
+"""Process helpers for failure tests, over `vserve.proc_tree`."""
 
 from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
+from vserve.proc_tree import cmdline, descendants
+from vserve.proc_tree import is_running as alive
 
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    result, todo = [], [pid]
-    while todo:
-        for child in children(todo.pop()):
-            result.append(child)
-            todo.append(child)
-    return result
+__all__ = ["alive", "descendants", "kill", "wait_dead", "worker_pids"]
 
 
 def worker_pids(engine_pid: int) -> list[int]:
     """Worker processes under an engine core (not multiprocessing's resource tracker)."""
     out = []
     for pid in descendants(engine_pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline:
+        if b"spawn_main" in cmdline(pid):
             out.append(pid)
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_dead(pids: list[int], timeout: float) -> list[int]:

@@ -57,3 +57,65 @@ def test_bench_serve_poisson_rate(server, tmp_path):
     assert "Request rate configured (RPS):" in stdout and "20.00" in stdout
     assert result["completed"] == 12
     assert result["total_input_tokens"] > 0
+
+
+# -- SSE parsing (no server) -------------------------------------------------------------------
+ODD = "a\u2028b\u2029c\x85d"   # str.splitlines (httpx's aiter_lines) breaks at each of these
+
+
+def _response(pieces: list[bytes]):
+    import httpx
+
+    async def body():
+        for piece in pieces:
+            yield piece
+
+    return httpx.Response(200, content=body())
+
+
+def _lines(pieces: list[bytes]) -> list[str]:
+    import asyncio
+
+    from vserve.bench.sse import sse_lines
+
+    async def collect():
+        return [line async for line in sse_lines(_response(pieces))]
+
+    return asyncio.run(collect())
+
+
+def test_sse_lines_break_only_at_cr_and_lf():
+    event = json.dumps({"text": ODD}, ensure_ascii=False)
+    assert _lines([f"data: {event}\n\ndata: [DONE]\n\n".encode()]) == \
+        [f"data: {event}", "", "data: [DONE]", ""]
+    # read 1 ends inside "é", read 2 between the CR and the LF of a CRLF; then a CR alone,
+    # and a last line with no end
+    raw = "data: é\r\n: c\rdata: x".encode()
+    cut = raw.index(b"\r") + 1
+    assert _lines([raw[:7], raw[7:cut], raw[cut:]]) == ["data: é", ": c", "data: x"]
+
+
+def test_bench_serve_parses_chunks_with_line_separators_in_their_text():
+    """A model may emit U+2028 / U+0085 raw in a JSON string; the chunk is still one event
+    (with httpx's aiter_lines the request failed with a JSON error)."""
+    import argparse
+    import asyncio
+
+    import httpx
+
+    from vserve.bench.serve import _one
+
+    chunks = [{"choices": [{"index": 0, "text": t}]} for t in ("x", ODD, "y")]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
+    body = "".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks)
+    body += "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+    args = argparse.Namespace(ignore_eos=False, backend="openai", temperature=0.0)
+
+    async def run():
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await _one(client, "/v1/completions", args, "m", ("hi", 4, 3), None)
+
+    result = asyncio.run(run())
+    assert result.success, result.error
+    assert result.output_tokens == 3 and len(result.chunk_times) == 3 and len(result.itl) == 2

@@ -74,3 +74,60 @@ def test_fused_prep_equals_torch_prep_on_cuda(seed, decode_only):
     (torch_out, _), (fused_out, _) = build_both(host, plan, prev, "cuda")
     assert fused_out.input_ids.is_cuda
     assert_same_inputs(torch_out, fused_out, host, plan, prev)
+
+
+
+MIXED_SAMPLING = [   # one request of each kind the sampling path treats differently
+    dict(temperature=0),                                          # greedy
+    dict(temperature=1.0),                                        # plain random
+    dict(temperature=0.8, top_k=20, top_p=0.9),                   # filtered
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+    dict(temperature=0.7, logit_bias={5: 3.0, 7: -2.0}),
+    dict(temperature=0, min_tokens=20),
+    dict(temperature=1.0, logprobs=3),
+]
+
+
+@pytest.mark.parametrize("async_on", [True, False])
+def test_mixed_batch_decode_steps_never_sync_the_host(tiny_model_dir, async_on):
+    """Every decode step of a batch mixing greedy, temperature, top-k/p, min-p, penalties,
+    logit_bias, min_tokens, logprobs and a grammar request runs under
+    `torch.cuda.set_sync_debug_mode("error")`: any synchronizing call (a pageable or blocking
+    copy, `.item()` or `.tolist()` of a device tensor, a shape read from device data) raises
+    inside the step, and the run must generate what the same run unguarded generates."""
+    pytest.importorskip("xgrammar")
+    from vserve import StructuredOutputsParams
+
+    llm = make_llm(tiny_model_dir("llama"), async_scheduling=async_on, **ENGINE)
+    runner = _runner(llm)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, seed=i, **kw)
+              for i, kw in enumerate(MIXED_SAMPLING)]
+    params.append(SamplingParams(max_tokens=24, temperature=0, structured_outputs=(
+        StructuredOutputsParams(regex="(yes|no|maybe)( [0-9]+)+"))))
+    prompts = PROMPTS[:1] * len(params)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    checked = []
+
+    def guarded(fn, is_decode):
+        def call(*args, **kwargs):
+            if not is_decode(*args) or len(checked) < 2:   # (two decode steps to warm up)
+                checked.append(None)
+                return fn(*args, **kwargs)
+            torch.cuda.synchronize()                      # earlier work is not this step's
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            checked.append(fn.__name__)
+            return out
+        return call
+
+    runner.execute_model = guarded(runner.execute_model, lambda so, *rest: set(
+        so.num_scheduled_tokens.values()) == {1} and len(so.num_scheduled_tokens) > 1)
+    runner.sample_tokens = guarded(runner.sample_tokens, lambda *args: True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(name == "execute_model" for name in checked) >= 10, checked
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert outs[7].outputs[0].logprobs and len(outs[-1].outputs[0].token_ids) > 0

@@ -188,22 +188,13 @@ def _thread_cpus(pid: int) -> set[tuple[int, ...]]:
             for tid in os.listdir(f"/proc/{pid}/task")}
 
 
-def _children(pid: int) -> list[int]:
-    import os
-
-    kids = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            kids += [int(k) for k in f.read().split()]
-    return kids
-
-
 def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, monkeypatch):
     """End to end with VSERVE_CPU_NUM_RESERVED=1: every worker thread on the last CPU, every
     engine-core and front-end thread on the first; the front end gets its CPUs back."""
     import os
 
     from vserve import LLM, SamplingParams
+    from vserve.proc_tree import children, cmdline
 
     before = _thread_cpus(os.getpid())
     cpus = tuple(sorted(os.sched_getaffinity(0)))
@@ -216,12 +207,44 @@ def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, m
         out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8))
         assert len(out[0].outputs[0].token_ids) == 8
         core = llm.engine.client.engine.proc.pid
-        workers = [k for k in _children(core) if "resource_tracker" not in
-                   open(f"/proc/{k}/cmdline").read()]
+        workers = [k for k in children(core) if b"resource_tracker" not in cmdline(k)]
         assert len(workers) == 1
         assert _thread_cpus(workers[0]) == {cpus[1:]}
         assert _thread_cpus(core) == {cpus[:1]}
         assert _thread_cpus(os.getpid()) == {cpus[:1]}
+    finally:
+        llm.shutdown()
+    assert _thread_cpus(os.getpid()) == before
+
+
+def test_the_front_end_gets_its_cpus_back_when_the_engine_core_dies(tiny_model_dir,
+                                                                      monkeypatch):
+    """The engine core pins the front end beside itself and gives its CPUs back at shutdown;
+    killed, it cannot: the front end restores them itself once it sees the core gone (before,
+    it stayed on the host core until `shutdown()`)."""
+    import os
+    import signal
+    import time
+
+    from vserve import LLM, SamplingParams
+
+    before = _thread_cpus(os.getpid())
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    monkeypatch.setenv("VSERVE_CPU_NUM_RESERVED", "1")
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64,
+              async_scheduling=True, distributed_executor_backend="mp")
+    try:
+        llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4))
+        assert _thread_cpus(os.getpid()) == {cpus[:1]}
+        client = llm.engine.client
+        os.kill(client.engine.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while client.dead_message is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.dead_message is not None, "the engine core's death went unnoticed"
+        assert _thread_cpus(os.getpid()) == before
     finally:
         llm.shutdown()
     assert _thread_cpus(os.getpid()) == before

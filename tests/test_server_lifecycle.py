@@ -11,11 +11,12 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from openai_server import TINY_ARGS, ServerProcess, children_of
+
+from vserve.proc_tree import cmdline
 
 PROMPT = "The quick brown fox"
 LONG = {"prompt": PROMPT, "max_tokens": 5000, "ignore_eos": True}
@@ -52,7 +53,7 @@ def _stream_events(url: str, body: dict, started: list | None = None) -> list:
 
 def _engine_core_pid(server_pid: int) -> int:
     for pid in children_of(server_pid):
-        if b"vserve.engine.core_proc" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"vserve.engine.core_proc" in cmdline(pid):
             return pid
     raise AssertionError("no engine core process under the server")
 

@@ -9,11 +9,12 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-from openai_server import TINY_ARGS, ServerProcess, children_of, descendants_of, is_running
+from openai_server import TINY_ARGS, ServerProcess, children_of, is_running
 from proc_utils import kill
+
+from vserve.proc_tree import cmdline, descendants
 
 
 def _stream(url: str, body: dict, started: threading.Event) -> list:
@@ -45,8 +46,8 @@ def _health_log(url: str, stop: threading.Event) -> list:
 
 
 def _worker_pid(server_pid: int) -> int:
-    for pid in descendants_of(server_pid):
-        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+    for pid in descendants(server_pid):
+        if b"spawn_main" in cmdline(pid):
             return pid
     raise AssertionError("no worker process under the server")
 

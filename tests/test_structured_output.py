@@ -55,23 +55,90 @@ def test_json_schema_outputs_validate_sync_and_async_equal(engines):
     assert results["sync"] == results["async"]
 
 
-def test_async_defers_sampling_of_grammar_steps(engines):
-    llm = engines["async"]
-    executor = llm.engine.client.core.executor
-    calls = []
-    sample = executor.sample_tokens
+def _record_steps(core) -> tuple[list[tuple[str, int]], list[int]]:
+    """Log, in order, each step's launch (its forward), sampling and commit; and list the
+    steps that sample a grammar request."""
+    events, grammar_steps, executor = [], [], core.executor
+    execute, sample, commit = executor.execute_model, executor.sample_tokens, core._commit
 
-    def spy(so, non_block=False):
-        calls.append(so.step_id)
+    def on_execute(so, non_block=False, defer_sampling=False):
+        events.append(("launch", so.step_id))
+        if so.grammar_req_ids:
+            grammar_steps.append(so.step_id)
+        if not defer_sampling:
+            events.append(("sample", so.step_id))
+        return execute(so, non_block, defer_sampling)
+
+    def on_sample(so, non_block=False):
+        events.append(("sample", so.step_id))
         return sample(so, non_block)
 
-    executor.sample_tokens = spy
+    def on_commit(so, runner_output):
+        events.append(("commit", so.step_id))
+        return commit(so, runner_output)
+
+    executor.execute_model, executor.sample_tokens = on_execute, on_sample
+    core._commit = on_commit
+    return events, grammar_steps
+
+
+def _deferred_steps(events: list[tuple[str, int]]) -> list[int]:
+    """Steps launched before an older step committed and sampled only after that commit: the
+    forward overlapped the older step, the grammar bitmask waited for its tokens."""
+    at = {(kind, step): i for i, (kind, step) in enumerate(events)}
+    return [step for kind, step in events if kind == "launch" and any(
+        at[("launch", step)] < i < at[("sample", step)]
+        for i, (k, older) in enumerate(events) if k == "commit" and older < step)]
+
+
+def _fake_grammar_core():
+    from fakes import FakeExecutor, FakeRunner, FakeStructured, fake_engine_config
+
+    from vserve.engine.core import EngineCore
+
+    runner = FakeRunner(check_grammar=True)   # raises on a bitmask filled too early
+    core = EngineCore(fake_engine_config(async_scheduling=True), FakeExecutor(runner=runner))
+    core.structured = core.scheduler.structured = FakeStructured()
+    return core
+
+
+def _run_fake(core, params) -> list[int]:
+    from fakes import core_request
+
+    core.add_request(core_request("g", [4, 5, 6], max_tokens=10, **params))
+    tokens = []
+    for _ in range(200):
+        if not core.has_work():
+            return tokens
+        for out in core.step_fn() or []:
+            tokens += out.new_token_ids
+    raise AssertionError("the engine did not drain")
+
+
+@pytest.mark.parametrize("engine", ["fake", "real"])
+def test_async_defers_sampling_of_grammar_steps(request, engine):
+    """Async scheduling with a grammar request: every step after its first launches its
+    forward while the previous step is in flight, and samples (with the bitmask) only after
+    that step committed. Neither a stale bitmask nor a step waiting for the previous one's
+    commit before its forward would pass."""
+    llm = request.getfixturevalue("engines")["async"] if engine == "real" else None
+    core = _fake_grammar_core() if llm is None else llm.engine.client.core
+    events, grammar_steps = _record_steps(core)
     try:
-        out = llm.generate(PROMPTS[0], _json_params(), use_tqdm=False)[0]
+        if engine == "fake":
+            grammar = StructuredOutputsParams(regex="[a-z]+")
+            num_tokens = len(_run_fake(core, {"structured_outputs": grammar}))
+        else:
+            out = llm.generate(PROMPTS[0], _json_params(), use_tqdm=False)[0]
+            _validate(json.loads(out.outputs[0].text))
+            num_tokens = len(out.outputs[0].token_ids)
     finally:
-        executor.sample_tokens = sample
-    _validate(json.loads(out.outputs[0].text))
-    assert len(calls) >= len(out.outputs[0].token_ids) - 2   # every decode step deferred
+        for obj, name in ((core.executor, "execute_model"), (core.executor, "sample_tokens"),
+                          (core, "_commit")):
+            vars(obj).pop(name, None)
+    assert core.depth == 2 and num_tokens >= 8 and len(grammar_steps) >= num_tokens
+    # all but the first (no token of its request is in flight before it)
+    assert _deferred_steps(events) == grammar_steps[1:]
 
 
 def test_seeded_sampling_with_schema_validates(engines):
@@ -251,3 +318,24 @@ def test_structured_params_types(kwargs, match):
     engine core and killed its input thread)."""
     with pytest.raises(ValueError, match=match):
         StructuredOutputsParams(**kwargs)
+
+
+def test_structured_outputs_request_keeps_json_on_the_wire():
+    """The request field is `json` on the wire, under another attribute name: `json` shadowed
+    BaseModel.json and pydantic warned at every import of the protocol module."""
+    import subprocess
+    import sys
+
+    from pydantic import ValidationError
+
+    from vserve.entrypoints.openai.protocol import CompletionRequest
+
+    proc = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c",
+                           "import vserve.entrypoints.openai.protocol"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    req = CompletionRequest(model="m", prompt="x", structured_outputs={"json": SCHEMA})
+    assert req.structured_params() == StructuredOutputsParams(json=SCHEMA)
+    assert req.structured_outputs.as_dict() == {"json": SCHEMA}
+    with pytest.raises(ValidationError, match="json_schema"):
+        CompletionRequest(model="m", prompt="x", structured_outputs={"json_schema": SCHEMA})

@@ -75,6 +75,8 @@ def test_sample_bitmask_round_trips_as_int32_array():
     wire.Out(RunnerOutput(3, ["a", "b"], [[1, 2], [7]],
                           [LogprobsDelta([[1, 4]], [[-0.5, -1.0]], [1]), None],
                           StepTiming(1.0, 2.0, 3.0, 4.0, [(1.0, 2.0), (2.5, 3.0)]))),
+    wire.Out(RunnerOutput(4, prompt_logprobs={"a": (1, LogprobsDelta([[5, 6]], [[-2.0, -0.1]],
+                                                                      [2]))})),
     wire.Out(RunnerOutput(4)), wire.Ok(None), wire.Ok(77), wire.Error("rank 1: boom")])
 def test_replies_round_trip(msg):
     assert wire.decode_reply(wire.encode(msg)) == msg

@@ -35,3 +35,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # per prompt token: None for the first, then {token id: Logprob} with the prompt token's
+    # own entry and the top `prompt_logprobs` (None unless SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

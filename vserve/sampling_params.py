@@ -90,6 +90,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None   # top-k per prompt position (+ the prompt token's own)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -177,6 +178,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                    f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
         _check(self.logprobs is None or (_is_int64(self.logprobs) and self.logprobs >= 0),
                f"logprobs must be a non-negative integer, got {_short(self.logprobs)}.")
+        _check(self.prompt_logprobs is None
+               or (_is_int64(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               f"prompt_logprobs must be a non-negative integer, got "
+               f"{_short(self.prompt_logprobs)}.")
         for s in self.stop or []:
             _check(isinstance(s, str) and s != "", "stop strings must be non-empty strings.")
         for t in self.stop_token_ids or []:

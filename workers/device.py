@@ -1,11 +1,13 @@
 """A small device shim: the one place where CUDA streams and events appear.
 
 On CPU every operation here is complete when it returns, so the model runner has a single
-code path: it asks for an asynchronous host copy and later waits on it.
+code path: it asks for an asynchronous host copy and later waits on it. Host values go the
+other way through `upload`, which never makes the host wait for the device.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -33,6 +35,32 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self._host
+
+
+def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a list, an ndarray or a CPU tensor) as a tensor on `device`, without a host
+    synchronisation: on CUDA they are staged in pinned memory and copied with `non_blocking`
+    (a copy from pageable memory, as `torch.tensor(values, device=cuda)` makes, waits for the
+    device to drain its queue). On CUDA the staging buffer is private to this copy (the caller
+    may change `values` at once; the pinned pool keeps it until the copy has run); on CPU an
+    ndarray or tensor is shared, not copied."""
+    device = torch.device(device)
+    if isinstance(values, torch.Tensor):
+        tensor = values if dtype is None else values.to(dtype)
+    elif isinstance(values, np.ndarray):
+        tensor = torch.from_numpy(values) if dtype is None else torch.from_numpy(values).to(dtype)
+    else:
+        tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether the host may read a device value (`.item()`, a mask's count) at no cost: on CPU
+    it exists when its op returns; on CUDA the host would wait for the device, so code there
+    picks shapes that do not depend on device values."""
+    return device.type != "cuda"
 
 
 class DeviceShim:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.device import HostCopy
+from workers.device import HostCopy, upload
 from workers.input_batch import InputBatch
 from workers.input_prep import FeedbackPlan, HostInputs
 
@@ -93,6 +93,21 @@ class FeedbackQueue:
                     keep = k
                     break
         self._write_back(batch, keep)
+
+    def device_ids_at(self, keys: list[tuple[str, int, int]]
+                      ) -> tuple[list[int], torch.Tensor | None]:
+        """Ids the host still lacks, for (req_id, epoch, position) keys: which keys (indices into
+        `keys`) are pending here, and their ids [len(found)] gathered on the device, in that
+        order. The host does not wait for the device."""
+        found, parts = [], []
+        for fb in self.items:
+            hits = [(k, fb.index[key[0]]) for k, key in enumerate(keys) if key[0] in fb.index
+                    and fb.entries[fb.index[key[0]]][1:] == key[1:]]
+            if hits:
+                ids = fb.device_ids()
+                found += [k for k, _ in hits]
+                parts.append(ids[upload([j for _, j in hits], ids.device)])
+        return found, (torch.cat(parts) if parts else None)
 
     def _write_back(self, batch: InputBatch, count: int) -> None:
         for _ in range(max(0, count)):

@@ -15,7 +15,7 @@ decode-only steps replay a captured CUDA graph (`workers.cuda_graphs`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from workers.kv_cache import (
     num_blocks_for,
     sliding_window_layers,
 )
+from workers.prompt_logprobs import PromptSlice, compute_prompt_logprobs, plan_prompt_logprobs
 from workers.sample_step import SampleLayout, StepSampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,25 +69,35 @@ class StepInputs:
     meta: AttentionMetadata
     logits_idx: torch.Tensor                       # [num_logits_rows]
     layout: SampleLayout                           # which requests sample, where their logits are
+    prompt_lp: list[PromptSlice] = field(default_factory=list)   # last stage, when asked
+    prompt_lp_out: dict | None = None              # their results (RunnerOutput.prompt_logprobs)
 
 
 class AsyncStepOutput:
     """What `execute_model` returns: resolves to a `RunnerOutput` once the host has the ids.
     Plain rows' ids arrive through the host copy; verified draft rows are already on the
-    host."""
+    host; plain rows' logprobs arrive through their own copy (`pending`: the PendingLogprobs,
+    its rows' request ids and that copy)."""
 
     def __init__(self, step_id, layout: SampleLayout | None, host: HostCopy | None,
-                 spec_ids: dict | None, logprobs: dict | None, timing) -> None:
+                 spec_ids: dict | None, logprobs: dict | None, timing, pending=None,
+                 prompt_logprobs: dict | None = None) -> None:
         self.step_id, self.layout, self.host = step_id, layout, host
         self.spec_ids, self.logprobs, self.timing = spec_ids or {}, logprobs or {}, timing
+        self.pending = pending
+        self.prompt_logprobs = prompt_logprobs or {}
 
     def get(self) -> RunnerOutput:
-        out = RunnerOutput(self.step_id, timing=self.timing)
+        out = RunnerOutput(self.step_id, timing=self.timing, prompt_logprobs=self.prompt_logprobs)
         if self.layout is not None and self.layout.req_ids:
             plain = iter(self.host.wait()[0].tolist() if self.host is not None else [])
             out.req_ids = list(self.layout.req_ids)
             out.sampled_token_ids = [self.spec_ids[r] if r in self.spec_ids else [next(plain)]
                                      for r in out.req_ids]
+            if self.pending is not None:
+                lp, req_ids, copy = self.pending
+                self.logprobs.update((r, d) for r, d in zip(req_ids, lp.resolve(copy.wait()))
+                                     if d is not None)
             if self.logprobs:
                 out.logprobs = [self.logprobs.get(r) for r in out.req_ids]
         self.timing.ready = time.perf_counter()
@@ -109,9 +120,9 @@ class ModelRunner:
                                 1 if config.sliding_window is None else 2)
         self.backend = get_attention_backend(config.attention_backend, config.block_size)
         self.step_sampler = StepSampler(self.batch, hf_config.vocab_size)
-        self.step_sampler.flush_feedback = lambda: self.feedback.flush(self.batch, False)
         # stage 0 of a pipeline: the last stage's ids of the pp newest steps may be pending
         self.feedback = FeedbackQueue(config.pp_size if self.stage.is_first else 1)
+        self.step_sampler.feedback = self.feedback
         self._deferred = None   # a step whose sampling waits for its grammar bitmask
         self.model = None
         self.kv_caches: list[torch.Tensor | None] = []
@@ -119,6 +130,7 @@ class ModelRunner:
         self.input_prep = make_input_prep(self.shim)
         self.feedback_stats = self.input_prep.stats
         self.graphs: DecodeGraphs | None = None
+        self.prompt_lp_req_ids: set[str] = set()   # rows that asked for prompt logprobs
 
     # -- set up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -198,6 +210,8 @@ class ModelRunner:
             timing.forward_end = time.perf_counter()
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_idx])
+        if inputs.prompt_lp:
+            inputs.prompt_lp_out = compute_prompt_logprobs(self.model, hidden, inputs.prompt_lp)
         if defer_sampling:
             self._deferred = (so, inputs, logits, timing)
             return None
@@ -228,7 +242,10 @@ class ModelRunner:
     def _sample(self, so, inputs: StepInputs, logits, timing, bitmask) -> AsyncStepOutput:
         layout = inputs.layout
         result = self.step_sampler.sample(layout, logits, so.grammar_req_ids, bitmask)
-        host = None
+        host = pending = None
+        if result.pending_logprobs is not None:   # copied beside the ids, read in get()
+            pending = (result.pending_logprobs, result.plain_req_ids,
+                       self.shim.host_copy(result.pending_logprobs.tensors))
         if result.plain_ids is not None:
             plain = layout.plain
             rows = [layout.rows[i] for i in plain]
@@ -241,7 +258,7 @@ class ModelRunner:
             self.batch.append_tokens(self.batch.row_of[req_id], tokens)
         timing.forward_end = time.perf_counter()
         return AsyncStepOutput(so.step_id, layout, host, result.spec_ids, result.logprobs,
-                               timing)
+                               timing, pending, inputs.prompt_lp_out)
 
     # -- batch state -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -249,9 +266,12 @@ class ModelRunner:
         gone = so.finished_req_ids | so.preempted_req_ids
         for req_id in gone:
             batch.remove(req_id)
+            self.prompt_lp_req_ids.discard(req_id)
         for new in so.scheduled_new_reqs:
             batch.remove(new.req_id)
             batch.add(new)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_lp_req_ids.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                    cached.num_computed_tokens):
@@ -284,8 +304,12 @@ class ModelRunner:
                 batch.append_placeholder(layout.rows[i])
         meta = self._attention_metadata(host, dev)
         logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
+        prompt_lp = plan_prompt_logprobs(
+            batch, self.prompt_lp_req_ids, req_ids, rows, host.query_start_loc,
+            host.num_computed, host.seq_lens) if self.prompt_lp_req_ids and self.stage.is_last \
+            else []
         return StepInputs(dev.input_ids if self.stage.is_first else None, meta, logits_idx,
-                          layout)
+                          layout, prompt_lp)
 
     def _query_spans(self, so, rows: np.ndarray) -> dict[str, tuple[int, int, int]]:
         """req_id -> (epoch, first, end) positions this step computes for it."""

@@ -3,6 +3,11 @@ through the verifier, grammar bitmasks applied to structured-output rows.
 
 Logits come in the order the runner laid them out: one row per ordinary sampling request,
 k + 1 consecutive rows for a request with k drafts (`SampleLayout`).
+
+Plain rows never make the host wait for the device: indices and masks are uploaded through
+`workers.device.upload`, the previous step's ids that penalties count are read on the device
+(`FeedbackQueue.device_ids_at`), and logprobs leave as `PendingLogprobs` for the runner's
+host copy. Draft rows are verified on the host (their tokens decide the next step's layout).
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from vserve.engine.messages import LogprobsDelta
+from workers.device import upload
 from workers.input_batch import InputBatch
 from workers.sampler import (
+    PendingLogprobs,
     Sampler,
     SamplingMetadata,
     apply_logit_bias,
@@ -40,6 +47,8 @@ class SampleResult:
     plain_ids: torch.Tensor | None              # [num plain] on the device (fed back)
     spec_ids: dict[str, list[int]]              # verified tokens, on the host
     logprobs: dict[str, LogprobsDelta]
+    pending_logprobs: PendingLogprobs | None = None   # of the plain rows, still tensors
+    plain_req_ids: list[str] = field(default_factory=list)   # ... their rows' requests
 
 
 class StepSampler:
@@ -47,7 +56,7 @@ class StepSampler:
         self.batch = batch
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.flush_feedback = None   # set by the runner: write every pending id to the host
+        self.feedback = None   # set by the runner: its FeedbackQueue (ids not yet on the host)
 
     def sample(self, layout: SampleLayout, logits: torch.Tensor, grammar_req_ids: list[str],
                bitmask) -> SampleResult:
@@ -55,18 +64,17 @@ class StepSampler:
         result = SampleResult(None, {}, {})
         if plain:
             starts = [layout.logit_start[i] for i in plain]
-            meta = self.metadata([layout.rows[i] for i in plain])
+            meta = self.metadata([layout.rows[i] for i in plain], logits.device)
             self._grammar(meta, [layout.req_ids[i] for i in plain], grammar_req_ids, bitmask,
                           logits.device)
             if starts == list(range(len(logits))):   # no drafts in this step: no gather
                 plain_logits = logits
             else:
-                plain_logits = logits[torch.tensor(starts, device=logits.device)]
+                plain_logits = logits[upload(starts, logits.device)]
             out = self.sampler(plain_logits, meta)
             result.plain_ids = out.token_ids
-            for k, i in enumerate(plain):
-                if out.logprobs and out.logprobs[k] is not None:
-                    result.logprobs[layout.req_ids[i]] = out.logprobs[k]
+            result.pending_logprobs = out.pending_logprobs
+            result.plain_req_ids = [layout.req_ids[i] for i in plain]
         for i, req_id in enumerate(layout.req_ids):
             if req_id in layout.drafts:
                 self._verify(layout, i, logits, result)
@@ -94,9 +102,9 @@ class StepSampler:
         if pairs:
             meta.grammar_rows = [p[0] for p in pairs]
             mask = unpack_bitmask(bitmask, self.vocab_size, device)
-            meta.grammar_mask = mask[torch.tensor([p[1] for p in pairs], device=device)]
+            meta.grammar_mask = mask[upload([p[1] for p in pairs], device)]
 
-    def metadata(self, rows: list[int]) -> SamplingMetadata:
+    def metadata(self, rows: list[int], device: torch.device) -> SamplingMetadata:
         """Per-row sampling parameters; positions are those of the tokens being sampled
         (each row already holds a placeholder for it)."""
         batch = self.batch
@@ -117,7 +125,24 @@ class StepSampler:
             frequency=[p.frequency_penalty for p in params],
             repetition=[p.repetition_penalty for p in params])
         if meta.needs_penalties:
-            self.flush_feedback()
             meta.prompt_ids = [batch.prompt_ids(r) for r in rows]
-            meta.output_ids = [batch.output_ids(r)[:-1] for r in rows]
+            meta.output_ids, meta.pending_output = self._output_ids(rows, device)
         return meta
+
+    def _output_ids(self, rows: list[int], device: torch.device):
+        """Each row's output ids before the one being sampled that the host has, and those it
+        lacks (-1: sampled by a step whose ids have not come back) as (rows, ids) on the
+        device, gathered there from the feedback queue."""
+        batch, known, keys, key_rows = self.batch, [], [], []
+        for i, r in enumerate(rows):
+            state, ids = batch.rows[r], batch.output_ids(r)[:-1]
+            known.append([t for t in ids if t >= 0])
+            for k, t in enumerate(ids):
+                if t < 0:
+                    keys.append((state.req_id, state.epoch, state.num_prompt_tokens + k))
+                    key_rows.append(i)
+        if not keys:
+            return known, None
+        found, ids = self.feedback.device_ids_at(keys)
+        assert len(found) == len(keys), "an output id is neither on the host nor pending"
+        return known, (upload([key_rows[k] for k in found], device), ids)

@@ -5,6 +5,10 @@ from a counter-based hash and picks its token by inverse CDF. So a seeded reques
 same tokens whatever else shares the batch, whether its prompt was chunked, and after a
 preemption recomputes a position. A row's path (vocab order, or sorted when it filters with
 top-k / top-p / min-p) depends only on its own parameters, for the same reason.
+
+Nothing here makes the host wait for the device (CUDA): host values reach the device through
+`workers.device.upload` (pinned, non-blocking), no shape depends on a device value, and
+logprobs stay on the device (`PendingLogprobs`) until the step's host copy has landed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from vserve import cpu_ops
 from vserve.core.seeds import uniform_for
 from vserve.engine.messages import LogprobsDelta
 from workers.cpu_sampling import sample_with_kernel
+from workers.device import host_reads_are_free, upload
 
 
 @dataclass
@@ -39,6 +44,9 @@ class SamplingMetadata:
     output_ids: list[list[int]] | None = None
     grammar_rows: list[int] | None = None       # structured output: rows to mask ...
     grammar_mask: torch.Tensor | None = None    # ... [len(grammar_rows), vocab] bool allowed
+    # output ids still on the device (the previous step's, not yet copied back), penalised
+    # like `output_ids`: (rows [m], token ids [m]), both on the logits' device
+    pending_output: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -51,9 +59,37 @@ class SamplingMetadata:
 
 
 @dataclass
+class PendingLogprobs:
+    """One step's logprobs, still tensors (on the device) until the host resolves them."""
+
+    num_logprobs: list[int | None]           # per sampling row, as in SamplingMetadata
+    rows: list[int]                          # the rows that asked, in order
+    tensors: list[torch.Tensor]              # sampled [m], ranks [m], ids [m], then when k > 0
+    #                                          top ids [m, k], top logprobs [m, k]
+
+    def resolve(self, host: list[torch.Tensor] | None = None) -> list[LogprobsDelta | None]:
+        """Per row; `host`: `tensors` copied to the host (else read here, waiting on CUDA)."""
+        lists = [t.tolist() for t in (host if host is not None else self.tensors)]
+        sampled_l, ranks_l, ids_l = lists[:3]
+        top_i, top_v = lists[3:] if len(lists) > 3 else (None, None)
+        out: list[LogprobsDelta | None] = [None] * len(self.num_logprobs)
+        for j, i in enumerate(self.rows):
+            n = self.num_logprobs[i]
+            ids_i = [ids_l[j]] + (top_i[j][:n] if n else [])
+            vals = [sampled_l[j]] + (top_v[j][:n] if n else [])
+            out[i] = LogprobsDelta([ids_i], [vals], [ranks_l[j]])
+        return out
+
+
+@dataclass
 class SamplerOutput:
     token_ids: torch.Tensor                  # [num_rows] int64, on the device
-    logprobs: list[LogprobsDelta | None] | None = None
+    pending_logprobs: PendingLogprobs | None = None
+
+    @property
+    def logprobs(self) -> list[LogprobsDelta | None] | None:
+        """Resolved on the host (on CUDA this waits for the device)."""
+        return None if self.pending_logprobs is None else self.pending_logprobs.resolve()
 
 
 class Sampler:
@@ -75,9 +111,9 @@ class Sampler:
             token_ids = fast_argmax(work)
         else:
             token_ids = self._sample(work, meta)
-        logprobs = _logprobs(logits, token_ids, meta.num_logprobs, self.kernel(logits)) \
+        pending = _logprobs(logits, token_ids, meta.num_logprobs, self.kernel(logits)) \
             if wants_logprobs else None
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, pending)
 
     def kernel(self, logits: torch.Tensor):
         """The fused sampling kernel for these logits, or None (torch path)."""
@@ -92,16 +128,20 @@ class Sampler:
 
     # -- logits processing -----------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        device = logits.device
         if meta.grammar_rows:
-            rows = torch.tensor(meta.grammar_rows, device=logits.device)
+            rows = upload(meta.grammar_rows, device)
             logits[rows] = logits[rows].masked_fill(~meta.grammar_mask, float("-inf"))
-        for i, bias in enumerate(meta.logit_bias):
-            if bias:
-                ids = torch.tensor(list(bias), device=logits.device)
-                logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
-        for i, ids in enumerate(meta.masked_ids):
-            if ids:
-                logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+        biased = [(i, t, v) for i, bias in enumerate(meta.logit_bias) if bias
+                  for t, v in bias.items()]
+        if biased:   # (a request's ids are distinct: no row gets one id twice)
+            rows, ids = (upload([b[k] for b in biased], device) for k in (0, 1))
+            logits[rows, ids] += upload([b[2] for b in biased], device, torch.float32)
+        masked = [(i, t) for i, ids in enumerate(meta.masked_ids) if ids for t in ids]
+        if masked:   # (a tensor value: a Python one is copied to the device blocking)
+            logits.index_put_((upload([m[0] for m in masked], device),
+                               upload([m[1] for m in masked], device)),
+                              torch.full((len(masked),), float("-inf"), device=device))
         if meta.needs_penalties:
             _apply_penalties(logits, meta)
         return logits
@@ -123,11 +163,11 @@ class Sampler:
         for group, sort in ((plain, False), (filtered, True)):
             if not group:
                 continue
-            idx = torch.tensor(group, device=device)
-            temps = torch.tensor([meta.temperature[i] for i in group], device=device)
+            idx = upload(group, device)
+            temps = upload([meta.temperature[i] for i in group], device)
             scaled = logits[idx] / temps.unsqueeze(1)
-            u = torch.tensor([uniform_for(meta.seeds[i], meta.positions[i]) for i in group],
-                             dtype=torch.float64, device=device)
+            u = upload([uniform_for(meta.seeds[i], meta.positions[i]) for i in group], device,
+                       torch.float64)
             if sort:
                 out[idx] = _sample_filtered(scaled, u, meta, group)
             else:
@@ -155,7 +195,7 @@ def _needs_processing(meta: SamplingMetadata) -> bool:
 
 def unpack_bitmask(bitmask, vocab_size: int, device: torch.device) -> torch.Tensor:
     """xgrammar's packed int32 bitmask [rows, ceil(vocab / 32)] -> allowed [rows, vocab]."""
-    packed = torch.as_tensor(bitmask, device=device)
+    packed = upload(bitmask, device)
     bits = (packed.unsqueeze(-1) >> torch.arange(32, device=device, dtype=packed.dtype)) & 1
     return bits.reshape(packed.shape[0], -1)[:, :vocab_size].bool()
 
@@ -219,7 +259,7 @@ def _sample_filtered(scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetada
     vocab = scaled.shape[-1]
 
     def column(values):
-        return torch.tensor([values[i] for i in group], device=device).unsqueeze(1)
+        return upload([values[i] for i in group], device).unsqueeze(1)
 
     limits = (column([k or vocab for k in meta.top_k]), column(meta.top_p), column(meta.min_p))
     out = torch.empty(len(group), dtype=torch.long, device=device)
@@ -238,12 +278,13 @@ def _kept_tokens(probs: torch.Tensor, top_k, top_p, min_p):
     them, strictly above the smallest candidate: then every token outside the candidates has
     a lower probability and is dropped by the full sort too. Other rows take the full sort.
     Both paths see the same probabilities in the same order, so their results are the same.
+    Where the host cannot read `inside` for free (CUDA), every row takes the full sort.
 
     Returns up to two groups (rows [m], kept [m, W], ids [m, W], num_kept [m]): the kept
     probabilities in that order, zero past the prefix, and their token ids."""
     rows = torch.arange(probs.shape[0], device=probs.device)
     groups = []
-    if probs.shape[-1] > CANDIDATES:
+    if probs.shape[-1] > CANDIDATES and host_reads_are_free(probs.device):
         cand_p, cand_ids = _ordered_candidates(probs, CANDIDATES)
         kept = _keep_top(cand_p, top_k, top_p, min_p)
         num_kept = (kept > 0).sum(dim=-1)
@@ -275,48 +316,61 @@ def _pick(kept: torch.Tensor, u: torch.Tensor, num_kept: torch.Tensor) -> torch.
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    vocab = logits.shape[-1]
-    device = logits.device
-    for i in range(logits.shape[0]):
+    rows = [i for i in range(logits.shape[0]) if meta.repetition[i] != 1.0
+            or meta.presence[i] != 0.0 or meta.frequency[i] != 0.0]
+    counts, seen = _token_counts(logits, meta, rows)
+    for k, i in enumerate(rows):
         rep, pres, freq = meta.repetition[i], meta.presence[i], meta.frequency[i]
-        if rep == 1.0 and pres == 0.0 and freq == 0.0:
-            continue
-        out_ids = torch.tensor(meta.output_ids[i], dtype=torch.long, device=device)
+        row = logits[i]
         if rep != 1.0:
-            seen = torch.tensor(sorted(set(meta.prompt_ids[i]) | set(meta.output_ids[i])),
-                                dtype=torch.long, device=device)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / rep, vals * rep)
+            row.copy_(torch.where(seen[k], torch.where(row > 0, row / rep, row * rep), row))
         if pres != 0.0 or freq != 0.0:
-            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
-            logits[i] -= freq * counts + pres * (counts > 0).to(logits.dtype)
+            row -= freq * counts[k] + pres * (counts[k] > 0).to(logits.dtype)
+
+
+def _token_counts(logits: torch.Tensor, meta: SamplingMetadata,
+                  rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the penalised `rows`: output token counts [len(rows), vocab] in the logits' dtype
+    (host-known ids plus `pending_output`), and seen [len(rows), vocab] bool (prompt or
+    output), built on the device by scatters: no shape depends on a device value."""
+    vocab, device = logits.shape[-1], logits.device
+    slot = {i: k for k, i in enumerate(rows)}
+    out_flat = [slot[i] * vocab + t for i in rows for t in meta.output_ids[i]]
+    size = len(rows) * vocab
+    flat = torch.zeros(size + 1, dtype=logits.dtype, device=device)   # + 1: a discard slot
+    flat.index_add_(0, upload(out_flat, device, torch.long),
+                    torch.ones(len(out_flat), dtype=logits.dtype, device=device))
+    if meta.pending_output is not None:   # rows without penalties count into the discard slot
+        pend_rows, pend_ids = meta.pending_output
+        slots = upload([slot.get(i, -1) for i in range(logits.shape[0])], device)[pend_rows]
+        where = torch.where(slots >= 0, slots * vocab + pend_ids, size)
+        flat.index_add_(0, where, torch.ones(where.shape, dtype=logits.dtype, device=device))
+    counts = flat[:size].view(len(rows), vocab)
+    seen = counts > 0
+    prompt_flat = [slot[i] * vocab + t for i in rows if meta.repetition[i] != 1.0
+                   for t in meta.prompt_ids[i]]
+    seen.view(-1).index_put_((upload(prompt_flat, device, torch.long),),
+                             torch.ones(len(prompt_flat), dtype=torch.bool, device=device))
+    return counts, seen
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None],
-              kernel=None) -> list[LogprobsDelta | None]:
+              kernel=None) -> PendingLogprobs:
     """From the raw logits (before any processing), for the rows that ask only: the fused
     kernel's one pass per fact where it runs, else log_softmax in fp32."""
     rows = [i for i, n in enumerate(num_logprobs) if n is not None]
     if len(rows) == len(num_logprobs):
         raw, ids = logits, token_ids
     else:
-        idx = torch.tensor(rows, device=logits.device)
+        idx = upload(rows, logits.device)
         raw, ids = logits[idx], token_ids[idx]
     k = max(num_logprobs[i] for i in rows)
     if kernel is not None:
         sampled, ranks, top_ids, top_vals = kernel.logprobs(raw, ids, k)
     else:
         sampled, ranks, top_ids, top_vals = _logprobs_torch(raw.float(), ids, k)
-    sampled_l, ranks_l, ids_l = sampled.tolist(), ranks.tolist(), ids.tolist()
-    top_v = top_vals.tolist() if k else None
-    top_i = top_ids.tolist() if k else None
-    out: list[LogprobsDelta | None] = [None] * len(num_logprobs)
-    for j, i in enumerate(rows):
-        n = num_logprobs[i]
-        ids_i = [ids_l[j]] + (top_i[j][:n] if n else [])
-        vals = [sampled_l[j]] + (top_v[j][:n] if n else [])
-        out[i] = LogprobsDelta([ids_i], [vals], [ranks_l[j]])
-    return out
+    tensors = [sampled, ranks, ids] + ([top_ids, top_vals] if k else [])
+    return PendingLogprobs(num_logprobs, rows, tensors)
 
 
 def _logprobs_torch(raw: torch.Tensor, ids: torch.Tensor, k: int):

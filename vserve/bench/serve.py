@@ -21,6 +21,7 @@ import httpx
 from tqdm.auto import tqdm
 
 from vserve.bench.datasets import add_dataset_args, load_samples
+from vserve.bench.sse import sse_lines
 from vserve.bench.stats import percentile
 
 
@@ -167,7 +168,7 @@ async def _stream(client, endpoint, body, result: RequestResult) -> None:
             result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return
         last = result.start
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp):   # not aiter_lines: see vserve.bench.sse
             line = line.strip()
             if not line or line.startswith(":") or not line.startswith("data:"):
                 continue

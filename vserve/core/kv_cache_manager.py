@@ -74,8 +74,8 @@ class KVCacheManager:
     # -- prefix lookup ---------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
         """Longest cached prefix of full blocks; at least one token is left to compute."""
-        if not self.uses_cache(request):
-            return PrefixHit(), 0
+        if not self.uses_cache(request) or request.sampling_params.prompt_logprobs is not None:
+            return PrefixHit(), 0   # (prompt logprobs need every prompt position computed)
         max_hit_tokens = request.num_tokens - 1
         hashes = self._hashes_upto(request, max_hit_tokens)
         hits: list[KVCacheBlock] = []

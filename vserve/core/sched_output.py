@@ -79,3 +79,5 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[LogprobsDelta | None] | None = None  # per request, per token
     timing: StepTiming | None = None
+    # req id -> (index of the first prompt token covered, its entries and the next ones')
+    prompt_logprobs: dict[str, tuple[int, LogprobsDelta]] = field(default_factory=dict)

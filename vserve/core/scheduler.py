@@ -374,6 +374,8 @@ class Scheduler:
             if req is None or req.epoch != so.req_epochs[req_id]:
                 continue  # finished, aborted or preempted since this step was scheduled
             assert req.inflight_step_ids.popleft() == so.step_id, "steps committed out of order"
+            if req_id in ro.prompt_logprobs:
+                _add_prompt_logprobs(req, *ro.prompt_logprobs[req_id])
             if req_id not in so.sampling_req_ids:
                 continue  # a partial prefill chunk yields nothing
             i = index[req_id]
@@ -411,7 +413,9 @@ class Scheduler:
                 break
         out = EngineCoreOutput(req.request_id, emitted,
                                new_logprobs=_logprobs_delta(logprobs, len(emitted)),
-                               num_cached_tokens=max(req.num_cached_tokens, 0))
+                               num_cached_tokens=max(req.num_cached_tokens, 0),
+                               prompt_logprobs=req.prompt_logprobs)
+        req.prompt_logprobs = None
         if status is not None:
             self.running.remove(req)
             self._free(req, status)
@@ -524,3 +528,22 @@ def _logprobs_delta(logprobs: LogprobsDelta | None, num_tokens: int) -> Logprobs
         return logprobs
     return LogprobsDelta(logprobs.token_ids[:num_tokens], logprobs.logprobs[:num_tokens],
                          logprobs.ranks[:num_tokens])
+
+
+def _add_prompt_logprobs(req: Request, first: int, entries: LogprobsDelta) -> None:
+    """Keep a chunk's prompt logprobs for the first output; entries that already arrived
+    (a prefill recomputed after a preemption) are dropped."""
+    skip = req.num_prompt_logprobs - first
+    if skip >= len(entries.ranks):
+        return
+    if skip > 0:
+        entries = LogprobsDelta(entries.token_ids[skip:], entries.logprobs[skip:],
+                                entries.ranks[skip:])
+    req.num_prompt_logprobs += len(entries.ranks)
+    held = req.prompt_logprobs
+    if held is None:
+        req.prompt_logprobs = entries
+    else:
+        held.token_ids += entries.token_ids
+        held.logprobs += entries.logprobs
+        held.ranks += entries.ranks

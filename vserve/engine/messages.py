@@ -39,6 +39,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # prompt tokens 1.. (index 0 has none), sent once, with the first token
+    prompt_logprobs: LogprobsDelta | None = None
 
     @property
     def finished(self) -> bool:

@@ -142,8 +142,13 @@ class _EngineProcess:
         self.input_sock.close(linger=0)
         self.output_sock.close(linger=0)
         self._finalizer()
+        self.restore_cpus()
+
+    def restore_cpus(self) -> None:
+        """Our CPUs as before the engine core pinned us beside it: it gives them back when it
+        shuts down, but not when it dies (or is killed by the watchdog). Call once it is gone."""
         if self._cpus and process_cpus(os.getpid()) != self._cpus:
-            pin_process(os.getpid(), self._cpus)   # the engine core could not give them back
+            pin_process(os.getpid(), self._cpus)
 
 
 def _stop_process(proc: subprocess.Popen, tmpdir: str, stopping: threading.Event) -> None:
@@ -285,6 +290,7 @@ class SyncMPClient(_ClientBase):
 
     def _watch(self) -> None:
         self.engine.proc.wait()
+        self.engine.restore_cpus()
         if not self.engine.closing:
             time.sleep(0.2)  # let a DEAD frame that is on its way win
             self._die(f"the engine core process died (exit code {self.engine.exitcode})")
@@ -401,6 +407,7 @@ class AsyncMPClient(_ClientBase):
 
     def _watch(self) -> None:
         self.engine.proc.wait()
+        self.engine.restore_cpus()
         if not self.engine.closing:
             time.sleep(0.2)
             message = f"the engine core process died (exit code {self.engine.exitcode})"

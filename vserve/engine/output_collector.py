@@ -54,7 +54,8 @@ def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         by_index[c.index] = c if prev is None else _merge_choice(prev, c)
     outputs = [by_index[i] for i in sorted(by_index)]
     return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, outputs,
-                         new.finished, new.num_cached_tokens, new.metrics)
+                         new.finished, new.num_cached_tokens, new.metrics,
+                         old.prompt_logprobs or new.prompt_logprobs)
 
 
 def _merge_choice(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:

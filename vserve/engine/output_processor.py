@@ -50,6 +50,8 @@ class RequestState:
     last_token_time: float | None = None
     num_cached_tokens: int = 0
     queue: object = None   # AsyncLLM: an OutputCollector per request
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [None, token 1, ...]
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -79,6 +81,8 @@ class OutputProcessor:
             self.child_to_parent[child_id] = request_id
         state = RequestState(request_id, prompt, prompt_ids, params, kind, children,
                              arrival_time or time.time(), queue=queue)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.requests[request_id] = state
         return state
 
@@ -138,6 +142,8 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             state.last_token_time = now
         child.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs += self._logprob_dicts(out.prompt_logprobs)
         if child.logprobs is not None and out.new_logprobs is not None:
             self._add_logprobs(child, out.new_logprobs)
         stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
@@ -150,19 +156,29 @@ class OutputProcessor:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
 
     def _add_logprobs(self, child: ChildState, delta: LogprobsDelta) -> None:
+        child.logprobs += self._logprob_dicts(delta)
+        for vals in delta.logprobs:
+            child.cumulative_logprob += vals[0]
+
+    def _logprob_dicts(self, delta: LogprobsDelta) -> list[dict[int, Logprob]]:
+        """Per token: the chosen (or prompt) token with its rank, then the top-N by rank."""
         convert = self.tokenizer.convert_ids_to_tokens
+        entries = []
         for ids, vals, rank in zip(delta.token_ids, delta.logprobs, delta.ranks):
             entry = {ids[0]: Logprob(vals[0], rank, convert(ids[0]))}
             for r, (tid, val) in enumerate(zip(ids[1:], vals[1:]), start=1):
                 if tid not in entry:
                     entry[tid] = Logprob(val, r, convert(tid))
-            child.logprobs.append(entry)
-            child.cumulative_logprob += vals[0]
+            entries.append(entry)
+        return entries
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished
         if state.kind == OutputKind.FINAL_ONLY and not finished:
             return None
+        if not finished and state.prompt_logprobs is not None and \
+                len(state.prompt_logprobs) < len(state.prompt_token_ids):
+            return None   # the first output carries the prompt logprobs (also for n > 1)
         outs = []
         for child in sorted(state.children.values(), key=lambda c: c.index):
             if state.kind == OutputKind.DELTA and child.sent_finish:
@@ -177,8 +193,13 @@ class OutputProcessor:
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
             metrics["last_token_time"] = state.last_token_time
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             finished, state.num_cached_tokens, metrics)
+        ro = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
+                           finished, state.num_cached_tokens, metrics)
+        if state.prompt_logprobs is not None and not state.sent_prompt_logprobs and \
+                len(state.prompt_logprobs) == len(state.prompt_token_ids):
+            ro.prompt_logprobs = state.prompt_logprobs   # (once, when streaming)
+            state.sent_prompt_logprobs = state.kind == OutputKind.DELTA
+        return ro
 
     def _completion(self, state: RequestState, child: ChildState) -> CompletionOutput:
         done = child.finish_reason is not None

@@ -62,9 +62,10 @@ class InputProcessor:
                 f"your prompt contains {num_prompt_tokens} input tokens, which leaves no room "
                 "for output; shorten the prompt or raise max_model_len.")
         max_lp = self.config.model.max_logprobs
-        if params.logprobs is not None and params.logprobs > max_lp:
-            raise ValueError(f"logprobs must be at most {max_lp} (max_logprobs), got "
-                             f"{params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_lp:
+                raise ValueError(f"{name} must be at most {max_lp} (max_logprobs), got {value}")
         for t in list(params.logit_bias or {}) + list(params.stop_token_ids or []):
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"Token id {t} in logit_bias / stop_token_ids is out of "
@@ -98,6 +99,8 @@ class InputProcessor:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = base_seed if i == 0 else splitmix64((base_seed + i) & ((1 << 64) - 1))
+            if i == 1 and params.prompt_logprobs is not None:   # the first child's suffice
+                child_params = child_params.clone(prompt_logprobs=None)
             out.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, eos,
                                          seed & ((1 << 63) - 1), arrival, salt))
         return out

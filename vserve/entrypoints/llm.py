@@ -51,23 +51,25 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt,
-                                            continue_final_message, chat_template_kwargs)
+                                            continue_final_message, chat_template_kwargs,
+                                            tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, conversation, chat_template=None, add_generation_prompt=True,
-                            continue_final_message=False, chat_template_kwargs=None) -> dict:
+                            continue_final_message=False, chat_template_kwargs=None,
+                            tools=None) -> dict:
         from vserve.entrypoints.chat import render_chat
 
         ids = render_chat(self.get_tokenizer(), conversation, chat_template,
                           add_generation_prompt, continue_final_message,
-                          chat_template_kwargs or {})
+                          chat_template_kwargs or {}, tools)
         return {"prompt_token_ids": ids}
 
     # -- internals -------------------------------------------------------------------------------

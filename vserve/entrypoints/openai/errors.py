@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from http import HTTPStatus
 from typing import TypeVar
 
 from fastapi import Request
@@ -16,8 +17,12 @@ from vserve.engine.mp_client import EngineDeadError
 
 logger = logging.getLogger("vserve.server")
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               413: "RequestTooLargeError", 500: "InternalServerError",
+# `type` of the error body: the `openai` client's exception class for the status, as vLLM
+# names them; other statuses get their HTTP reason phrase (as vLLM's HTTPException handler)
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError",
+               403: "PermissionDeniedError", 404: "NotFoundError", 409: "ConflictError",
+               413: "RequestTooLargeError", 422: "UnprocessableEntityError",
+               429: "RateLimitError", 500: "InternalServerError", 501: "NotImplementedError",
                503: "ServiceUnavailableError"}
 
 
@@ -31,8 +36,17 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"),
+    return {"error": {"message": message, "type": error_type(status),
                       "param": param, "code": status}}
+
+
+def error_type(status: int) -> str:
+    if status in ERROR_TYPES:
+        return ERROR_TYPES[status]
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "APIError"
 
 
 def error_response(status: int, message: str, param: str | None = None,

@@ -1,10 +1,10 @@
 """Pydantic models of the OpenAI-compatible HTTP API: requests, responses, stream chunks, errors.
 
-Requests allow unknown fields (as vLLM does: clients send `user`, `parallel_tool_calls` and
-provider-specific extras), and the server logs the ones it ignores. Shapes follow the OpenAI
-API plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
-`stop_token_ids`, `stop_reason`, ...). Range checks of sampling values live in
-`SamplingParams`; here only what the wire format itself constrains.
+Requests allow unknown fields (as vLLM does: clients send `user` and provider-specific
+extras), and the server logs the ones it ignores. Shapes follow the OpenAI API plus vLLM's
+extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+`stop_reason`, ...). Range checks of sampling values live in `SamplingParams`; here only what
+the wire format itself constrains.
 """
 
 from __future__ import annotations
@@ -54,14 +54,15 @@ class StructuredOutputsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json: dict[str, Any] | StrictStr | None = None
+    # `json` on the wire; the attribute name would shadow BaseModel.json
+    json_schema: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
+        return self.model_dump(exclude_none=True, by_alias=True)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -153,6 +154,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None   # vLLM: top-k per prompt token, on each choice
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
@@ -163,11 +165,18 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be unset or equal to n)")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs}")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which are not supported")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value}")
         return self
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: vLLM's extra parameter, else `logprobs` with echo."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class TextPart(OpenAIBaseModel):
@@ -175,10 +184,47 @@ class TextPart(OpenAIBaseModel):
     text: str
 
 
+# -- tools (requests; the checks that need the server's settings are in tool_calls.py) ------
+class FunctionDefinition(OpenAIBaseModel):
+    name: StrictStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of type object
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str | dict[str, Any] | None = None   # JSON text (OpenAI) or an object
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call in an assistant message sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None   # assistant messages
+    tool_call_id: str | None = None                 # tool messages
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -197,7 +243,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -207,8 +255,6 @@ class ChatCompletionRequest(SamplingRequest):
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                                  f"{self.top_logprobs}")
-        if self.tools:
-            raise ValueError("tool calling is not supported")
         if self.chat_template is not None:
             raise ValueError("a chat template in the request is not trusted; start the "
                              "server with --chat-template instead")
@@ -224,6 +270,7 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -242,10 +289,15 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 
 # -- responses ---------------------------------------------------------------------------------
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None   # null, as vLLM sends by default
 
 
 class CompletionLogprobs(BaseModel):
@@ -261,6 +313,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM: per prompt token, None for the first, else {token id: {logprob, rank,
+    # decoded_token}}; only when `prompt_logprobs` was asked
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -268,6 +323,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -286,9 +342,37 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str   # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: the first delta of a call has id, type and name, later ones carry
+    argument fragments only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -304,6 +388,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -311,6 +396,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -330,6 +416,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 
@@ -339,8 +426,20 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None   # with return_token_strs
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -33,16 +33,23 @@ from vserve.entrypoints.openai.metrics import ServerMetrics
 from vserve.entrypoints.openai.middleware import FrontDoor, default_allowed_hosts
 from vserve.entrypoints.openai.openapi import body_doc, document_bodies
 from vserve.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
 )
 from vserve.entrypoints.openai.serving_base import ServerContext
 from vserve.entrypoints.openai.serving_chat import ChatServer
 from vserve.entrypoints.openai.serving_completion import CompletionServer
+from vserve.entrypoints.openai.tool_calls import ToolSettings, template_tools
 from vserve.envs import ENV
 
 logger = logging.getLogger("vserve.server")
@@ -51,7 +58,8 @@ logger = logging.getLogger("vserve.server")
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     names, aliases = _model_names(engine, getattr(args, "served_model_name", None))
     ctx = ServerContext(engine, names, load_chat_template(getattr(args, "chat_template", None)),
-                        aliases, AdmissionLimits.from_args(args))
+                        aliases, AdmissionLimits.from_args(args),
+                        ToolSettings.from_args(args, engine.tokenizer))
     metrics = ServerMetrics(ctx.model_name)
 
     @contextlib.asynccontextmanager
@@ -76,7 +84,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     _add_openai_routes(app, ctx)
     _add_service_routes(app, ctx, metrics)
     document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          DetokenizeRequest])
+                          DetokenizeRequest],
+                    [CompletionResponse, CompletionChunk, ChatCompletionResponse,
+                     ChatCompletionChunk, TokenizeResponse, DetokenizeResponse])
     return app
 
 
@@ -132,15 +142,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx)
 
-    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_doc(
+        CompletionRequest, CompletionResponse, CompletionChunk))
     async def create_completion(raw: Request):
         return await completions.create(await parse_body(raw, CompletionRequest), raw)
 
-    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(
+        ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
     async def create_chat_completion(raw: Request):
         return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def list_models():
         cfg = ctx.engine.config.model
         # root names the model, never its path on the server's disk
@@ -148,24 +160,25 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                  for name in ctx.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest))
+    @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest, TokenizeResponse))
     async def tokenize(raw: Request):
         req = await parse_body(raw, TokenizeRequest)
         ctx.check_model(req.model)
         tok = ctx.engine.tokenizer
         if req.messages is not None:
             ids = await chat.render(req.messages, req.add_generation_prompt,
-                                    req.continue_final_message)
+                                    req.continue_final_message,
+                                    tools=template_tools(req.tools))
         else:
             ctx.limits.check_prompt_chars(len(req.prompt), ctx.max_model_len, "prompt")
             ids = await ctx.off_loop(tok.encode, req.prompt,
                                      add_special_tokens=req.add_special_tokens)
-        body = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+        body = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
         if req.return_token_strs:
-            body["token_strs"] = await ctx.off_loop(tok.convert_ids_to_tokens, ids)
-        return JSONResponse(body)
+            body.token_strs = await ctx.off_loop(tok.convert_ids_to_tokens, ids)
+        return JSONResponse(body.model_dump(exclude_none=True))
 
-    @app.post("/detokenize", openapi_extra=body_doc(DetokenizeRequest))
+    @app.post("/detokenize", openapi_extra=body_doc(DetokenizeRequest, DetokenizeResponse))
     async def detokenize(raw: Request):
         req = await parse_body(raw, DetokenizeRequest)
         ctx.check_model(req.model)
@@ -178,8 +191,8 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         if bad:
             raise APIError(400, f"Token id {bad[0]} is out of vocabulary (vocab size {vocab})",
                            "tokens")
-        return JSONResponse({"prompt": await ctx.off_loop(ctx.engine.tokenizer.decode,
-                                                          req.tokens)})
+        text = await ctx.off_loop(ctx.engine.tokenizer.decode, req.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 
 def _add_service_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:
@@ -191,7 +204,8 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics
             return Response(status_code=503)
         return Response(status_code=200)
 
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    for method in ("GET", "POST"):   # one operation id each: generated clients need them unique
+        app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}")
 
     @app.get("/metrics")
     async def scrape():

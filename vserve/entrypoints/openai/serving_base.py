@@ -26,6 +26,7 @@ from vserve.engine.output_processor import OutputKind, RequestState
 from vserve.entrypoints.openai.errors import APIError, error_body, error_status
 from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.protocol import SamplingRequest, random_id
+from vserve.entrypoints.openai.tool_calls import ToolSettings
 from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class ServerContext:
     chat_template: str | None = None
     model_aliases: list[str] = field(default_factory=list)   # accepted, never listed
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    tools: ToolSettings = field(default_factory=ToolSettings)
     draining: bool = False
     exit_code: int = 0
     active: dict[str, RequestState] = field(default_factory=dict)  # engine id -> state

@@ -4,7 +4,8 @@ completions.
 Content may be a string or a list of text parts (joined with newlines). Streaming sends, per
 choice, a first event with `delta: {"role": "assistant", "content": ""}` when the first output
 arrives, then content deltas, the last one carrying `finish_reason` (and vLLM's `stop_reason`);
-then a usage-only event when asked, then `[DONE]`.
+then a usage-only event when asked, then `[DONE]`. With tools (`tool_calls.py`), a choice's
+text goes through its tool-call parser: content deltas and `delta.tool_calls` come out.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ from vserve.entrypoints.openai.serving_base import (
     submit,
     until_disconnect,
 )
+from vserve.entrypoints.openai.tool_calls import (
+    ChoiceTools,
+    ToolPlan,
+    message_tool_fields,
+    plan_tools,
+)
 from vserve.outputs import CompletionOutput, Logprob
 
 
@@ -58,6 +65,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
         entry = {"role": m.role, "content": m.text()}
         if m.name:
             entry["name"] = m.name
+        entry.update(message_tool_fields(m))
         out.append(entry)
     return out
 
@@ -68,38 +76,42 @@ class ChatServer:
         self.token_str = TokenStrings(ctx.engine.tokenizer)
 
     async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     continue_final_message: bool = False, kwargs: dict | None = None
-                     ) -> list[int]:
+                     continue_final_message: bool = False, kwargs: dict | None = None,
+                     tools: ToolPlan | None = None) -> list[int]:
         """The conversation's characters checked, then the template rendered and the text
         encoded on the tokenizer thread."""
         ctx = self.ctx
+        tools = tools or ToolPlan()
         num_chars = sum(len(m.role) + len(m.text()) + len(m.name or "") for m in messages)
-        ctx.limits.check_prompt_chars(num_chars, ctx.max_model_len, "messages")
+        ctx.limits.check_prompt_chars(num_chars + tools.num_chars, ctx.max_model_len,
+                                      "messages")
         try:
             return await ctx.off_loop(render_chat, ctx.engine.tokenizer,
                                       conversation(messages), ctx.chat_template,
                                       add_generation_prompt, continue_final_message,
-                                      kwargs or {})
+                                      kwargs or {}, tools.tools)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         ctx = self.ctx
         check_request(ctx, req, 1)
+        tools = plan_tools(req, ctx.tools)
         ids = await self.render(req.messages, req.add_generation_prompt,
-                                req.continue_final_message, req.chat_template_kwargs)
+                                req.continue_final_message, req.chat_template_kwargs, tools)
         budget = check_context(ctx, len(ids), req.output_limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = make_sampling_params(req, budget, logprobs)
+        params = tools.sampling_params(make_sampling_params(req, budget, logprobs))
         await check_params(ctx, params, len(ids))
         base = base_request_id(raw)
         states = await submit(ctx, [(None, ids)], [params], base)
         response_id = f"chatcmpl-{base}"
         if req.stream:
-            return StreamingResponse(self._stream(req, response_id, len(ids), states),
+            return StreamingResponse(self._stream(req, response_id, len(ids), states, tools),
                                      media_type="text/event-stream")
         try:
-            body = await until_disconnect(raw, self._collect(req, response_id, len(ids), states))
+            body = await until_disconnect(
+                raw, self._collect(req, response_id, len(ids), states, tools))
         finally:
             release(ctx, states)
         return JSONResponse(body)
@@ -110,7 +122,7 @@ class ChatServer:
 
     # -- non-streaming -------------------------------------------------------------------------
     async def _collect(self, req: ChatCompletionRequest, response_id: str, num_prompt: int,
-                       states: list[RequestState]) -> dict:
+                       states: list[RequestState], tools: ToolPlan) -> dict:
         texts = [self._echo_text(req)] * req.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finish: list[tuple[str | None, int | str | None]] = [(None, None)] * req.n
@@ -123,10 +135,12 @@ class ChatServer:
                 logprobs[c.index] += self._logprobs(req, c)
                 if c.finish_reason is not None:
                     finish[c.index] = (c.finish_reason, c.stop_reason)
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]),
-                              logprobs=ChatLogprobs(content=logprobs[i]) if req.logprobs
-                              else None, finish_reason=finish[i][0], stop_reason=finish[i][1])
-                   for i in range(req.n)]
+        choices = []
+        for i in range(req.n):
+            message, reason = _message(tools, texts[i], finish[i][0])
+            choices.append(ChatChoice(index=i, message=message, logprobs=ChatLogprobs(
+                content=logprobs[i]) if req.logprobs else None, finish_reason=reason,
+                stop_reason=finish[i][1]))
         return ChatCompletionResponse(
             id=response_id, model=self.ctx.model_name, choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_out,
@@ -152,7 +166,7 @@ class ChatServer:
 
     # -- streaming -----------------------------------------------------------------------------
     async def _stream(self, req: ChatCompletionRequest, response_id: str, num_prompt: int,
-                      states: list[RequestState]) -> AsyncIterator[str]:
+                      states: list[RequestState], tools: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.ctx.model_name
 
@@ -164,6 +178,7 @@ class ChatServer:
         started = False
         echo = self._echo_text(req)
         pending_echo = dict.fromkeys(range(req.n), echo) if echo else {}
+        parsers = {i: ChoiceTools(tools) for i in range(req.n)} if tools.parses else {}
         try:
             async for _, out in iterate(self.ctx, states):
                 if not started:   # the role event, once per choice, with the first output
@@ -178,9 +193,13 @@ class ChatServer:
                     logprobs = ChatLogprobs(content=self._logprobs(req, c)) if req.logprobs \
                         else None
                     text = pending_echo.pop(c.index, "") + c.text
-                    yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text),
-                                                 logprobs=logprobs,
-                                                 finish_reason=c.finish_reason,
+                    delta, reason = DeltaMessage(content=text), c.finish_reason
+                    if parsers:
+                        delta, reason = _tool_delta(parsers[c.index], text, reason)
+                        if delta is None and reason is None and logprobs is None:
+                            continue   # held back: it may be tool-call markup
+                    yield chunk([ChatChunkChoice(index=c.index, delta=delta or DeltaMessage(),
+                                                 logprobs=logprobs, finish_reason=reason,
                                                  stop_reason=c.stop_reason)], usage)
             if req.include_usage:
                 yield chunk([], _usage(num_prompt, num_out))
@@ -189,6 +208,24 @@ class ChatServer:
         finally:
             release(self.ctx, states)
         yield SSE_DONE
+
+
+def _message(tools: ToolPlan, text: str, reason: str | None
+             ) -> tuple[ChatResponseMessage, str | None]:
+    """A whole choice's message and finish reason, its tool calls parsed out."""
+    if not tools.parses:
+        return ChatResponseMessage(content=text), reason
+    parser = ChoiceTools(tools)
+    content, calls = parser.whole(text)
+    return ChatResponseMessage(content=content, tool_calls=calls), \
+        tools.finish_reason(reason, parser.called)
+
+
+def _tool_delta(parser: ChoiceTools, text: str, reason: str | None
+                ) -> tuple[DeltaMessage | None, str | None]:
+    content, calls = parser.delta(text, reason is not None)
+    delta = DeltaMessage(content=content, tool_calls=calls) if content or calls else None
+    return delta, parser.plan.finish_reason(reason, parser.called)
 
 
 def _usage(num_prompt: int, num_out: int) -> UsageInfo:

@@ -3,6 +3,10 @@
 A batch of P prompts with `n` choices each gives P*n choices, `index = prompt_idx * n + i`.
 Non-streaming requests race the client's disconnect; streaming ones send one SSE event per
 choice per engine step, then a usage-only event when asked, then `[DONE]`.
+
+`echo` with `logprobs` returns the prompt's tokens first in the legacy logprobs (the first
+token's logprob is None), computed by the engine as prompt logprobs; with `max_tokens=0` the
+engine generates one token that is dropped (as vLLM does), so only the prompt comes back.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from vserve.entrypoints.openai.serving_base import (
 from vserve.outputs import CompletionOutput, Logprob
 
 Prompt = tuple[str | None, list[int]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -68,12 +73,15 @@ class CompletionServer:
         ctx = self.ctx
         check_request(ctx, req, _num_prompts(req.prompt))
         prompts = await self._prompts(req)
-        if req.echo and req.max_tokens == 0:   # only the prompt back, no generation
+        prompt_lp, echo_only = req.engine_prompt_logprobs, _echo_without_generation(req)
+        if echo_only and prompt_lp is None:   # only the prompt back, no generation
             return JSONResponse(self._echo_only(req, prompts, base_request_id(raw)))
         params = []
         for _, ids in prompts:
-            budget = check_context(ctx, len(ids), req.max_tokens)
+            budget = check_context(ctx, len(ids), 1 if echo_only else req.max_tokens)
             sp = make_sampling_params(req, budget, req.logprobs)
+            if prompt_lp is not None:
+                sp = sp.clone(prompt_logprobs=prompt_lp)
             await check_params(ctx, sp, len(ids))
             params.append(sp)
         base = base_request_id(raw)
@@ -102,24 +110,32 @@ class CompletionServer:
     async def _collect(self, req: CompletionRequest, response_id: str, prompts: list[Prompt],
                        states: list[RequestState]) -> dict:
         choices = [_Choice() for _ in range(len(prompts) * req.n)]
+        prompt_lps: list[PromptLogprobs | None] = [None] * len(prompts)
         async for prompt_idx, out in iterate(self.ctx, states):
+            prompt_lps[prompt_idx] = out.prompt_logprobs or prompt_lps[prompt_idx]
             for c in out.outputs:
                 self._accumulate(choices[prompt_idx * req.n + c.index], c, req)
         if req.echo:
             for i, choice in enumerate(choices):
-                choice.text = self._prompt_text(prompts[i // req.n]) + choice.text
+                self._echo(choice, req, prompts[i // req.n], prompt_lps[i // req.n])
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_out = sum(c.num_tokens for c in choices)
         return CompletionResponse(
             id=response_id, model=self.ctx.model_name,
             choices=[CompletionChoice(index=i, text=c.text, logprobs=c.logprobs,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      prompt_logprobs=self._vllm_prompt_logprobs(
+                                          req, prompts[i // req.n], prompt_lps[i // req.n]))
                      for i, c in enumerate(choices)],
             usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_out,
                             total_tokens=num_prompt + num_out)).model_dump()
 
     def _accumulate(self, choice: _Choice, c: CompletionOutput, req: CompletionRequest) -> None:
         _raise_if_error(c)
+        if c.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+        if _echo_without_generation(req):
+            return   # (the one token generated for the prompt's logprobs is not returned)
         choice.text += c.text
         choice.num_tokens += len(c.token_ids)
         if req.logprobs is not None:
@@ -127,22 +143,56 @@ class CompletionServer:
             if choice.logprobs is None:
                 choice.logprobs = delta
             else:
-                for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
-                    getattr(choice.logprobs, name).extend(getattr(delta, name))
-        if c.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                _extend(choice.logprobs, delta)
+
+    def _echo(self, choice: _Choice, req: CompletionRequest, prompt: Prompt,
+              prompt_lps: PromptLogprobs | None) -> None:
+        """The prompt in front of a finished choice: its text, and its tokens' logprobs in
+        front of the generated ones (whose text offsets move by the prompt's length)."""
+        choice.text = self._prompt_text(prompt) + choice.text
+        if req.logprobs is None:
+            return
+        head = self._logprobs(_Choice(), prompt[1], prompt_lps, req.logprobs)
+        shift = sum(len(t) for t in head.tokens)
+        tail = choice.logprobs or CompletionLogprobs()
+        tail.text_offset = [o + shift for o in tail.text_offset]
+        choice.logprobs = _extend(head, tail)
 
     def _logprobs(self, choice: _Choice, token_ids: list[int],
-                  entries: list[dict[int, Logprob]] | None) -> CompletionLogprobs:
+                  entries: PromptLogprobs | None, limit: int | None = None
+                  ) -> CompletionLogprobs:
+        """Legacy logprobs of `token_ids`; `limit` keeps the top-`limit` of each entry
+        besides the token's own (prompt entries may hold more)."""
         out = CompletionLogprobs()
         for tid, entry in zip(token_ids, entries or []):
             token = self.token_str(tid)
             out.text_offset.append(choice.text_offset)
             out.tokens.append(token)
-            out.token_logprobs.append(entry[tid].logprob if tid in entry else None)
-            out.top_logprobs.append({self.token_str(t): lp.logprob for t, lp in entry.items()})
             choice.text_offset += len(token)
+            if entry is None:   # the prompt's first token
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(entry[tid].logprob if tid in entry else None)
+            top: dict[str, float] = {}   # tokens that decode alike keep the highest logprob
+            for t, lp in sorted(entry.items(), key=lambda item: -item[1].logprob):
+                if limit is None or t == tid or lp.rank <= limit:
+                    top.setdefault(self.token_str(t), lp.logprob)
+            out.top_logprobs.append(top)
         return out
+
+    def _vllm_prompt_logprobs(self, req: CompletionRequest, prompt: Prompt,
+                              entries: PromptLogprobs | None) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` field of a choice: token ids (as strings) -> logprob,
+        rank and decoded text; the prompt token's own entry and the top `prompt_logprobs`."""
+        if req.prompt_logprobs is None or entries is None:
+            return None
+        limit = req.prompt_logprobs
+        return [None if e is None else
+                {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                          "decoded_token": self.token_str(t)}
+                 for t, lp in e.items() if t == tid or lp.rank <= limit}
+                for tid, e in zip(prompt[1], entries)]
 
     def _echo_only(self, req: CompletionRequest, prompts: list[Prompt], base: str) -> dict:
         choices = [CompletionChoice(index=i, text=self._prompt_text(prompts[i // req.n]),
@@ -160,14 +210,16 @@ class CompletionServer:
         created = int(time.time())
         choices = [_Choice() for _ in range(len(prompts) * req.n)]
         num_prompt = sum(len(ids) for _, ids in prompts)
+        prompt_lps: list[PromptLogprobs | None] = [None] * len(prompts)
         try:
             async for prompt_idx, out in iterate(self.ctx, states):
+                prompt_lps[prompt_idx] = out.prompt_logprobs or prompt_lps[prompt_idx]
                 for c in out.outputs:
                     _raise_if_error(c)
                     index = prompt_idx * req.n + c.index
                     yield sse_event(self._chunk(req, response_id, created, index,
                                                 choices[index], c, prompts[prompt_idx],
-                                                num_prompt, choices))
+                                                prompt_lps[prompt_idx], num_prompt, choices))
             if req.include_usage:
                 yield sse_event(CompletionChunk(id=response_id, created=created,
                                                 model=self.ctx.model_name, choices=[],
@@ -179,21 +231,29 @@ class CompletionServer:
         yield SSE_DONE
 
     def _chunk(self, req: CompletionRequest, response_id: str, created: int, index: int,
-               choice: _Choice, c: CompletionOutput, prompt: Prompt, num_prompt: int,
+               choice: _Choice, c: CompletionOutput, prompt: Prompt,
+               prompt_lps: PromptLogprobs | None, num_prompt: int,
                choices: list[_Choice]) -> CompletionChunk:
-        text = c.text
-        if req.echo and not choice.started:
+        """A choice's next event; its first one starts with the prompt when echoing."""
+        first, choice.started = not choice.started, True
+        text, token_ids, entries = ("", [], None) if _echo_without_generation(req) else \
+            (c.text, c.token_ids, c.logprobs)
+        choice.num_tokens += len(token_ids)
+        echo = req.echo and first
+        if echo:
             text = self._prompt_text(prompt) + text
-        choice.started = True
-        choice.num_tokens += len(c.token_ids)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self._logprobs(choice, c.token_ids, c.logprobs)
+            logprobs = self._logprobs(choice, prompt[1], prompt_lps, req.logprobs) if echo \
+                else CompletionLogprobs()
+            _extend(logprobs, self._logprobs(choice, token_ids, entries))
         chunk = CompletionChunk(
             id=response_id, created=created, model=self.ctx.model_name,
-            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                      finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason)])
+            choices=[CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_logprobs=self._vllm_prompt_logprobs(req, prompt, prompt_lps)
+                if first else None)])
         if req.continuous_usage:
             chunk.usage = _usage(num_prompt, choices)
         return chunk
@@ -210,6 +270,17 @@ def _usage(num_prompt: int, choices: list[_Choice]) -> UsageInfo:
     num_out = sum(c.num_tokens for c in choices)
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_out,
                      total_tokens=num_prompt + num_out)
+
+
+def _echo_without_generation(req: CompletionRequest) -> bool:
+    """`echo` with `max_tokens=0`: the prompt (and its logprobs) back, nothing generated."""
+    return req.echo and req.max_tokens == 0
+
+
+def _extend(into: CompletionLogprobs, more: CompletionLogprobs) -> CompletionLogprobs:
+    for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+        getattr(into, name).extend(getattr(more, name))
+    return into
 
 
 def _raise_if_error(c: CompletionOutput) -> None:
