@@ -124,7 +124,7 @@ class _NoWait:
 def _batch_with_pending(params: SamplingParams):
     batch = InputBatch(4, 64, 8)
     prompt = [5, 6, 7, 8]
-    batch.add(NewRequestData("r", 0, prompt + [9, 10], 4, params, 1, [1], [0, 1], 0))
+    batch.add(NewRequestData("r", 0, prompt + [9, 10], 4, params, 1, [1], ([0, 1],), 0))
     row = batch.row_of["r"]
     queue = FeedbackQueue(1)
     batch.append_placeholder(row)            # step k sampled an id the host does not have

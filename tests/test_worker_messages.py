@@ -25,8 +25,8 @@ from workers import messages as wire
 def _so(bitmask=None) -> SchedulerOutput:
     sp = SamplingParams(temperature=0.7, top_k=5, seed=3, stop=["x"], logit_bias={4: 1.5},
                         structured_outputs=StructuredOutputsParams(regex="[ab]+"))
-    new = NewRequestData("a", 2, [1, 2, 3], 2, sp, 7, [0], [4, 5], 1)
-    return SchedulerOutput(9, [new], CachedRequestData(["b"], [[6]], [8]), {"a": 2, "b": 1}, 3,
+    new = NewRequestData("a", 2, [1, 2, 3], 2, sp, 7, [0], ([4, 5],), 1)
+    return SchedulerOutput(9, [new], CachedRequestData(["b"], [([6],)], [8]), {"a": 2, "b": 1}, 3,
                            {"a": 2, "b": 0}, {"a", "b"}, {"c"}, {"d"}, {"b": [5, 6]}, ["a"],
                            True, bitmask)
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from vserve.core.scheduler import SchedulerConfig
+from vserve.core.sliding_window import local_block_cap
 from vserve.core.spec_decode import SpeculativeConfig
 
 logger = logging.getLogger("vserve")
@@ -21,7 +22,11 @@ logger = logging.getLogger("vserve")
 _DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
            "fp16": "float16"}
-DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+# CPU defaults that suit a small machine (2 cores): a batch of 64 already saturates the
+# matmuls, and an 8k-token prompt takes seconds to prefill. The KV budget follows from them.
+CPU_DEFAULT_MAX_NUM_SEQS = 64
+CPU_DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,13 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None   # None: 4 GiB on CPU, gpu_memory_utilization on CUDA
+    # None: what max_num_seqs x max_model_len use, at most 4 GiB, on CPU (committed as blocks
+    # fill); gpu_memory_utilization on CUDA
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # window of the sliding-window layers' own KV group, whose blocks are returned once out of
+    # the window; None: one group for every layer
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,16 @@ class EngineConfig:
             return pp + 1 if self.async_scheduling else pp
         return 2 if self.async_scheduling else 1
 
+    @property
+    def local_block_cap(self) -> int:
+        """Most blocks the sliding-window KV group can use at once (0: no such group)."""
+        window = self.cache.sliding_window
+        if window is None:
+            return 0
+        s = self.scheduler
+        return local_block_cap(window, self.cache.block_size, s.max_num_seqs,
+                               s.max_num_batched_tokens, self.max_concurrent_batches)
+
 
 @dataclass
 class EngineArgs:
@@ -96,7 +116,7 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None   # None: 64 on CPU, 256 on CUDA
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -137,18 +157,22 @@ class EngineArgs:
                  f"attention_backend must be one of {available_backends()}, got {backend!r}")
         async_on, reason = self._async_decision()
         parallel = self._parallel_config(device, async_on, hf_config, model_cfg.max_model_len)
-        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = CPU_DEFAULT_MAX_NUM_SEQS if device == "cpu" else DEFAULT_MAX_NUM_SEQS
+        _require(max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}")
         batched = self.max_num_batched_tokens or 2048
         _require(batched >= 1, f"max_num_batched_tokens must be >= 1, got {batched}")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                  f"block_size must be a power of two up to 128, got {self.block_size}")
         scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=model_cfg.max_model_len, async_scheduling=async_on,
             pipeline_parallel_size=parallel.pipeline_parallel_size)
         cache = CacheConfig(self.block_size, self.enable_prefix_caching,
                             self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
-                            self.gpu_memory_utilization)
+                            self.gpu_memory_utilization,
+                            kv_sliding_window(hf_config, backend, model_cfg.max_model_len))
         return EngineConfig(model_cfg, cache, scheduler, parallel,
                             DeviceConfig(device, backend, self.enforce_eager), async_on, reason,
                             self._speculative(), _watchdog_timeout(self.watchdog_timeout))
@@ -182,7 +206,8 @@ class EngineArgs:
                 # bf16 instructions; pass dtype="float32" for exact fp32 numerics
                 dtype = "bfloat16"
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-        max_len = self.max_model_len or limit
+        default_len = min(limit, CPU_DEFAULT_MAX_MODEL_LEN) if device == "cpu" else limit
+        max_len = self.max_model_len or default_len
         _require(isinstance(max_len, int) and 1 < max_len <= limit,
                  f"max_model_len must be in [2, {limit}] (the model's "
                  f"max_position_embeddings), got {self.max_model_len!r}")
@@ -220,6 +245,17 @@ class EngineArgs:
         if self.async_scheduling is False:
             return False, "async_scheduling=False was requested"
         return True, None
+
+
+def kv_sliding_window(hf_config, backend: str, max_model_len: int) -> int | None:
+    """The window of a separate KV group for the sliding-window layers, or None: no such
+    layers, a window as long as the context, or the Triton backend (one block table)."""
+    from vserve.models.decoder import layer_windows
+
+    windows = [w for w in layer_windows(hf_config) if w]
+    if backend != "torch" or not windows or max(windows) >= max_model_len:
+        return None
+    return max(windows)
 
 
 def default_executor(pp: int, device: str, async_on: bool) -> str:

@@ -1,7 +1,8 @@
 """The persistent batch: one row per request the worker holds, kept across steps.
 
 Rows hold token ids (with -1 for tokens this worker sampled but has not yet copied back to
-the host), counts, block tables and sampling parameters. Each step only deltas arrive: new
+the host), counts, block tables (one per KV group: full attention, then sliding window, where
+-1 marks a block that left the window) and sampling parameters. Each step only deltas arrive: new
 requests fill the lowest free rows; finished and preempted ones leave holes that `condense()`
 fills by moving the highest rows down. Rows are keyed by request id *and* epoch, so a request
 that was preempted and re-admitted is a different row state.
@@ -28,12 +29,15 @@ class RowState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 num_kv_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.token_ids = np.full((max_num_reqs, max_model_len), -1, dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)   # known + placeholders
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.block_tables = [np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+                             for _ in range(num_kv_groups)]
+        self.block_table = self.block_tables[0]   # the full-attention group's
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.epochs = np.zeros(max_num_reqs, dtype=np.int64)      # of each row's request
         self.rows: list[RowState | None] = [None] * max_num_reqs
@@ -87,17 +91,20 @@ class InputBatch:
         self.token_ids[dst, n:] = -1
         for arr in (self.num_tokens, self.num_computed, self.num_blocks, self.epochs):
             arr[dst] = arr[src]
-        self.block_table[dst] = self.block_table[src]
+        for table in self.block_tables:
+            table[dst] = table[src]
         self.rows[dst], self.rows[src] = self.rows[src], None
         self.layout_version += 1
         self.row_of[self.rows[dst].req_id] = dst
 
     # -- per step updates ------------------------------------------------------------------------
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
-        if block_ids:
-            start = self.num_blocks[row]
-            self.block_table[row, start:start + len(block_ids)] = block_ids
-            self.num_blocks[row] = start + len(block_ids)
+    def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """New blocks of each KV group (the groups hold the same number of entries)."""
+        if block_ids[0]:
+            start, n = self.num_blocks[row], len(block_ids[0])
+            for table, ids in zip(self.block_tables, block_ids, strict=True):
+                table[row, start:start + n] = ids
+            self.num_blocks[row] = start + n
 
     def append_placeholder(self, row: int) -> int:
         """Reserve the next position for a token this step samples; returns the position."""

@@ -32,6 +32,8 @@ class HostInputs:
     block_tables: np.ndarray      # [num_reqs, max_blocks] int32
     host_tokens: np.ndarray       # [num_tokens] int64, -1 where the host lacks the id
     block_size: int
+    local_block_tables: np.ndarray | None = None   # [num_reqs, max_blocks] int32, the
+    #   sliding-window KV group's (dead entries point at its null block); None: one group
 
     @property
     def num_reqs(self) -> int:
@@ -63,6 +65,8 @@ class DeviceInputs:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor         # [num_reqs] int32
     block_tables: torch.Tensor     # [num_reqs, max_blocks] int32
+    local_slot_mapping: torch.Tensor | None = None   # [num_tokens] int64, sliding-window group
+    local_block_tables: torch.Tensor | None = None   # [num_reqs, max_blocks] int32
 
 
 def new_feedback_stats() -> dict[str, int]:
@@ -80,14 +84,15 @@ class TorchInputPrep:
     def build(self, host: HostInputs, plan: FeedbackPlan,
               prev: torch.Tensor | None) -> DeviceInputs:
         to = self.shim.to_device
-        bs = host.block_size
-        local = np.repeat(np.arange(host.num_reqs), np.diff(host.query_start_loc))
-        slots = (host.block_tables[local, host.positions // bs].astype(np.int64) * bs
-                 + host.positions % bs)
+        req_of = np.repeat(np.arange(host.num_reqs), np.diff(host.query_start_loc))
+        local = host.local_block_tables
         return DeviceInputs(
-            self._input_ids(host.host_tokens, plan, prev), to(host.positions), to(slots),
+            self._input_ids(host.host_tokens, plan, prev), to(host.positions),
+            to(_slots(host.block_tables, req_of, host.positions, host.block_size)),
             to(host.query_start_loc.astype(np.int32)), to(host.seq_lens.astype(np.int32)),
-            to(host.block_tables))
+            to(host.block_tables),
+            None if local is None else to(_slots(local, req_of, host.positions, host.block_size)),
+            None if local is None else to(local))
 
     def _input_ids(self, host_tokens: np.ndarray, plan: FeedbackPlan,
                    prev: torch.Tensor | None) -> torch.Tensor:
@@ -121,6 +126,7 @@ class FusedInputPrep:
 
     def build(self, host: HostInputs, plan: FeedbackPlan,
               prev: torch.Tensor | None) -> DeviceInputs:
+        assert host.local_block_tables is None, "the Triton path has one KV group"
         num_reqs, num_tokens = host.num_reqs, len(host.host_tokens)
         prev_index = np.full(num_reqs, -1, dtype=np.int32)
         offsets = np.zeros(num_reqs, dtype=np.int32)
@@ -141,6 +147,13 @@ class FusedInputPrep:
             self.stats["fused"] += 1
             self.stats["rows"] += len(plan.rows)
         return DeviceInputs(input_ids, positions, slots, qsl, seq_lens, block_tables)
+
+
+def _slots(block_tables: np.ndarray, req_of: np.ndarray, positions: np.ndarray,
+           block_size: int) -> np.ndarray:
+    """Flat KV slot of each token: its request's block for the position, and the offset."""
+    return (block_tables[req_of, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size)
 
 
 def make_input_prep(shim: DeviceShim) -> TorchInputPrep | FusedInputPrep:

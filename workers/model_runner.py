@@ -30,6 +30,13 @@ from workers.device import DeviceShim, HostCopy
 from workers.feedback import FeedbackQueue
 from workers.input_batch import InputBatch
 from workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
+from workers.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    allocate_kv_caches,
+    kv_bytes_per_block,
+    num_blocks_for,
+    sliding_window_layers,
+)
 from workers.prompt_logprobs import PromptSlice, compute_prompt_logprobs, plan_prompt_logprobs
 from workers.sample_step import SampleLayout, StepSampler
 
@@ -52,6 +59,8 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    sliding_window: int | None = None   # the sliding-window KV group's window (None: no group)
+    local_block_cap: int = 0            # most blocks that group holds
 
 
 @dataclass
@@ -111,7 +120,8 @@ class ModelRunner:
                       StageInfo.split(hf_config.num_hidden_layers, config.pp_size, config.pp_rank))
         self.pp = pp_comm
         max_blocks = -(-config.max_model_len // config.block_size)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks,
+                                1 if config.sliding_window is None else 2)
         self.backend = get_attention_backend(config.attention_backend, config.block_size)
         self.step_sampler = StepSampler(self.batch, hf_config.vocab_size)
         # stage 0 of a pipeline: the last stage's ids of the pp newest steps may be pending
@@ -137,12 +147,11 @@ class ModelRunner:
         if self.stage.is_last:   # build the sampling kernel now, not on the first sampled step
             self.step_sampler.sampler.kernel_for(self.device, self.dtype)
 
-    def kv_bytes_per_block(self) -> int:
-        per_layer = 0
-        for i in range(self.stage.start_layer, self.stage.end_layer):
-            spec = self.model.layer_specs[i]
-            per_layer += 2 * self.config.block_size * spec.num_kv_heads * spec.head_dim
-        return per_layer * self.dtype.itemsize
+    def _kv_layers(self) -> tuple[range, set[int]]:
+        """This stage's layers, and those of them in the sliding-window KV group."""
+        layers = range(self.stage.start_layer, self.stage.end_layer)
+        return layers, sliding_window_layers(self.model.layer_specs, layers,
+                                             self.config.sliding_window)
 
     def available_kv_bytes(self) -> int:
         if self.config.kv_cache_memory_bytes is not None:
@@ -151,23 +160,25 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             return max(0, int(total * self.config.gpu_memory_utilization) - used)
-        return 4 * 1024**3
+        return DEFAULT_CPU_KV_CACHE_BYTES   # a ceiling: pages are committed as blocks fill
 
     def num_kv_blocks(self) -> int:
         """How many blocks this stage could hold (the engine takes the min over stages)."""
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
-        by_memory = self.available_kv_bytes() // max(1, self.kv_bytes_per_block())
-        per_seq = -(-self.config.max_model_len // self.config.block_size)
-        return int(min(by_memory, 2 * per_seq * self.config.max_num_seqs))
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        layers, local = self._kv_layers()
+        full_bytes, local_bytes = kv_bytes_per_block(self.model.layer_specs, layers, local,
+                                                     cfg.block_size, self.dtype)
+        return num_blocks_for(full_bytes, self.available_kv_bytes(), cfg.max_num_seqs,
+                              cfg.max_model_len, cfg.block_size, local_bytes, cfg.local_block_cap)
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = [None] * self.hf_config.num_hidden_layers
-        bs = self.config.block_size
-        for i in range(self.stage.start_layer, self.stage.end_layer):
-            spec = self.model.layer_specs[i]
-            self.kv_caches[i] = torch.zeros(2, num_blocks, bs, spec.num_kv_heads,
-                                            spec.head_dim, dtype=self.dtype, device=self.device)
+        layers, local = self._kv_layers()
+        self.local_null_block = min(num_blocks, self.config.local_block_cap)   # the extra one
+        self.kv_caches = allocate_kv_caches(self.model.layer_specs, layers, local, num_blocks,
+                                            self.local_null_block, self.config.block_size,
+                                            self.dtype, self.device)
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -364,9 +375,17 @@ class ModelRunner:
         positions = np.repeat(computed, num_sched) + (np.arange(int(qsl[-1]))
                                                       - np.repeat(qsl[:-1], num_sched))
         max_blocks = int(batch.num_blocks[rows].max()) if len(rows) else 0
-        block_tables = np.ascontiguousarray(batch.block_table[rows, :max(1, max_blocks)])
+        width = max(1, max_blocks)
+        block_tables = np.ascontiguousarray(batch.block_table[rows, :width])
+        local_tables = None
+        if self.config.sliding_window is not None:   # dead entries -> the null block
+            local_tables = batch.block_tables[1][rows, :width]
+            dead = np.arange(width) < np.maximum(
+                0, (computed - self.config.sliding_window + 1) // self.config.block_size)[:, None]
+            local_tables[dead | (local_tables < 0)] = self.local_null_block
         return HostInputs(qsl, computed, positions, computed + num_sched, block_tables,
-                          batch.token_ids[rows_rep, positions], self.config.block_size)
+                          batch.token_ids[rows_rep, positions], self.config.block_size,
+                          local_tables)
 
     def _attention_metadata(self, host: HostInputs, dev: DeviceInputs) -> AttentionMetadata:
         qsl, seq_lens = host.query_start_loc, host.seq_lens
@@ -374,6 +393,7 @@ class ModelRunner:
             num_tokens=len(host.positions), positions=dev.positions,
             slot_mapping=dev.slot_mapping, query_start_loc=dev.query_start_loc,
             seq_lens=dev.seq_lens, block_tables=dev.block_tables,
+            local_slot_mapping=dev.local_slot_mapping, local_block_tables=dev.local_block_tables,
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
             max_query_len=int(np.diff(qsl).max()), max_seq_len=int(seq_lens.max()))
         fused = getattr(self.model, "fused", None)

@@ -26,10 +26,19 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     backend_data: Any = None         # built by the backend's `prepare`
+    # the sliding-window layers' own KV group (None: every layer uses the tables above)
+    local_slot_mapping: torch.Tensor | None = None   # [num_tokens] int64
+    local_block_tables: torch.Tensor | None = None   # [num_reqs, max_blocks_per_req] int32
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def kv_tables(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping, block_tables) of the KV group of a layer with this window."""
+        if window is not None and self.local_block_tables is not None:
+            return self.local_slot_mapping, self.local_block_tables
+        return self.slot_mapping, self.block_tables
 
 
 @dataclass(frozen=True)

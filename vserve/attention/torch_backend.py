@@ -11,7 +11,10 @@ Per step, `prepare` sorts the batch into groups that each need one attention cal
 * prefill chunks with context (chunked prefill, prefix hits): one call per request against
   its gathered context.
 
-Masks are causal and, for sliding-window layers, `k_pos > q_pos - window`.
+Masks are causal and, for sliding-window layers, `k_pos > q_pos - window`. When those layers
+have their own KV group (`meta.local_block_tables`), they gather through its block tables, in
+which blocks that left the window point at a null block of zeros (masked out like any slot
+past the window).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class _Group:
     num_rows: int                      #   (None: the whole step, in order)
     q_len: int
     blocks: torch.Tensor | None        # [B, num_blocks] block ids to gather (None: direct)
+    local_blocks: torch.Tensor | None  # the same in the sliding-window KV group (or None)
     # per window: [B|1, 1, Q, L]; True = visible, except decode groups: True = hidden
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     seq_lens: torch.Tensor | None = None   # decode groups: [B] int64 context lengths
@@ -85,8 +89,9 @@ class TorchAttentionBackend:
             masks = {w: ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, j, w)   # [B, 1, 1, L]
                      for w in windows}
         token_idx = None if rows is None else meta.query_start_loc[:-1][rows_t].long()
-        return _Group("decode", token_idx, num_rows, 1,
-                      meta.block_tables[rows_t, :nb].long(), masks, seq_lens)
+        local = meta.local_block_tables
+        return _Group("decode", token_idx, num_rows, 1, meta.block_tables[rows_t, :nb].long(),
+                      None if local is None else local[rows_t, :nb].long(), masks, seq_lens)
 
     def _direct_group(self, meta, rows, q_len, windows) -> _Group:
         device = meta.block_tables.device
@@ -96,7 +101,7 @@ class TorchAttentionBackend:
         # a window at least as long as the prompt is plain causal: no mask tensor needed
         masks = {w: None if w is None or w >= q_len else
                  _visible(pos, torch.arange(q_len, device=device), w) for w in windows}
-        return _Group("direct", token_idx, len(rows), q_len, None, masks)
+        return _Group("direct", token_idx, len(rows), q_len, None, None, masks)
 
     def _context_group(self, meta, row, q_len, windows) -> _Group:
         device = meta.block_tables.device
@@ -106,13 +111,15 @@ class TorchAttentionBackend:
         j = torch.arange(nb * self.block_size, device=device)
         masks = {w: _visible(pos, j, w) for w in windows}
         token_idx = torch.arange(start, start + q_len, device=device)
+        local = meta.local_block_tables
         return _Group("context", token_idx, 1, q_len,
-                      meta.block_tables[row, :nb].long().unsqueeze(0), masks)
+                      meta.block_tables[row, :nb].long().unsqueeze(0),
+                      None if local is None else local[row, :nb].long().unsqueeze(0), masks)
 
     # -- per layer -----------------------------------------------------------------------------
     def forward(self, spec: AttentionLayerSpec, query, key, value, kv_cache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(key, value, kv_cache, meta.slot_mapping)
+        write_kv(key, value, kv_cache, meta.kv_tables(spec.sliding_window)[0])
         groups = meta.backend_data
         if groups[0].token_idx is None:
             return self._group(groups[0], spec, query, key, value, kv_cache).reshape(
@@ -125,17 +132,19 @@ class TorchAttentionBackend:
 
     def _group(self, g: _Group, spec, query, key, value, kv_cache) -> torch.Tensor:
         """Attention for one group's query rows [B * Q, H, D] -> [B * Q, H, D]."""
+        blocks = g.blocks if spec.sliding_window is None or g.local_blocks is None else \
+            g.local_blocks
         if g.kind == "decode" and self.kernel is not None:
             return self.kernel.decode_attention(
-                query.contiguous(), kv_cache[0], kv_cache[1], g.blocks, g.seq_lens,
+                query.contiguous(), kv_cache[0], kv_cache[1], blocks, g.seq_lens,
                 spec.sliding_window or -1, spec.scale, spec.logit_softcap or 0.0)
         b, n = g.num_rows, g.q_len
         q = query.view(b, n, *query.shape[1:]).transpose(1, 2)                 # [B,H,Q,D]
         if g.blocks is None:
             k, v = key.view(b, n, *key.shape[1:]), value.view(b, n, *value.shape[1:])
         else:
-            k = _gather_blocks(kv_cache[0], g.blocks)                           # [B,L,Hkv,D]
-            v = _gather_blocks(kv_cache[1], g.blocks)
+            k = _gather_blocks(kv_cache[0], blocks)                             # [B,L,Hkv,D]
+            v = _gather_blocks(kv_cache[1], blocks)
         mask = g.masks[spec.sliding_window]
         if g.kind == "decode":
             o = _attend_matmul(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)

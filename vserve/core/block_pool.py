@@ -2,8 +2,11 @@
 
 A block is *free* when no request holds it (ref_cnt == 0). Free blocks sit in an LRU queue;
 a free block may still carry a hash (its content is a cached prefix) until it is evicted,
-which happens when the pool hands it out again. Allocation takes from the front of the queue
-(least recently freed); a prefix-cache hit on a free block takes it out of the queue.
+which happens when the pool hands it out again. Allocation takes from the front of the queue;
+a freed block with a hash goes to the back (least recently freed cached prefixes are evicted
+first), one without goes to the front: it holds nothing worth keeping and its memory is
+already committed, so it is reused before a block no step has written (the CPU cache commits
+pages on first write). A prefix-cache hit on a free block takes it out of the queue.
 
 | invariant                                   | checked by `check_invariants` |
 |---------------------------------------------|-------------------------------|
@@ -84,6 +87,8 @@ class BlockPool:
                 if block.block_hash is None or not self.enable_caching:
                     self._evict(block)
                 self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         if block.block_hash is not None:

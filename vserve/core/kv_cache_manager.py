@@ -5,15 +5,24 @@ ids, salt). A request's blocks are registered in the cache only up to its *settl
 (computed or in flight, and with ids known), so a hit never points at a position whose token
 is still a placeholder. With prefix caching off, requests that carry a `cache_salt` (the
 `n > 1` siblings of one prompt) still share their prompt blocks with each other.
+
+Models with sliding-window layers get a second group for those layers
+(`vserve.core.sliding_window`): its blocks are returned once they leave the window, and a
+prefix hit must also find the window before it cached there. Block ids go to the workers as
+one list per group: `(full,)` or `(full, sliding_window)`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
+from dataclasses import dataclass, field
 
 from vserve.core.block_pool import BlockPool, KVCacheBlock
 from vserve.core.request import Request
+from vserve.core.sliding_window import SlidingWindowGroup
+
+BlockIds = tuple[list[int], ...]   # one list per KV group
 
 
 def hash_block(parent: bytes, token_ids: list[int], salt: str | None) -> bytes:
@@ -24,11 +33,20 @@ def hash_block(parent: bytes, token_ids: list[int], salt: str | None) -> bytes:
     return digest.digest()
 
 
+@dataclass
+class PrefixHit:
+    full: list[KVCacheBlock] = field(default_factory=list)
+    local: list[KVCacheBlock | None] = field(default_factory=list)   # sliding-window group
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int | None = None, num_local_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=True)
+        self.local = (SlidingWindowGroup(num_local_blocks, block_size, sliding_window)
+                      if sliding_window is not None else None)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.num_queried_tokens = 0
@@ -39,28 +57,40 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def pools(self) -> list[BlockPool]:
+        return [self.pool] if self.local is None else [self.pool, self.local.pool]
+
+    @property
     def usage(self) -> float:
-        return self.pool.usage
+        return max(p.usage for p in self.pools)
 
     def uses_cache(self, request: Request) -> bool:
         return self.enable_prefix_caching or request.cache_salt is not None
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str) -> BlockIds:
+        full = [b.block_id for b in self.req_blocks.get(request_id, ())]
+        return (full,) if self.local is None else (full, self.local.block_ids(request_id))
 
     # -- prefix lookup ---------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
         """Longest cached prefix of full blocks; at least one token is left to compute."""
         if not self.uses_cache(request) or request.sampling_params.prompt_logprobs is not None:
-            return [], 0   # (prompt logprobs need every prompt position computed, as in vLLM)
+            return PrefixHit(), 0   # (prompt logprobs need every prompt position computed)
         max_hit_tokens = request.num_tokens - 1
+        hashes = self._hashes_upto(request, max_hit_tokens)
         hits: list[KVCacheBlock] = []
-        for block_hash in self._hashes_upto(request, max_hit_tokens):
+        for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        if self.local is None:
+            return PrefixHit(hits), len(hits) * self.block_size
+        for num in range(len(hits), 0, -1):   # the longest hit whose window is cached too
+            local = self.local.prefix_hit(hashes, num)
+            if local is not None:
+                return PrefixHit(hits[:num], local), num * self.block_size
+        return PrefixHit(), 0
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -71,26 +101,35 @@ class KVCacheManager:
         self,
         request: Request,
         num_total_tokens: int,
-        computed_blocks: list[KVCacheBlock] = (),
-    ) -> list[int] | None:
+        hit: PrefixHit | None = None,
+    ) -> BlockIds | None:
         """Make the request hold enough blocks for `num_total_tokens` positions.
 
-        Returns the ids of the blocks added (hits first), or None when the pool is short; on
-        None nothing changed."""
-        held = self.req_blocks.setdefault(request.request_id, [])
+        Returns the ids of the blocks added (hits first), or None when a pool is short; on
+        None nothing changed, except that sliding-window blocks which left the window of the
+        request's next query are returned (they are dead either way)."""
+        hit = hit or PrefixHit()
+        req_id = request.request_id
+        held = self.req_blocks.setdefault(req_id, [])
         num_required = -(-num_total_tokens // self.block_size)
-        num_new = num_required - len(held) - len(computed_blocks)
-        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(num_new, 0) + num_free_hits > self.pool.num_free_blocks:
+        num_new = max(0, num_required - len(held) - len(hit.full))
+        num_free_hits = sum(1 for b in hit.full if b.ref_cnt == 0)
+        local = self.local
+        if local is not None:
+            first_pos = request.num_computed_tokens + len(hit.full) * self.block_size
+            local.release_dead(req_id, first_pos)
+        if num_new + num_free_hits > self.pool.num_free_blocks or \
+                (local is not None and not local.can_allocate(num_new, hit.local)):
             if not held:
-                del self.req_blocks[request.request_id]
+                del self.req_blocks[req_id]
             return None
-        self.pool.touch(list(computed_blocks))
-        added = list(computed_blocks) + (self.pool.get_new_blocks(num_new) if num_new > 0 else [])
-        if computed_blocks:
-            self.num_cached_blocks[request.request_id] = len(held) + len(computed_blocks)
+        self.pool.touch(list(hit.full))
+        added = list(hit.full) + (self.pool.get_new_blocks(num_new) if num_new > 0 else [])
+        if hit.full:
+            self.num_cached_blocks[req_id] = len(held) + len(hit.full)
         held.extend(added)
-        return [b.block_id for b in added]
+        ids = [b.block_id for b in added]
+        return (ids,) if local is None else (ids, local.allocate(req_id, num_new, hit.local))
 
     def cache_blocks(self, request: Request, num_settled_tokens: int) -> None:
         """Register the request's full blocks among its first `num_settled_tokens` tokens."""
@@ -106,15 +145,21 @@ class KVCacheManager:
         end = min(len(hashes), len(blocks))
         for i in range(start, end):
             self.pool.cache_block(blocks[i], hashes[i])
+            if self.local is not None:
+                self.local.cache_block(request.request_id, i, hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
+        if self.local is not None:
+            self.local.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if any(p.num_used_blocks for p in self.pools):
+            return False
+        return all(p.reset_prefix_cache() for p in self.pools)
 
     def _hashes_upto(self, request: Request, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks among the first `num_tokens` known tokens."""
@@ -137,3 +182,5 @@ class KVCacheManager:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert b.ref_cnt == held.get(b.block_id, 0), (b, held.get(b.block_id))
+        if self.local is not None:
+            self.local.check_invariants(self.req_blocks)

@@ -22,14 +22,14 @@ class NewRequestData:
     sampling_params: SamplingParams
     sampling_seed: int
     stop_token_ids: list[int]     # EOS and stop ids, masked while output < min_tokens
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]   # per KV group (full, then sliding window); -1: none
     num_computed_tokens: int      # prefix-cache hits; positions already in the KV cache
 
 
 @dataclass
 class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)   # per KV group
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
 
 

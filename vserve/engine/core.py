@@ -44,7 +44,9 @@ class EngineCore:
         with phase("KV cache", "engine_core"):
             self.executor.init_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
-        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.num_local_kv_blocks = min(num_blocks, config.local_block_cap)
+        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                            config.cache.sliding_window, self.num_local_kv_blocks)
         m = config.model
         self.structured = StructuredOutputManager(m.tokenizer, m.vocab_size, m.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, kv, config.speculative, self.structured)
@@ -68,6 +70,9 @@ class EngineCore:
                         cfg.async_off_reason, self.depth)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens).", self.num_kv_blocks,
                     cfg.cache.block_size, self.num_kv_blocks * cfg.cache.block_size)
+        if cfg.cache.sliding_window is not None:
+            logger.info("KV cache of the sliding-window layers: %d blocks (window %d).",
+                        self.num_local_kv_blocks, cfg.cache.sliding_window)
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, seq: int = 0) -> None:
@@ -120,18 +125,12 @@ class EngineCore:
         """With no request and no step in flight, every block is free (a leak otherwise):
         free + cached + in-use == total and in-use == 0. Debug mode runs it at each idle."""
         kv = self.scheduler.kv
-        pool = kv.pool
-        in_use = pool.num_used_blocks
-        cached = sum(b.block_hash is not None for b in pool.blocks if b.ref_cnt == 0)
-        uncached_free = pool.num_free_blocks - cached
-        problem = None
-        if uncached_free + cached + in_use != pool.num_blocks:
-            problem = (f"free {uncached_free} + cached {cached} + in use {in_use} != "
-                       f"total {pool.num_blocks}")
-        elif in_use or kv.req_blocks:
-            problem = (f"{in_use} KV blocks in use at idle, held for "
-                       f"{sorted(kv.req_blocks)[:8]}")
-        else:
+        problem = next(filter(None, map(_pool_problem, kv.pools)), None)
+        if problem is None and kv.req_blocks:
+            problem = f"KV blocks held at idle for {sorted(kv.req_blocks)[:8]}"
+        elif problem is not None:
+            problem += f", held for {sorted(kv.req_blocks)[:8]}"
+        if problem is None:
             try:
                 self.scheduler.check_invariants()
             except AssertionError as e:
@@ -253,3 +252,14 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+
+
+def _pool_problem(pool) -> str | None:
+    """What is wrong with a block pool at idle: free + cached + in use != total, or in use."""
+    in_use = pool.num_used_blocks
+    cached = sum(b.block_hash is not None for b in pool.blocks if b.ref_cnt == 0)
+    uncached_free = pool.num_free_blocks - cached
+    if uncached_free + cached + in_use != pool.num_blocks:
+        return (f"free {uncached_free} + cached {cached} + in use {in_use} != "
+                f"total {pool.num_blocks}")
+    return f"{in_use} KV blocks in use at idle" if in_use else None

@@ -12,11 +12,13 @@ from vserve.config import EngineArgs
 _HELP = {
     "model": "model folder, .gguf file, or 'gemma-3-270m' (the embedded default)",
     "dtype": "auto, float32, bfloat16 or float16",
-    "max_model_len": "context length (prompt + output) per request",
-    "max_num_seqs": "most requests in one batch",
+    "max_model_len": "context length (prompt + output) per request (CPU default: the "
+                     "model's, at most 8192)",
+    "max_num_seqs": "most requests in one batch (default: 64 on CPU, 256 on CUDA)",
     "max_num_batched_tokens": "token budget per step (prefills are chunked to fit)",
     "num_gpu_blocks_override": "number of KV blocks, whatever the device",
-    "kv_cache_memory_bytes": "KV cache budget in bytes (CPU default: 4 GiB)",
+    "kv_cache_memory_bytes": ("KV cache budget in bytes (CPU default: what max_num_seqs x "
+                              "max_model_len use, at most 4 GiB)"),
     "async_scheduling": "schedule the next step while the current one runs (default: on)",
     "pipeline_parallel_size": "split the layers over this many worker processes",
     "distributed_executor_backend": "uni (model in the engine process) or mp (workers)",

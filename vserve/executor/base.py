@@ -68,7 +68,8 @@ def runner_config(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
         layer_partition=config.parallel.layer_partition,
         kv_cache_memory_bytes=c.kv_cache_memory_bytes,
         gpu_memory_utilization=c.gpu_memory_utilization,
-        num_gpu_blocks_override=c.num_gpu_blocks_override, enforce_eager=d.enforce_eager)
+        num_gpu_blocks_override=c.num_gpu_blocks_override, enforce_eager=d.enforce_eager,
+        sliding_window=c.sliding_window, local_block_cap=config.local_block_cap)
 
 
 __all__ = ["Executor", "StepFuture", "runner_config"]

@@ -41,10 +41,13 @@ class FusedDecode:
                 and backend.name == "torch")
 
     def run(self, h: torch.Tensor, ropes, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        tables, seq_lens = meta.block_tables.long(), meta.seq_lens.long()
-        slots, layer_fn = meta.slot_mapping, self.kernel.decoder_layer
+        seq_lens, layer_fn = meta.seq_lens.long(), self.kernel.decoder_layer
+        full = (meta.slot_mapping, meta.block_tables.long())
+        local = full if meta.local_block_tables is None else \
+            (meta.local_slot_mapping, meta.local_block_tables.long())   # sliding-window group
         for f in self.layers:
             cos, sin = ropes[f.rope]
+            slots, tables = local if f.consts[3] > 0 else full   # consts[3]: window, or -1
             h = layer_fn(h, f.weights, f.plain, f.biases, f.norms, kv_caches[f.layer_idx], slots,
                          tables, seq_lens, cos, sin, *f.consts)
         return h
