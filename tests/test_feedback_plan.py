@@ -19,7 +19,7 @@ def _batch(rng: random.Random, num_reqs: int) -> InputBatch:
     for k in range(num_reqs):
         n = rng.randrange(2, 20)
         batch.add(NewRequestData(f"r{k}", rng.randrange(1, 4), list(range(1, n + 1)), n,
-                                 SamplingParams(), 0, [], [], n - 1))
+                                 SamplingParams(), 0, [], ([],), n - 1))
     for k in rng.sample(range(num_reqs), num_reqs // 4):   # holes, then rows move down
         batch.remove(f"r{k}")
     batch.condense()

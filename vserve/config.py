@@ -250,7 +250,7 @@ class EngineArgs:
 def kv_sliding_window(hf_config, backend: str, max_model_len: int) -> int | None:
     """The window of a separate KV group for the sliding-window layers, or None: no such
     layers, a window as long as the context, or the Triton backend (one block table)."""
-    from vserve.models.decoder import layer_windows
+    from vserve.models.hf_config import layer_windows
 
     windows = [w for w in layer_windows(hf_config) if w]
     if backend != "torch" or not windows or max(windows) >= max_model_len:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
+from vserve.models.hf_config import layer_windows
 from vserve.models.layers import (
     Attention,
     RMSNorm,
@@ -22,18 +23,6 @@ from vserve.models.stage import FusedLinear, StageInfo, check_all_loaded, load_w
 
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def layer_windows(hf_config) -> list[int | None]:
-    """Sliding window of each layer, or None for global attention."""
-    n = hf_config.num_hidden_layers
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types:
-        return [window if t == "sliding_attention" else None for t in layer_types]
-    if hf_config.model_type == "mistral" and window:
-        return [window] * n
-    return [None] * n
 
 
 def head_dim_of(hf_config) -> int:

@@ -88,3 +88,15 @@ def _write(path: Path, values: dict) -> None:
         tmp.replace(path)
     except (OSError, TypeError, ValueError) as e:   # read-only cache or an odd value
         logger.debug("cannot cache the resolved config in %s: %s", path, e)
+
+
+def layer_windows(hf_config) -> list[int | None]:
+    """Sliding window of each layer, or None for global attention."""
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if hf_config.model_type == "mistral" and window:
+        return [window] * n
+    return [None] * n
