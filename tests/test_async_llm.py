@@ -84,13 +84,10 @@ def test_failed_send_leaves_no_state(engine, monkeypatch):
     loop.run_until_complete(run())
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open bug found 2026-11-30: a token of the aborted request, from a step in flight, can "
-    "reach the new request of the same id (5 tokens instead of 4); outputs carry no "
-    "per-incarnation tag yet"))
 def test_id_reused_right_after_abort(engine):
     """abort_nowait(X) then a new X at once: the ADD used to overtake the ABORT, and the
-    engine core died on the duplicate id (or, later, refused the new X)."""
+    engine core died on the duplicate id (or, later, refused the new X); and a late output
+    of the aborted X (from a step in flight) reached the new X as its first token."""
     llm, loop = engine
 
     async def run():

@@ -70,6 +70,7 @@ class Request:
     grammar: object = field(init=False, default=None)          # its matcher, once compiled
     error: str | None = field(init=False, default=None)
     add_seq: int = field(init=False, default=0)   # engine core arrival number (aborts)
+    incarnation: int = field(init=False, default=0)   # the front end's number, echoed
     # prompt logprobs: entries for prompt tokens 1..num_prompt_logprobs-1 have arrived; those
     # not yet sent wait in `prompt_logprobs` for the request's first output
     num_prompt_logprobs: int = field(init=False, default=1)

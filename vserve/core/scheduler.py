@@ -201,7 +201,8 @@ class Scheduler:
     def _fail(self, req: Request) -> None:
         self._free(req, RequestStatus.FINISHED_ERROR)
         self._error_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error",
-                                                    error=req.error))
+                                                    error=req.error,
+                                                    incarnation=req.incarnation))
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to schedule for a running request; 0 when no wanted token can come of it."""
@@ -414,7 +415,8 @@ class Scheduler:
         out = EngineCoreOutput(req.request_id, emitted,
                                new_logprobs=_logprobs_delta(logprobs, len(emitted)),
                                num_cached_tokens=max(req.num_cached_tokens, 0),
-                               prompt_logprobs=req.prompt_logprobs)
+                               prompt_logprobs=req.prompt_logprobs,
+                               incarnation=req.incarnation)
         req.prompt_logprobs = None
         if status is not None:
             self.running.remove(req)

@@ -71,7 +71,8 @@ class AsyncLLM:
         requests = self.processor.make_requests(request_id, ids, params)
         state = self.output_processor.add_request(
             request_id, text, ids, params, [r.request_id for r in requests], kind,
-            queue=OutputCollector(kind))   # slow readers pin one (merged) output
+            queue=OutputCollector(kind),   # slow readers pin one (merged) output
+            incarnations=[r.incarnation for r in requests])
         sent: list[str] = []
         try:
             await self._flush_aborts()   # an earlier request of this id is aborted first

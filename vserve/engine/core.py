@@ -81,7 +81,7 @@ class EngineCore:
             req.request_id, list(req.prompt_token_ids), req.sampling_params,
             eos_token_ids=tuple(req.eos_token_ids), sampling_seed=req.sampling_seed,
             cache_salt=req.cache_salt, arrival_time=req.arrival_time)
-        request.add_seq = seq
+        request.add_seq, request.incarnation = seq, req.incarnation
         if request.use_grammar:   # compiles on a worker thread; admitted once ready
             request.grammar_future = self.structured.submit(
                 req.sampling_params.structured_outputs)

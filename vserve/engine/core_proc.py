@@ -161,16 +161,19 @@ class EngineCoreProc:
         output of its own and the engine carries on."""
         request_id = request.request_id
         if request_id in self.core.scheduler.requests:
-            self._fail_request(request_id, f"request id {request_id!r} is already running")
+            self._fail_request(request_id, f"request id {request_id!r} is already running",
+                               request.incarnation)
             return
         try:
             self.core.add_request(request, seq)
         except Exception as e:  # noqa: BLE001 -- belongs to this request only
             logger.exception("request %s could not be added", request_id)
-            self._fail_request(request_id, f"the engine could not add the request: {e}")
+            self._fail_request(request_id, f"the engine could not add the request: {e}",
+                               request.incarnation)
 
-    def _fail_request(self, request_id: str, message: str) -> None:
-        out = EngineCoreOutput(request_id, [], finish_reason="error", error=message)
+    def _fail_request(self, request_id: str, message: str, incarnation: int = 0) -> None:
+        out = EngineCoreOutput(request_id, [], finish_reason="error", error=message,
+                               incarnation=incarnation)
         self.output_queue.put(EngineCoreOutputs([out], None, time.time()))
 
     def _run_utility(self, call_id: int, method: str, args: list) -> None:

@@ -51,7 +51,8 @@ class LLMEngine:
         text, ids = self.processor.tokenize_prompt(prompt)
         requests = self.processor.make_requests(request_id, ids, params)
         self.output_processor.add_request(request_id, text, ids, params,
-                                          [r.request_id for r in requests], kind)
+                                          [r.request_id for r in requests], kind,
+                                          incarnations=[r.incarnation for r in requests])
         sent: list[str] = []
         try:
             for r in requests:

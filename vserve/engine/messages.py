@@ -21,6 +21,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_seed: int
     arrival_time: float = 0.0
     cache_salt: str | None = None
+    # the front end's number for this request (unique per front end): its outputs echo it,
+    # so a late output of an aborted request never reaches a new request of the same id
+    incarnation: int = 0
 
 
 class LogprobsDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -41,6 +44,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     # prompt tokens 1.. (index 0 has none), sent once, with the first token
     prompt_logprobs: LogprobsDelta | None = None
+    incarnation: int = 0   # the request's (EngineCoreRequest.incarnation)
 
     @property
     def finished(self) -> bool:

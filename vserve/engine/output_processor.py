@@ -35,6 +35,7 @@ class ChildState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     sent_finish: bool = False
+    incarnation: int = 0   # its engine request's; outputs of another are dropped
 
 
 @dataclass
@@ -69,7 +70,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
                     params: SamplingParams, child_ids: list[str], kind: OutputKind,
-                    arrival_time: float | None = None, queue=None) -> RequestState:
+                    arrival_time: float | None = None, queue=None,
+                    incarnations: list[int] | None = None) -> RequestState:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         children = {}
@@ -77,7 +79,8 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
             lp = [] if params.logprobs is not None else None
             children[child_id] = ChildState(i, detok, logprobs=lp,
-                                            cumulative_logprob=0.0 if lp is not None else None)
+                                            cumulative_logprob=0.0 if lp is not None else None,
+                                            incarnation=incarnations[i] if incarnations else 0)
             self.child_to_parent[child_id] = request_id
         state = RequestState(request_id, prompt, prompt_ids, params, kind, children,
                              arrival_time or time.time(), queue=queue)
@@ -107,8 +110,10 @@ class OutputProcessor:
             if state is None:
                 continue  # the front end already finished or aborted it
             child = state.children[out.request_id]
-            if child.finish_reason is not None:
-                continue
+            if child.finish_reason is not None or (
+                    out.incarnation and child.incarnation
+                    and out.incarnation != child.incarnation):
+                continue   # finished here, or a late output of an aborted request of this id
             self._apply(state, child, out, now)
             if child.finish_reason is not None and not out.finished:
                 to_abort.append(out.request_id)  # stopped by a stop string

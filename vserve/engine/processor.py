@@ -6,6 +6,7 @@ Every check happens here, before anything reaches the engine core; a bad request
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 
@@ -27,6 +28,7 @@ class InputProcessor:
         self.vocab_size = config.model.vocab_size
         self.max_model_len = config.model.max_model_len
         self._rng = random.Random(config.model.seed)
+        self._incarnations = itertools.count(1)
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -102,7 +104,8 @@ class InputProcessor:
             if i == 1 and params.prompt_logprobs is not None:   # the first child's suffice
                 child_params = child_params.clone(prompt_logprobs=None)
             out.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, eos,
-                                         seed & ((1 << 63) - 1), arrival, salt))
+                                         seed & ((1 << 63) - 1), arrival, salt,
+                                         next(self._incarnations)))
         return out
 
 
