@@ -68,7 +68,9 @@ def _poll_until(check, timeout: float) -> float:
 
 # the server has exited (or is closing the connection as it exits); a timeout is NOT one of
 # these: it is a hang, and fails the test
-GONE = (httpx.ConnectError, httpx.RemoteProtocolError)
+# (a connection reset while the exiting server closes its sockets is "gone" too; a read
+# timeout is not)
+GONE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
 
 
 def _health(url: str) -> int | None:
