@@ -20,6 +20,8 @@ import logging
 import os
 from pathlib import Path
 
+from vserve.cache_files import write_json_atomic
+
 logger = logging.getLogger("vserve")
 
 VERDICT_VERSION = 1
@@ -128,10 +130,7 @@ def _verdict_path(folder: Path) -> Path:
 
 def _write_verdict(path: Path, verdict: dict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(verdict))
-        tmp.replace(path)
+        write_json_atomic(path, verdict)
     except OSError as e:   # a read-only cache: check again next time
         logger.debug("cannot record the tokenizer verdict in %s: %s", path, e)
 

@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+from vserve.cache_files import write_json_atomic
+
 logger = logging.getLogger("vserve")
 
 CACHE_VERSION = 1
@@ -82,10 +84,7 @@ def _transformers_version() -> str:
 
 def _write(path: Path, values: dict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(values))
-        tmp.replace(path)
+        write_json_atomic(path, values)
     except (OSError, TypeError, ValueError) as e:   # read-only cache or an odd value
         logger.debug("cannot cache the resolved config in %s: %s", path, e)
 

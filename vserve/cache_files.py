@@ -1,0 +1,16 @@
+"""Small files in vserve's caches, written atomically: a reader sees the old file or the new
+one, never a half-written one (several processes may start at once)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_json_atomic(path: Path, value) -> None:
+    """Raises OSError (e.g. a read-only cache) or TypeError/ValueError (not JSON)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
