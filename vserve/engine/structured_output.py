@@ -107,8 +107,7 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         kind, source = grammar_source(params)
         if kind == "json":
-            # compact JSON: a weak model cannot wander off into endless whitespace
-            return compiler.compile_json_schema(source, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_grammar(source))
         if kind == "regex":
             return compiler.compile_regex(source)
         return compiler.compile_grammar(source)
@@ -148,14 +147,39 @@ def check_grammar(params: StructuredOutputsParams) -> None:
 _MAX_CACHED_SOURCE = 64 * 1024   # the cache holds at most 256 x 64 KB
 
 
+# xgrammar (0.2.9) writes a string with minLength / maxLength as a bounded repeat of this
+# character class: it lets raw control characters in (JSON parsers refuse them) and escapes out.
+_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+# what a JSON string character is: anything but a control character, quote or backslash, or
+# an escape (one character of the string, as minLength / maxLength count it)
+_JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" vserve_json_escape))'
+_JSON_ESCAPE_RULE = (r'vserve_json_escape ::= (([\"\\/bfnrt]) | '
+                     r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))')
+
+
+def json_schema_grammar(source: str):
+    """The grammar of a JSON schema's compact JSON (a weak model cannot wander off into
+    endless whitespace), with the length-bounded strings mended to JSON's string rules."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
+    lines = str(grammar).splitlines()
+    bad = " ::= " + _BOUNDED_STRING_CHAR
+    if not any(line.endswith(bad) for line in lines):
+        return grammar
+    mended = [line[: -len(_BOUNDED_STRING_CHAR)] + _JSON_STRING_CHAR if line.endswith(bad)
+              else line for line in lines]
+    return xgr.Grammar.from_ebnf("\n".join([*mended, _JSON_ESCAPE_RULE]))
+
+
 def _check_source(kind: str, source: str) -> None:
     import xgrammar as xgr
 
     if kind == "json" and _depth(json.loads(source)) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"structured outputs: the JSON schema is nested deeper than "
                          f"{MAX_SCHEMA_DEPTH} levels")
-    build = {"json": functools.partial(xgr.Grammar.from_json_schema, any_whitespace=False),
-             "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf}[kind]
+    build = {"json": json_schema_grammar, "regex": xgr.Grammar.from_regex,
+             "ebnf": xgr.Grammar.from_ebnf}[kind]
     try:
         build(source)
     except RuntimeError as e:   # xgrammar's parse errors; the last line says what is wrong

@@ -11,8 +11,7 @@ Every mode renders the tools through the chat template's `tools` variable.
 
 `auto` needs `--enable-auto-tool-choice` and `--tool-call-parser` (as in vLLM, else 400).
 `required` and named choices use the structured-output JSON-schema path (xgrammar), so their
-arguments follow the schema as far as xgrammar does (0.2.9 lets raw control characters into
-strings with `minLength` / `maxLength`, which JSON parsers refuse). `finish_reason` is
+arguments are JSON that follows the schema. `finish_reason` is
 `tool_calls` when `auto` or `required` produced calls and the model stopped; a named choice
 finishes with `stop`, as OpenAI's API does. `parallel_tool_calls: false` allows one call.
 """
