@@ -45,9 +45,9 @@ def timed_ms(fn, repeats: int) -> float:
 
 def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats):
     from attention_reference import make_case
+    from vserve.csrc_triton.kv_write import kv_write_reference
+    from vserve.csrc_triton.paged_attention import paged_attention, paged_attention_reference
 
-    from csrc_triton.kv_write import kv_write_reference
-    from csrc_triton.paged_attention import paged_attention, paged_attention_reference
     from vserve.attention import get_attention_backend
     from vserve.attention.base import AttentionLayerSpec
 
@@ -82,7 +82,7 @@ def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, re
 
 
 def prepare_inputs_case(num_reqs, repeats):
-    from csrc_triton.prepare_inputs import prepare_inputs, prepare_inputs_reference
+    from vserve.csrc_triton.prepare_inputs import prepare_inputs, prepare_inputs_reference
 
     gen = torch.Generator().manual_seed(0)
     computed = torch.randint(1, 400, (num_reqs,), generator=gen)

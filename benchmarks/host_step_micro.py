@@ -5,7 +5,8 @@ worker's feedback bookkeeping (push, write back, plan), the torch attention back
     python benchmarks/host_step_micro.py [--batch 256]
 
 CPU time of this thread (time.thread_time), best or median of repeats, so other load on the
-machine moves it little. Run it with PYTHONPATH at two checkouts to compare them.
+machine moves it little. Run it with PYTHONPATH at two checkouts to compare them (or, since
+`workers/` installs as `vserve.workers`, with each checkout's own venv).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import torch
 
 
 def feedback_us(n: int) -> float:
+    from vserve.workers.feedback import FeedbackQueue
+    from vserve.workers.input_batch import InputBatch
+    from vserve.workers.input_prep import HostInputs
+
     from vserve.core.sched_output import NewRequestData
     from vserve.sampling_params import SamplingParams
-    from workers.feedback import FeedbackQueue
-    from workers.input_batch import InputBatch
-    from workers.input_prep import HostInputs
 
     batch = InputBatch(n, 160, 10)
     for k in range(n):

@@ -7,9 +7,8 @@ import dataclasses
 
 import numpy as np
 import torch
-
-from workers.device import DeviceShim
-from workers.input_prep import FeedbackPlan, FusedInputPrep, HostInputs, TorchInputPrep
+from vserve.workers.device import DeviceShim
+from vserve.workers.input_prep import FeedbackPlan, FusedInputPrep, HostInputs, TorchInputPrep
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
           "block_tables")

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from vserve import SamplingParams
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.mp_client import EngineDeadError
 

@@ -166,7 +166,7 @@ def test_compare_sync_refuses_a_sync_only_run(model):
 
 def test_compare_sync_keeps_an_explicit_executor(model):
     from vserve.bench.compare import mode_engine_args
-    from vserve.config import EngineArgs
+    from vserve.engine.arg_utils import EngineArgs
 
     sync, async_ = mode_engine_args(EngineArgs(model=model, distributed_executor_backend="uni"))
     assert (sync.async_scheduling, sync.distributed_executor_backend) == (False, "uni")

@@ -6,15 +6,15 @@ unpadded batch's and the padding rows leave the KV cache untouched."""
 import pytest
 import torch
 from attention_reference import make_case
-
-from vserve.attention.base import AttentionLayerSpec
-from workers.cuda_graphs import (
+from vserve.workers.cuda_graphs import (
     DecodeBuffers,
     capture_sizes,
     is_decode_batch,
     padded_size,
     use_cuda_graphs,
 )
+
+from vserve.attention.base import AttentionLayerSpec
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 9, 17, 64, 256])

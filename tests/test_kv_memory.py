@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 from conftest import make_llm
+from vserve.workers.kv_cache import new_kv_tensor, num_blocks_for
 
 from vserve import SamplingParams
-from workers.kv_cache import new_kv_tensor, num_blocks_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -74,7 +74,7 @@ def test_default_budget_is_what_the_batch_can_use():
 
 
 def test_cpu_defaults(tiny_model_dir):
-    from vserve.config import EngineArgs
+    from vserve.engine.arg_utils import EngineArgs
 
     cfg = EngineArgs(model=tiny_model_dir("llama"), device="cpu").create_engine_config()
     assert cfg.scheduler.max_num_seqs == 64

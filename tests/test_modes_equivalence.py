@@ -10,7 +10,7 @@ import pytest
 from hf_reference import PREFIX_PROMPTS, PROMPTS
 
 from vserve import envs
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
 from vserve.sampling_params import SamplingParams
 

@@ -120,7 +120,7 @@ def test_batch_merge_is_bounded():
 def test_engine_request_pins_one_output(tiny_model_dir):
     """A real engine: a 200-token request that nobody reads until it finished holds one merged
     output (before: one queued output per step, about 200), with every token in it."""
-    from vserve.config import EngineArgs
+    from vserve.engine.arg_utils import EngineArgs
     from vserve.engine.async_llm import AsyncLLM
 
     async def run():

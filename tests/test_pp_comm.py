@@ -18,7 +18,7 @@ MORE = 40     # then many more: the sends rank 0 keeps track of stay bounded
 
 def _rank(rank: int, port: int, sent, results) -> None:
     try:
-        from workers.pp_comm import PPComm
+        from vserve.workers.pp_comm import PPComm
 
         comm = PPComm(rank, WORLD, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
         if rank == 0:
@@ -76,7 +76,7 @@ class _Batch:
 def _stage0_queue(pp: int):
     """Stage 0 of a pp-stage pipeline after steps 1..pp, one group of requests each; every
     entry records when its ids were waited for."""
-    from workers.feedback import Feedback, FeedbackQueue
+    from vserve.workers.feedback import Feedback, FeedbackQueue
 
     queue, waited = FeedbackQueue(max_pending=pp), []
     for step in range(1, pp + 1):
@@ -102,7 +102,7 @@ def test_stage0_waits_only_for_the_ids_a_step_reads(pp):
 
 
 def test_stage0_writes_back_beyond_max_pending_and_wrong_epochs_do_not_count():
-    from workers.feedback import FeedbackQueue
+    from vserve.workers.feedback import FeedbackQueue
 
     FeedbackQueue(max_pending=3).settle(_Batch(), {"a": (1, 0, 4)})   # nothing pending yet
     queue, waited = _stage0_queue(3)
@@ -113,7 +113,7 @@ def test_stage0_writes_back_beyond_max_pending_and_wrong_epochs_do_not_count():
     queue, waited = _stage0_queue(3)
     queue.settle(batch, {"group3": (2, 5, 6)})   # another epoch of group3: reads nothing
     assert waited == [] and len(queue.items) == 3
-    from workers.feedback import Feedback
+    from vserve.workers.feedback import Feedback
 
     queue.items.append(Feedback.of(4, torch.tensor([104]), [("group4", 1, 5)],
                                    wait_fn=lambda: waited.append(4)))
@@ -122,7 +122,7 @@ def test_stage0_writes_back_beyond_max_pending_and_wrong_epochs_do_not_count():
 
 
 def test_without_pp_all_but_the_newest_are_written_back():
-    from workers.feedback import Feedback, FeedbackQueue
+    from vserve.workers.feedback import Feedback, FeedbackQueue
 
     queue, batch = FeedbackQueue(), _Batch()
     for step in (1, 2, 3):
@@ -152,7 +152,7 @@ def _listening(port: int) -> list[str]:
 def test_rendezvous_store_listens_on_master_addr_only():
     """c10d's TCPStore alone listens on every interface (:: or 0.0.0.0) whatever host it is
     given; the store of a pipeline must listen on --master-addr only (here loopback)."""
-    from workers.pp_comm import PPComm
+    from vserve.workers.pp_comm import PPComm
 
     port = free_port()
     comm = PPComm(0, 1, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)

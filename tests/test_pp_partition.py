@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vserve import envs
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 from vserve.models.partition import (
     head_cost,
     layer_costs,

@@ -136,7 +136,7 @@ def test_prompt_logprobs_n2_streaming_once(tiny_model_dir):
     """n > 1: computed once (for the first choice), delivered once to a DELTA stream."""
     import asyncio
 
-    from vserve.config import EngineArgs
+    from vserve.engine.arg_utils import EngineArgs
     from vserve.engine.async_llm import AsyncLLM
 
     model_dir = tiny_model_dir("llama")

@@ -5,9 +5,8 @@ the torch sampler's candidates and on the fused CPU kernel's (tests/test_sampler
 
 import pytest
 import torch
-
-from workers import sampler
-from workers.sampler import Sampler, SamplingMetadata
+from vserve.workers import sampler
+from vserve.workers.sampler import Sampler, SamplingMetadata
 
 VOCAB = 8192
 
@@ -131,5 +130,5 @@ def test_sampler_imports_on_its_own():
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-c", "import workers.sampler"], check=True,
+    subprocess.run([sys.executable, "-c", "import vserve.workers.sampler"], check=True,
                    cwd=str(__import__("pathlib").Path(__file__).parents[1]))

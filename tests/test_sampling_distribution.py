@@ -14,8 +14,7 @@ import math
 
 import pytest
 import torch
-
-from workers.sampler import Sampler, SamplingMetadata
+from vserve.workers.sampler import Sampler, SamplingMetadata
 
 VOCAB = 120
 DRAWS = 4000

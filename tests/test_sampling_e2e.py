@@ -194,7 +194,7 @@ def test_chat_applies_template(llm):
 
 
 def test_fast_argmax_equals_argmax_with_ties():
-    from workers.sampler import fast_argmax
+    from vserve.workers.sampler import fast_argmax
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):

@@ -163,7 +163,7 @@ ENGINE_MODES = {   # (PP=2 sync's cadence is covered by the fake-worker test abo
 
 def _gemma_run(model_dir, prompts, max_tokens, **mode):
     from vserve import SamplingParams
-    from vserve.config import EngineArgs
+    from vserve.engine.arg_utils import EngineArgs
     from vserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, **ENGINE, **mode),

@@ -51,7 +51,7 @@ def test_phase_lines_in_process(tiny_model_dir, caplog):
 
 
 def test_metrics_export_resident_memory_per_process(tiny_model_dir):
-    from vserve.config import load_hf_config
+    from vserve.models.hf_config import load_hf_config
     from vserve.tokenizer import load_tokenizer
 
     model_dir = tiny_model_dir("llama")

@@ -10,7 +10,7 @@ from hf_reference import PROMPTS
 from test_structured_output import SCHEMA, _validate
 
 from vserve import SamplingParams, StructuredOutputsParams
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
 
 ENGINE = dict(dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=16,

@@ -11,7 +11,7 @@ import pytest
 from proc_utils import alive, descendants, kill, wait_dead, worker_pids
 
 from vserve import LLM, SamplingParams
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.mp_client import EngineDeadError
 
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
@@ -150,10 +150,11 @@ def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
     import multiprocessing as mp
     from types import SimpleNamespace
 
+    from vserve.workers import messages as wire
+
     from vserve.core.sched_output import RunnerOutput
     from vserve.executor import multiproc
     from vserve.executor.multiproc import MultiprocExecutor, WorkerError
-    from workers import messages as wire
 
     clock = [0.0]
     monkeypatch.setattr(multiproc, "time", SimpleNamespace(monotonic=lambda: clock[0]))

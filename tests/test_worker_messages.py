@@ -8,7 +8,9 @@ import pickle
 
 import numpy as np
 import pytest
+from vserve.workers import messages as wire
 
+from vserve.core.outputs import LogprobsDelta
 from vserve.core.sched_output import (
     CachedRequestData,
     NewRequestData,
@@ -16,10 +18,8 @@ from vserve.core.sched_output import (
     SchedulerOutput,
     StepTiming,
 )
-from vserve.engine.messages import LogprobsDelta
 from vserve.executor.multiproc import MultiprocExecutor, WorkerError
 from vserve.sampling_params import SamplingParams, StructuredOutputsParams
-from workers import messages as wire
 
 
 def _so(bitmask=None) -> SchedulerOutput:

@@ -1,6 +1,6 @@
 """vserve: a vLLM-style LLM serving engine with overlap (async) scheduling."""
 
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 from vserve.entrypoints.llm import LLM
 from vserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vserve.sampling_params import SamplingParams, StructuredOutputsParams

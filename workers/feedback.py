@@ -24,10 +24,9 @@ from functools import cached_property
 
 import numpy as np
 import torch
-
-from workers.device import HostCopy, upload
-from workers.input_batch import InputBatch
-from workers.input_prep import FeedbackPlan, HostInputs
+from vserve.workers.device import HostCopy, upload
+from vserve.workers.input_batch import InputBatch
+from vserve.workers.input_prep import FeedbackPlan, HostInputs
 
 
 @dataclass

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from workers.device import DeviceShim
+from vserve.workers.device import DeviceShim
 
 
 @dataclass
@@ -116,7 +115,7 @@ class FusedInputPrep:
     """Two packed host-to-device copies, then `csrc_triton.prepare_inputs` (one launch)."""
 
     def __init__(self, shim: DeviceShim) -> None:
-        from csrc_triton.prepare_inputs import prepare_inputs  # imports triton: CUDA only
+        from vserve.csrc_triton.prepare_inputs import prepare_inputs  # imports triton: CUDA only
 
         self.shim = shim
         self.stats = new_feedback_stats()

@@ -19,26 +19,30 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from vserve.attention import get_attention_backend
-from vserve.attention.base import AttentionMetadata
-from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
-from vserve.models.loader import load_model
-from vserve.models.stage import StageInfo
-from workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
-from workers.device import DeviceShim, HostCopy
-from workers.feedback import FeedbackQueue
-from workers.input_batch import InputBatch
-from workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
-from workers.kv_cache import (
+from vserve.workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
+from vserve.workers.device import DeviceShim, HostCopy
+from vserve.workers.feedback import FeedbackQueue
+from vserve.workers.input_batch import InputBatch
+from vserve.workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
+from vserve.workers.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     allocate_kv_caches,
     kv_bytes_per_block,
     num_blocks_for,
     sliding_window_layers,
 )
-from workers.prompt_logprobs import PromptSlice, compute_prompt_logprobs, plan_prompt_logprobs
-from workers.sample_step import SampleLayout, StepSampler
+from vserve.workers.prompt_logprobs import (
+    PromptSlice,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
+from vserve.workers.sample_step import SampleLayout, StepSampler
+
+from vserve.attention import get_attention_backend
+from vserve.attention.base import AttentionMetadata
+from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
+from vserve.models.loader import load_model
+from vserve.models.stage import StageInfo
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

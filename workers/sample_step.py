@@ -15,18 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from vserve.engine.messages import LogprobsDelta
-from workers.device import upload
-from workers.input_batch import InputBatch
-from workers.sampler import (
+from vserve.workers.device import upload
+from vserve.workers.input_batch import InputBatch
+from vserve.workers.sampler import (
     PendingLogprobs,
     Sampler,
     SamplingMetadata,
     apply_logit_bias,
     unpack_bitmask,
 )
-from workers.spec_verify import logprobs_for, verify
+from vserve.workers.spec_verify import logprobs_for, verify
+
+from vserve.core.outputs import LogprobsDelta
 
 
 @dataclass

@@ -7,16 +7,16 @@ import os
 import time
 
 import torch
+from vserve.workers.device import tune_host_allocator
+from vserve.workers.model_runner import AsyncStepOutput, ModelRunner, RunnerConfig
 
 from vserve.core.sched_output import SchedulerOutput
 from vserve.startup import phase
-from workers.device import tune_host_allocator
-from workers.model_runner import AsyncStepOutput, ModelRunner, RunnerConfig
 
 
 class Worker:
     def __init__(self, config: RunnerConfig, pp_comm=None, num_threads: int | None = None):
-        from vserve.config import load_hf_config
+        from vserve.models.hf_config import load_hf_config
 
         self.config = config
         tune_host_allocator()

@@ -20,10 +20,11 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+from vserve.workers import messages as wire
+
 from vserve.cpu_affinity import available_cpus, pin_process
 from vserve.envs import ENV
 from vserve.lifeline import exit_with_parent
-from workers import messages as wire
 
 logger = logging.getLogger("vserve.worker")
 
@@ -67,9 +68,8 @@ def _report_startup_failure(resp_conn, rank: int) -> None:
 class _RankLoop:
     def __init__(self, runner_config, setup: RankSetup, req_conn, resp_conn) -> None:
         import torch
-
-        from workers.pp_comm import PPComm
-        from workers.worker import Worker
+        from vserve.workers.pp_comm import PPComm
+        from vserve.workers.worker import Worker
 
         self.setup = setup
         self.rank, self.world = setup.rank, setup.world_size
@@ -78,7 +78,7 @@ class _RankLoop:
         self._send_lock = threading.Lock()
         self.pp = None
         if self.world > 1:
-            from vserve.config import load_hf_config
+            from vserve.models.hf_config import load_hf_config
 
             hf = load_hf_config(runner_config.model_path)
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,

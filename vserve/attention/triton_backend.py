@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from csrc_triton.kv_write import kv_write
-from csrc_triton.paged_attention import paged_attention
 from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
+from vserve.csrc_triton.kv_write import kv_write
+from vserve.csrc_triton.paged_attention import paged_attention
 
 
 class TritonAttentionBackend:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 
 
 def add_compare_arg(p) -> None:

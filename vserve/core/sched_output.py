@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vserve.engine.messages import LogprobsDelta
+from vserve.core.outputs import LogprobsDelta
 from vserve.sampling_params import SamplingParams
 
 

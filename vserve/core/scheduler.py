@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vserve.core.kv_cache_manager import KVCacheManager
+from vserve.core.outputs import EngineCoreOutput, LogprobsDelta, SchedulerStats
 from vserve.core.request import Request, RequestStatus
 from vserve.core.sched_output import (
     CachedRequestData,
@@ -22,7 +23,6 @@ from vserve.core.sched_output import (
     SchedulerOutput,
 )
 from vserve.core.spec_decode import SpeculativeConfig, propose_ngram
-from vserve.engine.messages import EngineCoreOutput, LogprobsDelta, SchedulerStats
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from vserve.config import EngineArgs, EngineConfig
+from vserve.config import EngineConfig
+from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.messages import SchedulerStats
 from vserve.engine.mp_client import AsyncMPClient, EngineDeadError
 from vserve.engine.output_collector import OutputCollector

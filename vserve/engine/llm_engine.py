@@ -10,7 +10,8 @@ import logging
 import time
 import weakref
 
-from vserve.config import EngineArgs, EngineConfig
+from vserve.config import EngineConfig
+from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.output_processor import OutputKind, OutputProcessor
 from vserve.engine.processor import InputProcessor, Prompt
 from vserve.engine.recorder import StepRecord

@@ -2,6 +2,8 @@
 
 Structs are `array_like` and `omit_defaults`: compact, and nothing is ever unpickled. Token
 ids travel as deltas: each `EngineCoreOutput` carries only the tokens confirmed by one step.
+What the scheduler reports (`EngineCoreOutput`, `LogprobsDelta`, `SchedulerStats`) is defined
+in `vserve.core.outputs`, the layer that makes it; this module is the wire around it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,11 @@ import enum
 
 import msgspec
 
+from vserve.core.outputs import EngineCoreOutput, LogprobsDelta, SchedulerStats
 from vserve.sampling_params import SamplingParams
+
+__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "LogprobsDelta",
+           "RequestType", "SchedulerStats"]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -24,53 +30,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # the front end's number for this request (unique per front end): its outputs echo it,
     # so a late output of an aborted request never reaches a new request of the same id
     incarnation: int = 0
-
-
-class LogprobsDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Per confirmed token: ids and logprobs, the sampled token first, then the top-N."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: LogprobsDelta | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    # prompt tokens 1.. (index 0 has none), sent once, with the first token
-    prompt_logprobs: LogprobsDelta | None = None
-    incarnation: int = 0   # the request's (EngineCoreRequest.incarnation)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_kv_blocks: int = 0
-    prefix_cache_queries: int = 0      # cumulative tokens looked up
-    prefix_cache_hits: int = 0         # cumulative tokens hit
-    num_preemptions: int = 0           # cumulative
-    num_prompt_tokens: int = 0         # this step: prompt tokens scheduled
-    num_generation_tokens: int = 0     # this step: tokens confirmed
-    step_id: int = 0
-    # steps committed since the previous stats message (overlap figures), seconds
-    forward_times: list[float] = []     # device forward time of each step
-    launch_intervals: list[float] = []  # time from the previous step's launch to this one's
-    schedule_times: list[float] = []    # scheduler busy time of each step
-    schedule_exposed: list[float] = []  # part of it that no forward was running under
-    no_overlap_steps: dict[str, int] = {}  # steps launched with none in flight, by reason
-    spec_num_drafts: int = 0            # cumulative: speculative steps, draft tokens, accepted
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

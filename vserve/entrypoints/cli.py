@@ -64,7 +64,7 @@ def _worker_parser(sub) -> None:
 def _worker(args) -> int:
     from vserve.executor.remote import run_remote_workers
 
-    return run_remote_workers(engine_args_from(args))
+    return run_remote_workers(engine_args_from(args).create_engine_config())
 
 
 # -- serve / bench -------------------------------------------------------------------------------

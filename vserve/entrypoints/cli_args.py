@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import typing
 
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 
 _HELP = {
     "model": "model folder, .gguf file, or 'gemma-3-270m' (the embedded default)",

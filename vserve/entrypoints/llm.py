@@ -6,7 +6,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
-from vserve.config import EngineArgs
+from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
 from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams

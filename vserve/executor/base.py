@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
-from workers.model_runner import RunnerConfig
+from vserve.workers.model_runner import RunnerConfig
 
 
 class StepFuture:

@@ -24,8 +24,8 @@ from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.executor.base import Executor, StepFuture, runner_config
 from vserve.executor.placement_control import PlacementController, overrides_from_env
-from workers import messages as wire
-from workers.worker_proc import RankSetup, worker_main
+from vserve.workers import messages as wire
+from vserve.workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.executor")
 

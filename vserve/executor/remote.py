@@ -16,17 +16,16 @@ import multiprocessing as mp
 import signal
 from multiprocessing.connection import wait
 
-from vserve.config import EngineArgs
+from vserve.config import EngineConfig
 from vserve.executor.base import runner_config
 from vserve.executor.multiproc import _threads_per_worker, local_ranks
-from workers.worker_proc import RankSetup, worker_main
+from vserve.workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.worker")
 STOP_GRACE_S = 3.0
 
 
-def run_remote_workers(args: EngineArgs) -> int:
-    config = args.create_engine_config()
+def run_remote_workers(config: EngineConfig) -> int:
     par = config.parallel
     if par.node_rank == 0 or par.nnodes < 2:
         raise ValueError("`vserve worker` runs the stages of a host with --node-rank >= 1 "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.executor.base import Executor, StepFuture, runner_config
-from workers.worker import Worker
+from vserve.workers.worker import Worker
 
 
 class UniProcExecutor(Executor):
