@@ -60,7 +60,9 @@ def test_outputs_equal_plain_run_and_drafts_are_accepted(depth):
     driver.run()
     for k, p in prompts.items():
         assert driver.outputs[k] == expected_tokens(p, 30, period=PERIOD), k
-    drafts, draft_tokens, accepted = sched.spec_stats
+    stats = sched.spec_stats
+    drafts, draft_tokens, accepted = (stats.num_drafts, stats.num_draft_tokens,
+                                      stats.num_accepted_tokens)
     assert drafts > 0 and accepted > 0 and accepted <= draft_tokens
     steps_with_drafts = [so for so in driver.runner.steps if so.spec_token_ids]
     assert steps_with_drafts
@@ -103,7 +105,9 @@ def test_rejected_drafts_roll_back_computed_and_placeholders():
             assert req.num_computed_tokens == req.num_tokens - 1   # D == 1 after rollback
             seen = True
     assert seen and driver.outputs["a"] == expected_tokens(prompt, 40, period=PERIOD)
-    drafts, draft_tokens, accepted = sched.spec_stats
+    stats = sched.spec_stats
+    drafts, draft_tokens, accepted = (stats.num_drafts, stats.num_draft_tokens,
+                                      stats.num_accepted_tokens)
     assert drafts > 0 and draft_tokens > accepted
 
 
@@ -223,7 +227,7 @@ def test_requests_without_drafts_overlap_as_without_spec(kind, spec, depth, peri
     driver, steps = _steps(spec, kind, depth, period)
     plain_driver, plain_steps = _steps(None, kind, depth, period)
     sync_driver, _ = _steps(spec, kind, 1, period)
-    assert driver.sched.spec_stats[0] == 0
+    assert driver.sched.spec_stats.num_drafts == 0
     assert steps == plain_steps                    # the same steps, each request in the same
     assert driver.outputs == plain_driver.outputs == sync_driver.outputs
     assert driver.sched.num_draft_waits == 0
@@ -244,7 +248,7 @@ def test_a_request_with_drafts_waits_only_for_its_own_previous_step(depth):
     for k, p in prompts.items():
         assert driver.outputs[k] == expected_tokens(p, 40 if k == "rep" else 30,
                                                     period=PERIOD if k == "rep" else None)
-    assert sched.spec_stats[0] > 0 and sched.spec_stats[2] > 0
+    assert sched.spec_stats.num_drafts > 0 and sched.spec_stats.num_accepted_tokens > 0
     steps = driver.runner.steps
     for req_id in prompts:
         ids = [so.step_id for so in steps if req_id in so.num_scheduled_tokens]

@@ -19,6 +19,7 @@ are numpy operations on those rows; after a change they go request by request.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -41,11 +42,12 @@ class Feedback:
     positions: np.ndarray                          # [num_sampled] where each id goes
     layout_version: int                            # the batch's, when pushed
     host: HostCopy | None = None
-    wait_fn: object = None                          # PP: waits for the ids from the last stage
+    wait_fn: Callable[[], object] | None = None   # PP: waits for the ids from the last stage
 
     @classmethod
     def of(cls, step_id: int, token_ids: torch.Tensor | None,
-           entries: list[tuple[str, int, int]], wait_fn=None) -> Feedback:
+           entries: list[tuple[str, int, int]],
+           wait_fn: Callable[[], object] | None = None) -> Feedback:
         """From (req_id, epoch, position) entries with no rows: planned and written back
         request by request."""
         req_ids, epochs, positions = zip(*entries) if entries else ((), (), ())

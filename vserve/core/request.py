@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from vserve.core.outputs import LogprobsDelta
+from vserve.core.structured import GrammarMatcher
 from vserve.sampling_params import SamplingParams
 
 
@@ -66,15 +69,15 @@ class Request:
     num_preemptions: int = field(init=False, default=0)
     block_hashes: list[bytes] = field(init=False, default_factory=list)
     stop_reason: int | str | None = field(init=False, default=None)
-    grammar_future: object = field(init=False, default=None)   # compiling (structured output)
-    grammar: object = field(init=False, default=None)          # its matcher, once compiled
+    grammar_future: Future | None = field(init=False, default=None)   # compiling
+    grammar: GrammarMatcher | None = field(init=False, default=None)  # once compiled
     error: str | None = field(init=False, default=None)
     add_seq: int = field(init=False, default=0)   # engine core arrival number (aborts)
     incarnation: int = field(init=False, default=0)   # the front end's number, echoed
     # prompt logprobs: entries for prompt tokens 1..num_prompt_logprobs-1 have arrived; those
     # not yet sent wait in `prompt_logprobs` for the request's first output
     num_prompt_logprobs: int = field(init=False, default=1)
-    prompt_logprobs: object = field(init=False, default=None)   # LogprobsDelta | None
+    prompt_logprobs: LogprobsDelta | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vserve.core.outputs import LogprobsDelta
 from vserve.sampling_params import SamplingParams
 
@@ -47,7 +49,7 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # n-gram drafts
     grammar_req_ids: list[str] = field(default_factory=list)  # sampling, structured output
     pending_grammar: bool = False   # a grammar request has tokens in flight: defer sampling
-    grammar_bitmask: object = None  # [len(grammar_req_ids), ceil(vocab / 32)] int32 ndarray
+    grammar_bitmask: np.ndarray | None = None  # int32 [len(grammar_req_ids), ceil(vocab / 32)]
 
     @property
     def is_empty(self) -> bool:

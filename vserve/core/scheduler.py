@@ -22,7 +22,8 @@ from vserve.core.sched_output import (
     RunnerOutput,
     SchedulerOutput,
 )
-from vserve.core.spec_decode import SpeculativeConfig, propose_ngram
+from vserve.core.spec_decode import SpecDecodeStats, SpeculativeConfig, propose_ngram
+from vserve.core.structured import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,14 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 spec: SpeculativeConfig | None = None, structured=None) -> None:
+                 spec: SpeculativeConfig | None = None,
+                 structured: StructuredOutputs | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.spec = spec
-        self.structured = structured   # StructuredOutputManager (grammar states, bitmasks)
+        self.structured = structured   # grammar states and bitmasks (xgrammar in the engine)
         self._error_outputs: list[EngineCoreOutput] = []
-        self.spec_stats = [0, 0, 0]   # drafts, draft tokens, accepted tokens (cumulative)
+        self.spec_stats = SpecDecodeStats()
         self._lag_cache: dict[str, tuple[int, bool]] = {}   # req id -> (length, n-gram match)
         self.num_draft_waits = 0   # requests held back for their previous step (cumulative)
         self.requests: dict[str, Request] = {}
@@ -395,9 +397,7 @@ class Scheduler:
         req.num_computed_tokens -= rejected
         req.num_output_placeholders -= 1 + num_drafts
         if num_drafts:
-            self.spec_stats[0] += 1
-            self.spec_stats[1] += num_drafts
-            self.spec_stats[2] += num_tokens - 1
+            self.spec_stats.record(num_drafts, num_tokens - 1)
 
     def _commit_tokens(self, req: Request, token_ids: list[int], logprobs: LogprobsDelta | None):
         emitted: list[int] = []
@@ -490,9 +490,9 @@ class Scheduler:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             step_id=step_id,
-            spec_num_drafts=self.spec_stats[0],
-            spec_num_draft_tokens=self.spec_stats[1],
-            spec_num_accepted_tokens=self.spec_stats[2],
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
         )
         self._num_prompt_tokens = self._num_generation_tokens = 0
         return stats

@@ -12,6 +12,20 @@ from array import array
 from dataclasses import dataclass
 
 
+@dataclass
+class SpecDecodeStats:
+    """Cumulative: steps that verified drafts, draft tokens sent, draft tokens accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"

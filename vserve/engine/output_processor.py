@@ -10,11 +10,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vserve.engine.detokenizer import IncrementalDetokenizer
 from vserve.engine.messages import EngineCoreOutput, LogprobsDelta
 from vserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # the collector imports this module
+    from vserve.engine.output_collector import OutputCollector
 
 
 class OutputKind(enum.Enum):
@@ -50,7 +54,7 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
-    queue: object = None   # AsyncLLM: an OutputCollector per request
+    queue: OutputCollector | None = None   # AsyncLLM: one per request
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [None, token 1, ...]
     sent_prompt_logprobs: bool = False
 

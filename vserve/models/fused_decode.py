@@ -9,12 +9,27 @@ for every other step, so its outputs are bitwise those of that path (tests/test_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from vserve.attention.base import AttentionMetadata
 from vserve.models.layers import KERNEL_ACTIVATIONS
 from vserve.models.packed_linear import PackedLinear
+
+
+class LayerConsts(NamedTuple):
+    """A layer's scalars, in the order `decoder_layer` takes them after its tensors."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int                             # sliding window, or -1
+    scale: float
+    softcap: float                          # 0: none
+    eps: float
+    norm_style: int
+    activation: int
 
 
 @dataclass(frozen=True)
@@ -25,8 +40,7 @@ class FusedLayer:
     norms: list[torch.Tensor]               # in the order decoder_layer documents per style
     layer_idx: int                          # index into the KV cache list
     rope: int                               # which of the step's rotary tables
-    consts: tuple                           # heads, kv heads, head dim, window, scale,
-                                            # softcap, eps, norm style, activation
+    consts: LayerConsts
 
 
 class FusedDecode:
@@ -47,7 +61,7 @@ class FusedDecode:
             (meta.local_slot_mapping, meta.local_block_tables.long())   # sliding-window group
         for f in self.layers:
             cos, sin = ropes[f.rope]
-            slots, tables = local if f.consts[3] > 0 else full   # consts[3]: window, or -1
+            slots, tables = local if f.consts.window > 0 else full
             h = layer_fn(h, f.weights, f.plain, f.biases, f.norms, kv_caches[f.layer_idx], slots,
                          tables, seq_lens, cos, sin, *f.consts)
         return h
@@ -65,8 +79,9 @@ def build_fused(model, kernel) -> FusedDecode | None:
             return None
         norms, style, rope, eps = model.fused_norms(layer)
         spec = attn.attn.spec
-        consts = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.sliding_window or -1,
-                  spec.scale, spec.logit_softcap or 0.0, eps, style, KERNEL_ACTIVATIONS[layer.act])
+        consts = LayerConsts(spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                             spec.sliding_window or -1, spec.scale, spec.logit_softcap or 0.0,
+                             eps, style, KERNEL_ACTIVATIONS[layer.act])
         layers.append(FusedLayer([m.packed for m in linears], [m.plain for m in linears],
                                  [m.bias for m in linears], norms,
                                  attn.attn.layer_idx, rope, consts))
