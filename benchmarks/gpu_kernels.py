@@ -45,11 +45,11 @@ def timed_ms(fn, repeats: int) -> float:
 
 def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats):
     from attention_reference import make_case
-    from vserve.csrc_triton.kv_write import kv_write_reference
-    from vserve.csrc_triton.paged_attention import paged_attention, paged_attention_reference
 
     from vserve.attention import get_attention_backend
     from vserve.attention.base import AttentionLayerSpec
+    from vserve.csrc_triton.kv_write import kv_write_reference
+    from vserve.csrc_triton.paged_attention import paged_attention, paged_attention_reference
 
     case = make_case(q_lens, ctx_lens, heads, kv_heads, head_dim, 16, torch.bfloat16, 0)
     meta = case.meta

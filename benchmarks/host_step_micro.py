@@ -21,12 +21,11 @@ import torch
 
 
 def feedback_us(n: int) -> float:
+    from vserve.core.sched_output import NewRequestData
+    from vserve.sampling_params import SamplingParams
     from vserve.workers.feedback import FeedbackQueue
     from vserve.workers.input_batch import InputBatch
     from vserve.workers.input_prep import HostInputs
-
-    from vserve.core.sched_output import NewRequestData
-    from vserve.sampling_params import SamplingParams
 
     batch = InputBatch(n, 160, 10)
     for k in range(n):

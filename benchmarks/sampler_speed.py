@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import torch
-from vserve.workers.sampler import Sampler, SamplingMetadata
 
 from vserve import cpu_ops
+from vserve.workers.sampler import Sampler, SamplingMetadata
 
 CASES = {   # name: (temperature, top_k, top_p, min_p, logprobs)
     "greedy": (0.0, 0, 1.0, 0.0, None),

@@ -18,6 +18,7 @@ from vserve.core.kv_cache_manager import KVCacheManager
 from vserve.core.request import Request
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.core.scheduler import Scheduler, SchedulerConfig
+from vserve.executor.base import Executor
 from vserve.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -227,7 +228,7 @@ class ControlledFuture:
         return self.output
 
 
-class FakeExecutor:
+class FakeExecutor(Executor):
     """Executor whose model is FakeRunner; records launches and resolutions. A step launched
     with `defer_sampling` runs (and samples) only at `sample_tokens`, which must follow
     before any other launch, as the real worker's single deferred slot requires."""
@@ -251,7 +252,7 @@ class FakeExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
-    def execute_model(self, so, non_block: bool = False, defer_sampling: bool = False):
+    def execute_model(self, so, defer_sampling: bool = False):
         assert self._deferred is None, "a step launched before the deferred one sampled"
         self.launched.append(so.step_id)
         if so.grammar_bitmask is not None:
@@ -260,14 +261,14 @@ class FakeExecutor:
             self._deferred = so
             self.deferred_ids.append(so.step_id)
             return None
-        return self._run(so, non_block)
+        return self._run(so)
 
-    def sample_tokens(self, so, non_block: bool = False):
+    def sample_tokens(self, so):
         assert self._deferred is so, "sample_tokens for a step that was not deferred"
         self._deferred = None
-        return self._run(so, non_block)
+        return self._run(so)
 
-    def _run(self, so, non_block: bool):
+    def _run(self, so):
         error = None
         if self.fail_at_step == len(self.launched):
             error = RuntimeError(f"forward failed at step {so.step_id}")
@@ -277,10 +278,7 @@ class FakeExecutor:
         future = ControlledFuture(self, so, output, error)
         in_flight = len(self.launched) - len(self.resolve_order)
         self.max_in_flight = max(self.max_in_flight, in_flight)
-        return future if non_block else future.result()
-
-    def shutdown(self) -> None:
-        pass
+        return future
 
 
 class FakeGrammar:

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import torch
+
 from vserve.workers.device import DeviceShim
 from vserve.workers.input_prep import FeedbackPlan, FusedInputPrep, HostInputs, TorchInputPrep
 

@@ -6,6 +6,8 @@ unpadded batch's and the padding rows leave the KV cache untouched."""
 import pytest
 import torch
 from attention_reference import make_case
+
+from vserve.attention.base import AttentionLayerSpec
 from vserve.workers.cuda_graphs import (
     DecodeBuffers,
     capture_sizes,
@@ -13,8 +15,6 @@ from vserve.workers.cuda_graphs import (
     padded_size,
     use_cuda_graphs,
 )
-
-from vserve.attention.base import AttentionLayerSpec
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 9, 17, 64, 256])

@@ -106,7 +106,7 @@ def test_s23_futures_resolve_fifo_from_mp_executor(tiny_model_dir):
             core.add_request(core_request(f"r{i}", [2, 10 + i, 11, 12], max_tokens=20))
         sched, ex = core.scheduler, core.executor
         sos = [sched.schedule() for _ in range(3)]
-        futures = [ex.execute_model(so, non_block=True) for so in sos]
+        futures = [ex.execute_model(so) for so in sos]
         third = futures[2].result(timeout=30)
         assert third.step_id == sos[2].step_id
         assert len(ex.replies) == 2                        # 1st and 2nd already read

@@ -6,12 +6,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from vserve.workers.feedback import FeedbackQueue
-from vserve.workers.input_batch import InputBatch
-from vserve.workers.input_prep import HostInputs
 
 from vserve.core.sched_output import NewRequestData
 from vserve.sampling_params import SamplingParams
+from vserve.workers.feedback import FeedbackQueue
+from vserve.workers.input_batch import InputBatch
+from vserve.workers.input_prep import HostInputs
 
 
 def _batch(rng: random.Random, num_reqs: int) -> InputBatch:

@@ -6,9 +6,9 @@ import pytest
 from conftest import make_llm
 from hf_reference import PROMPTS
 from prep_cases import assert_same_inputs, build_both, random_case
-from vserve.workers.input_prep import FusedInputPrep
 
 from vserve import SamplingParams
+from vserve.workers.input_prep import FusedInputPrep
 
 pytest.importorskip("triton")
 

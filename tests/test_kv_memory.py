@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 from conftest import make_llm
-from vserve.workers.kv_cache import new_kv_tensor, num_blocks_for
 
 from vserve import SamplingParams
+from vserve.workers.kv_cache import new_kv_tensor, num_blocks_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -5,6 +5,7 @@ the torch sampler's candidates and on the fused CPU kernel's (tests/test_sampler
 
 import pytest
 import torch
+
 from vserve.workers import sampler
 from vserve.workers.sampler import Sampler, SamplingMetadata
 

@@ -18,10 +18,10 @@ import shutil
 
 import pytest
 import torch
-from vserve.workers import sampler
-from vserve.workers.sampler import Sampler, SamplingMetadata
 
 from vserve import cpu_ops
+from vserve.workers import sampler
+from vserve.workers.sampler import Sampler, SamplingMetadata
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler: the torch sampler runs instead")

@@ -6,15 +6,15 @@ sees is exactly what the former host-built path gave it. CPU tests; the CUDA che
 import numpy as np
 import pytest
 import torch
+
+from vserve.core.sched_output import NewRequestData
+from vserve.sampling_params import SamplingParams
 from vserve.workers import sampler
 from vserve.workers.device import upload
 from vserve.workers.feedback import FeedbackQueue
 from vserve.workers.input_batch import InputBatch
 from vserve.workers.sample_step import StepSampler
 from vserve.workers.sampler import Sampler, SamplingMetadata
-
-from vserve.core.sched_output import NewRequestData
-from vserve.sampling_params import SamplingParams
 
 VOCAB = 512
 CPU = torch.device("cpu")

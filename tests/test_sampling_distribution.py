@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+
 from vserve.workers.sampler import Sampler, SamplingMetadata
 
 VOCAB = 120

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import make_llm
 from hf_reference import PROMPTS
-from vserve.workers.spec_verify import verify
 
 from vserve import SamplingParams
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
 from vserve.sampling_params import SamplingParams as SP
+from vserve.workers.spec_verify import verify
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
         "prompt_lookup_min": 1}

@@ -21,12 +21,12 @@ if not torch.cuda.is_available() and type(triton.language.zeros).__name__ == "JI
                        "cannot run on this CPU-only machine in this process")
 
 from attention_reference import make_case, reference_output  # noqa: E402
-from vserve.csrc_triton.kv_write import kv_write, kv_write_reference  # noqa: E402
-from vserve.csrc_triton.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
-from vserve.csrc_triton.prepare_inputs import prepare_inputs, prepare_inputs_reference  # noqa: E402
 
 from vserve.attention import get_attention_backend  # noqa: E402
 from vserve.attention.base import AttentionLayerSpec  # noqa: E402
+from vserve.csrc_triton.kv_write import kv_write, kv_write_reference  # noqa: E402
+from vserve.csrc_triton.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from vserve.csrc_triton.prepare_inputs import prepare_inputs, prepare_inputs_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -150,11 +150,10 @@ def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
     import multiprocessing as mp
     from types import SimpleNamespace
 
-    from vserve.workers import messages as wire
-
     from vserve.core.sched_output import RunnerOutput
     from vserve.executor import multiproc
     from vserve.executor.multiproc import MultiprocExecutor, WorkerError
+    from vserve.workers import messages as wire
 
     clock = [0.0]
     monkeypatch.setattr(multiproc, "time", SimpleNamespace(monotonic=lambda: clock[0]))

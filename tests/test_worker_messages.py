@@ -8,7 +8,6 @@ import pickle
 
 import numpy as np
 import pytest
-from vserve.workers import messages as wire
 
 from vserve.core.outputs import LogprobsDelta
 from vserve.core.sched_output import (
@@ -20,6 +19,7 @@ from vserve.core.sched_output import (
 )
 from vserve.executor.multiproc import MultiprocExecutor, WorkerError
 from vserve.sampling_params import SamplingParams, StructuredOutputsParams
+from vserve.workers import messages as wire
 
 
 def _so(bitmask=None) -> SchedulerOutput:

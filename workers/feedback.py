@@ -25,6 +25,7 @@ from functools import cached_property
 
 import numpy as np
 import torch
+
 from vserve.workers.device import HostCopy, upload
 from vserve.workers.input_batch import InputBatch
 from vserve.workers.input_prep import FeedbackPlan, HostInputs

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from vserve.workers.device import DeviceShim
 
 

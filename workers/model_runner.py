@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from vserve.attention import get_attention_backend
+from vserve.attention.base import AttentionMetadata
+from vserve.config import EngineConfig
+from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
+from vserve.models.loader import load_model
+from vserve.models.stage import StageInfo
 from vserve.workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from vserve.workers.device import DeviceShim, HostCopy
 from vserve.workers.feedback import FeedbackQueue
@@ -37,12 +44,6 @@ from vserve.workers.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from vserve.workers.sample_step import SampleLayout, StepSampler
-
-from vserve.attention import get_attention_backend
-from vserve.attention.base import AttentionMetadata
-from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
-from vserve.models.loader import load_model
-from vserve.models.stage import StageInfo
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +66,21 @@ class RunnerConfig:
     enforce_eager: bool = False
     sliding_window: int | None = None   # the sliding-window KV group's window (None: no group)
     local_block_cap: int = 0            # most blocks that group holds
+
+    @staticmethod
+    def of(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
+        """What pipeline stage `pp_rank` needs of the engine's config."""
+        m, c, s, d = config.model, config.cache, config.scheduler, config.device
+        return RunnerConfig(
+            model_path=m.model, dtype=m.dtype, max_model_len=m.max_model_len,
+            max_num_seqs=s.max_num_seqs, block_size=c.block_size, device=d.device,
+            attention_backend=d.attention_backend, pp_rank=pp_rank,
+            pp_size=config.parallel.pipeline_parallel_size,
+            layer_partition=config.parallel.layer_partition,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            num_gpu_blocks_override=c.num_gpu_blocks_override, enforce_eager=d.enforce_eager,
+            sliding_window=c.sliding_window, local_block_cap=config.local_block_cap)
 
 
 @dataclass

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vserve.workers.input_batch import InputBatch
-from vserve.workers.sampler import _logprobs_torch
 
 from vserve.core.outputs import LogprobsDelta
+from vserve.workers.input_batch import InputBatch
+from vserve.workers.sampler import _logprobs_torch
 
 _ROWS = 256   # logits rows per slice of a long chunk
 

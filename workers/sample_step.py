@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from vserve.core.outputs import LogprobsDelta
 from vserve.workers.device import upload
 from vserve.workers.input_batch import InputBatch
 from vserve.workers.sampler import (
@@ -25,8 +27,6 @@ from vserve.workers.sampler import (
     unpack_bitmask,
 )
 from vserve.workers.spec_verify import logprobs_for, verify
-
-from vserve.core.outputs import LogprobsDelta
 
 
 @dataclass

@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vserve.workers.cpu_sampling import sample_with_kernel
-from vserve.workers.device import host_reads_are_free, upload
 
 from vserve import cpu_ops
 from vserve.core.outputs import LogprobsDelta
 from vserve.core.seeds import uniform_for
+from vserve.workers.cpu_sampling import sample_with_kernel
+from vserve.workers.device import host_reads_are_free, upload
 
 
 @dataclass

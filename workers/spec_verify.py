@@ -11,11 +11,11 @@ separate stream for the accept tests, so results do not depend on the batch.
 from __future__ import annotations
 
 import torch
-from vserve.workers.sampler import filtered_probs, inverse_cdf
 
 from vserve.core.outputs import LogprobsDelta
 from vserve.core.seeds import uniform_for
 from vserve.sampling_params import SamplingParams
+from vserve.workers.sampler import filtered_probs, inverse_cdf
 
 _ACCEPT_STREAM = 0x5BD1E995
 

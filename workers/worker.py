@@ -7,11 +7,11 @@ import os
 import time
 
 import torch
-from vserve.workers.device import tune_host_allocator
-from vserve.workers.model_runner import AsyncStepOutput, ModelRunner, RunnerConfig
 
 from vserve.core.sched_output import SchedulerOutput
 from vserve.startup import phase
+from vserve.workers.device import tune_host_allocator
+from vserve.workers.model_runner import AsyncStepOutput, ModelRunner, RunnerConfig
 
 
 class Worker:

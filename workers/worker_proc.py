@@ -20,11 +20,10 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from vserve.workers import messages as wire
-
 from vserve.cpu_affinity import available_cpus, pin_process
 from vserve.envs import ENV
 from vserve.lifeline import exit_with_parent
+from vserve.workers import messages as wire
 
 logger = logging.getLogger("vserve.worker")
 
@@ -68,6 +67,7 @@ def _report_startup_failure(resp_conn, rank: int) -> None:
 class _RankLoop:
     def __init__(self, runner_config, setup: RankSetup, req_conn, resp_conn) -> None:
         import torch
+
         from vserve.workers.pp_comm import PPComm
         from vserve.workers.worker import Worker
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from vserve.config import EngineConfig
 from vserve.engine.arg_utils import EngineArgs
@@ -24,12 +25,16 @@ from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
 from vserve.startup import phase, resident_bytes, start_with_tokenizer
 
+if TYPE_CHECKING:
+    from vserve.engine.client import AsyncEngineCoreClient
+
 logger = logging.getLogger("vserve")
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.client: AsyncEngineCoreClient
         self.tokenizer, self.client = start_with_tokenizer(config.model.tokenizer,
                                                            lambda: AsyncMPClient(config))
         self.processor = InputProcessor(config, self.tokenizer)

@@ -2,20 +2,71 @@
 
 `InprocClient` runs the core in the caller's process and steps it on demand (tests,
 debugging). `SyncMPClient` and `AsyncMPClient` (in `mp_client.py`) talk to an
-`EngineCoreProc` in its own process over ZMQ; all three offer the same calls.
+`EngineCoreProc` in its own process over ZMQ. The protocols below are what the front ends
+rely on: `LLMEngine` takes any `EngineCoreClient`, `AsyncLLM` an `AsyncEngineCoreClient`.
+A utility call means the same everywhere: the engine core's `call_utility`, whose value comes
+back as msgpack carries it (in process too).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any, Protocol
+
+import msgspec
 
 from vserve.config import EngineConfig
 from vserve.engine.core import EngineCore
 from vserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from vserve.executor.base import Executor
+
+
+class EngineCoreClient(Protocol):
+    """A synchronous front end's view of the engine core."""
+
+    num_kv_blocks: int
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next step's outputs (blocks until one commits)."""
+        ...
+
+    def call_utility(self, method: str, *args: Any) -> Any: ...
+
+    def process_memory(self) -> dict[str, int]:
+        """Resident bytes of each process the engine runs besides the caller's."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class AsyncEngineCoreClient(Protocol):
+    """An asyncio front end's view of the engine core (the same calls, awaited)."""
+
+    num_kv_blocks: int
+
+    def start(self) -> None:
+        """Bind to the running event loop (call from inside it)."""
+        ...
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None: ...
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None: ...
+
+    async def get_output_async(self) -> EngineCoreOutputs: ...
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any: ...
+
+    def shutdown(self) -> None: ...
 
 
 class InprocClient:
-    def __init__(self, config: EngineConfig, executor=None) -> None:
+    """An `EngineCoreClient` with the engine core in this process."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.core = EngineCore(config, executor)
         self.num_kv_blocks = self.core.num_kv_blocks
         self.num_adds = 0   # so that an abort never reaches a later request of the same id
@@ -41,8 +92,15 @@ class InprocClient:
                 break
         return EngineCoreOutputs(outputs, self.core.make_stats(), time.time())
 
-    def call_utility(self, method: str, *args):
-        return getattr(self.core, method)(*args)
+    def call_utility(self, method: str, *args: Any) -> Any:
+        value = self.core.call_utility(method, *args)
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(value))   # as the wire gives it
+
+    def process_memory(self) -> dict[str, int]:
+        """The worker processes (if any): the engine core is the caller's own process."""
+        memory = self.call_utility("process_memory")
+        memory.pop("engine_core")
+        return memory
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -7,11 +7,14 @@ it waits for the oldest one, so the host never waits on the device to decide wha
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
 import time
 from collections import deque
+
+import msgspec
 
 from vserve.config import EngineConfig
 from vserve.core.kv_cache_manager import KVCacheManager
@@ -22,6 +25,7 @@ from vserve.engine.recorder import StepRecorder, exposed_time
 from vserve.engine.structured_output import StructuredOutputManager
 from vserve.envs import read_env
 from vserve.executor import make_executor
+from vserve.executor.base import Executor
 from vserve.startup import phase, resident_bytes
 
 logger = logging.getLogger("vserve.engine")
@@ -30,7 +34,7 @@ GRAMMAR_WAIT = "structured output: sampling waits for older steps to advance the
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor=None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         with phase("workers started, model loaded", "engine_core"):
             self.executor = executor if executor is not None else make_executor(config)
@@ -143,6 +147,33 @@ class EngineCore:
         """Resident bytes of this process and of each worker process."""
         return {"engine_core": resident_bytes(), **self.executor.worker_memory()}
 
+    # -- utilities: what a client may call by name; values are plain (msgpack) data ------------
+    UTILITY_METHODS = frozenset({"reset_prefix_cache", "take_step_records", "ping",
+                                 "num_kv_blocks_info", "stats", "process_memory"})
+
+    def call_utility(self, method: str, *args):
+        if method not in self.UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}")
+        return getattr(self, "_util_" + method)(*args)
+
+    def _util_reset_prefix_cache(self) -> bool:
+        return self.reset_prefix_cache()
+
+    def _util_take_step_records(self) -> list[dict]:
+        return [dataclasses.asdict(r) for r in self.recorder.take()]
+
+    def _util_ping(self) -> str:
+        return "pong"
+
+    def _util_num_kv_blocks_info(self) -> int:
+        return self.num_kv_blocks
+
+    def _util_process_memory(self) -> dict[str, int]:
+        return self.process_memory()
+
+    def _util_stats(self) -> dict:
+        return msgspec.structs.asdict(self.make_stats())
+
     # -- the step loops ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         self._apply_aborts()
@@ -162,7 +193,7 @@ class EngineCore:
         if self.scheduler.has_requests() and len(self.batch_queue) < self.depth:
             so = self._schedule()
             if so.pending_grammar and self.batch_queue:
-                self.executor.execute_model(so, non_block=True, defer_sampling=True)
+                self.executor.execute_model(so, defer_sampling=True)
                 deferred = so
             else:
                 self.batch_queue.append((self._launch(so), so))
@@ -177,17 +208,17 @@ class EngineCore:
                 outputs += self._commit_oldest()
             self.scheduler.fill_grammar_bitmask(deferred)
             self.batch_queue.append(
-                (self.executor.sample_tokens(deferred, non_block=True), deferred))
+                (self.executor.sample_tokens(deferred), deferred))
         return outputs
 
     def _launch(self, so):
         """Launch a step whose grammars are current; their bitmask is filled while the
         forward runs (its sampling waits for it)."""
         if not so.grammar_req_ids:
-            return self.executor.execute_model(so, non_block=True)
-        self.executor.execute_model(so, non_block=True, defer_sampling=True)
+            return self.executor.execute_model(so)
+        self.executor.execute_model(so, defer_sampling=True)
         self.scheduler.fill_grammar_bitmask(so)
-        return self.executor.sample_tokens(so, non_block=True)
+        return self.executor.sample_tokens(so)
 
     def _commit_oldest(self) -> list[EngineCoreOutput]:
         future, so = self.batch_queue.popleft()

@@ -20,7 +20,7 @@ whatever the other threads are doing.
 
 from __future__ import annotations
 
-import dataclasses
+import enum
 import logging
 import os
 import queue
@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 import traceback
+from typing import Any
 
 import msgspec
 import zmq
@@ -46,8 +47,6 @@ from vserve.lifeline import exit_with_parent
 logger = logging.getLogger("vserve.engine")
 
 FRAME_READY, FRAME_OUTPUTS, FRAME_DEAD = b"R", b"O", b"D"
-UTILITY_METHODS = {"reset_prefix_cache", "take_step_records", "ping", "num_kv_blocks_info",
-                   "stats", "process_memory"}
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
@@ -64,6 +63,13 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     os._exit(proc.run())
 
 
+class LocalInput(enum.Enum):
+    """Inputs of the busy loop that come from this process, never from the wire."""
+
+    WAKE = "wake"     # a grammar finished compiling
+    FATAL = "fatal"   # a thread or a worker failed: the engine core dies with this message
+
+
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
                  parent_pid: int) -> None:
@@ -71,23 +77,23 @@ class EngineCoreProc:
         self.out_sock = self.ctx.socket(zmq.PUSH)
         self.out_sock.setsockopt(zmq.LINGER, 5000)
         self.out_sock.connect(output_addr)
-        self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
+        # (kind, payload): the wire's kinds, and two of this process's own
+        self.input_queue: queue.Queue[tuple[RequestType | LocalInput, Any]] = queue.Queue()
+        # what the output thread sends, in order; None ends it
+        self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
         self._stop = threading.Event()
         self.core: EngineCore | None = None
         self.encoder = msgspec.msgpack.Encoder()
         try:
             self.core = EngineCore(config)
         except BaseException as e:
-            self._send_now(FRAME_DEAD, _error_text("engine core failed to start", e))
+            self._send_now(FRAME_DEAD, _error_text("engine core failed to start", e).encode())
             raise
         # a finished compile wakes the busy loop (it blocks while only compiles wait)
-        self.core.structured.on_compiled = lambda: self.input_queue.put(("wake", None))
+        self.core.structured.on_compiled = lambda: self.input_queue.put((LocalInput.WAKE, None))
         executor = self.core.executor
-        if hasattr(executor, "on_failure"):
-            executor.on_failure = lambda msg: self.input_queue.put(("executor_failed", msg))
-        if hasattr(executor, "add_host_process"):   # the front end works beside the forward
-            executor.add_host_process(parent_pid)
+        executor.on_failure = lambda msg: self.input_queue.put((LocalInput.FATAL, msg))
+        executor.add_host_process(parent_pid)   # the front end works beside the forward
         self._send_now(FRAME_READY, self.encoder.encode(
             {"num_kv_blocks": self.core.num_kv_blocks, "pid": os.getpid()}))
         self.num_adds = 0   # ADD frames seen by the input thread (orders eager aborts)
@@ -99,7 +105,7 @@ class EngineCoreProc:
         self.out_thread.start()
 
     def request_shutdown(self) -> None:
-        self.input_queue.put(("shutdown", None))
+        self.input_queue.put((RequestType.SHUTDOWN, None))
 
     # -- busy loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -124,7 +130,8 @@ class EngineCoreProc:
         except BaseException as e:
             code = 1
             logger.error("engine core failed:\n%s", traceback.format_exc())
-            self.output_queue.put((FRAME_DEAD, _error_text("engine core failed", e)))
+            self.output_queue.put(
+                EngineCoreOutputs(engine_error=_error_text("engine core failed", e)))
         finally:
             self._stop.set()
             self.output_queue.put(None)
@@ -143,17 +150,17 @@ class EngineCoreProc:
             except queue.Empty:
                 return True
             block = False
-            if kind == "wake":
+            if kind == LocalInput.WAKE:
                 pass
-            elif kind == "add":
+            elif kind == RequestType.ADD:
                 self._add_request(*payload)
-            elif kind == "abort":
+            elif kind == RequestType.ABORT:
                 self.core.scheduler.finish_requests(payload, RequestStatus.FINISHED_ABORTED)
-            elif kind == "utility":
+            elif kind == RequestType.UTILITY:
                 self._run_utility(*payload)
-            elif kind in ("executor_failed", "fatal"):
+            elif kind == LocalInput.FATAL:
                 raise RuntimeError(payload)
-            elif kind == "shutdown":
+            elif kind == RequestType.SHUTDOWN:
                 return False
 
     def _add_request(self, seq: int, request: EngineCoreRequest) -> None:
@@ -178,31 +185,10 @@ class EngineCoreProc:
 
     def _run_utility(self, call_id: int, method: str, args: list) -> None:
         try:
-            if method not in UTILITY_METHODS:
-                raise ValueError(f"unknown utility method {method!r}")
-            result = getattr(self, "_util_" + method)(*args)
-            payload = self.encoder.encode({"ok": result})
+            payload = self.encoder.encode({"ok": self.core.call_utility(method, *args)})
         except Exception as e:  # reported to the caller, not fatal
             payload = self.encoder.encode({"error": str(e)})
         self.output_queue.put(EngineCoreOutputs([], None, time.time(), call_id, payload))
-
-    def _util_reset_prefix_cache(self) -> bool:
-        return self.core.reset_prefix_cache()
-
-    def _util_take_step_records(self) -> list:
-        return [dataclasses.asdict(r) for r in self.core.recorder.take()]
-
-    def _util_ping(self) -> str:
-        return "pong"
-
-    def _util_num_kv_blocks_info(self) -> int:
-        return self.core.num_kv_blocks
-
-    def _util_process_memory(self) -> dict[str, int]:
-        return self.core.process_memory()
-
-    def _util_stats(self) -> dict:
-        return msgspec.structs.asdict(self.core.make_stats())
 
     # -- IO threads --------------------------------------------------------------------------------
     def _input_loop(self, input_addr: str) -> None:
@@ -236,23 +222,23 @@ class EngineCoreProc:
         if kind == RequestType.ADD:
             request = add_decoder.decode(payload)
             self.num_adds += 1
-            self.input_queue.put(("add", (self.num_adds, request)))
+            self.input_queue.put((RequestType.ADD, (self.num_adds, request)))
         elif kind == RequestType.ABORT:
             ids = decoder.decode(payload)
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                 raise ValueError(f"an abort needs a list of request ids, got {ids!r:.80}")
             self.core.abort_requests(ids, self.num_adds)   # before the next commit
-            self.input_queue.put(("abort", ids))           # in order with the ADDs
+            self.input_queue.put((RequestType.ABORT, ids))           # in order with the ADDs
         elif kind == RequestType.UTILITY:
             call_id, method, args = decoder.decode(payload)
-            self.input_queue.put(("utility", (call_id, method, args)))
+            self.input_queue.put((RequestType.UTILITY, (call_id, method, args)))
         elif kind == RequestType.SHUTDOWN:
             self.request_shutdown()
 
     def _fatal(self, prefix: str, e: BaseException) -> None:
         """Ends the busy loop, which reports DEAD to the front end and shuts down."""
         logger.error("%s:\n%s", prefix, traceback.format_exc())
-        self.input_queue.put(("fatal", _error_text(prefix, e).decode()))
+        self.input_queue.put((LocalInput.FATAL, _error_text(prefix, e)))
 
     def _output_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -261,8 +247,8 @@ class EngineCoreProc:
             if item is None:
                 return
             try:
-                if isinstance(item, tuple):
-                    self.out_sock.send_multipart([item[0], item[1]])
+                if item.engine_error is not None:
+                    self.out_sock.send_multipart([FRAME_DEAD, item.engine_error.encode()])
                 else:
                     self.out_sock.send_multipart([FRAME_OUTPUTS, encoder.encode(item)])
             except Exception as e:  # noqa: BLE001 -- keep running to send the DEAD frame
@@ -284,8 +270,8 @@ def _add_request_id(frames: list[bytes], decoder) -> str | None:
         return None
 
 
-def _error_text(prefix: str, e: BaseException) -> bytes:
-    return f"{prefix}: {type(e).__name__}: {e}".encode()
+def _error_text(prefix: str, e: BaseException) -> str:
+    return f"{prefix}: {type(e).__name__}: {e}"
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from vserve.config import EngineConfig
 from vserve.engine.arg_utils import EngineArgs
@@ -19,12 +20,16 @@ from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
 from vserve.startup import phase, resident_bytes, start_with_tokenizer
 
+if TYPE_CHECKING:   # the in-process client is imported only when used
+    from vserve.engine.client import EngineCoreClient
+
 logger = logging.getLogger("vserve")
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess: bool = False) -> None:
         self.config = config
+        self.client: EngineCoreClient
         self.tokenizer, self.client = start_with_tokenizer(
             config.model.tokenizer, lambda: _make_client(config, multiprocess))
         self.processor = InputProcessor(config, self.tokenizer)
@@ -42,10 +47,7 @@ class LLMEngine:
     def process_memory(self) -> dict[str, int]:
         """Resident bytes of each process: this one, and the engine core and workers when
         they run in their own."""
-        memory = {"frontend": resident_bytes()}
-        if not hasattr(self.client, "core"):
-            memory.update(self.client.call_utility("process_memory"))
-        return memory
+        return {"frontend": resident_bytes(), **self.client.process_memory()}
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
@@ -90,8 +92,6 @@ class LLMEngine:
 
     def take_step_records(self) -> list[StepRecord]:
         """Per-step timestamps recorded by the engine core since the last call."""
-        if hasattr(self.client, "core"):
-            return self.client.core.recorder.take()
         return [StepRecord(**r) for r in self.client.call_utility("take_step_records")]
 
     def take_detokenize_spans(self) -> list[tuple[float, float]]:
@@ -102,7 +102,7 @@ class LLMEngine:
         self._finalizer()
 
 
-def _make_client(config: EngineConfig, multiprocess: bool):
+def _make_client(config: EngineConfig, multiprocess: bool) -> EngineCoreClient:
     if multiprocess:
         from vserve.engine.mp_client import SyncMPClient
 

@@ -333,6 +333,9 @@ class SyncMPClient(_ClientBase):
             raise EngineDeadError(outs.engine_error)
         return self._utility_value(outs)
 
+    def process_memory(self) -> dict[str, int]:
+        return self.call_utility("process_memory")
+
     def shutdown(self) -> None:
         if not self.engine.closing:
             self.engine.close()

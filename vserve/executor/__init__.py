@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from vserve.config import EngineConfig
+from vserve.executor.base import Executor, StepFuture
 
 
-def make_executor(config: EngineConfig):
+def make_executor(config: EngineConfig) -> Executor:
     if config.parallel.distributed_executor_backend == "mp":
         from vserve.executor.multiproc import MultiprocExecutor
 
@@ -13,3 +14,6 @@ def make_executor(config: EngineConfig):
     from vserve.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config)
+
+
+__all__ = ["Executor", "StepFuture", "make_executor"]

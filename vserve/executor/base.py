@@ -1,16 +1,23 @@
-"""What every executor offers the engine core, and the futures it hands out."""
+"""What every executor offers the engine core, and the futures it hands out.
+
+The engine core launches steps through `execute_model` (and, for a step whose sampling waits
+for a grammar bitmask, `sample_tokens`) and collects each step's `RunnerOutput` from its
+`StepFuture`, in launch order. The uni-process executor runs the worker in this process; the
+multiprocess one runs a worker process per local pipeline stage.
+"""
 
 from __future__ import annotations
 
-from vserve.config import EngineConfig
+import abc
+from collections.abc import Callable
+
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
-from vserve.workers.model_runner import RunnerConfig
 
 
 class StepFuture:
-    """The result of one `execute_model(..., non_block=True)`; `result()` may block."""
+    """The result of one launched step; `result()` may block."""
 
-    def __init__(self, resolve) -> None:
+    def __init__(self, resolve: Callable[[float | None], RunnerOutput]) -> None:
         self._resolve = resolve
         self._done = False
         self._value: RunnerOutput | None = None
@@ -25,27 +32,33 @@ class StepFuture:
             self._done = True
         if self._error is not None:
             raise self._error
+        assert self._value is not None
         return self._value
 
     def done(self) -> bool:
         return self._done
 
 
-class Executor:
+class Executor(abc.ABC):
+    # called from another thread when a worker dies (the engine core process sets it)
+    on_failure: Callable[[str], None] | None = None
+
+    @abc.abstractmethod
     def num_kv_blocks(self) -> int:
-        raise NotImplementedError
+        """KV blocks the workers can hold (the smallest over the stages)."""
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None: ...
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
-                      defer_sampling: bool = False):
-        """Launch a step; with `defer_sampling` only its forward (no reply until
-        `sample_tokens`)."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def execute_model(self, so: SchedulerOutput,
+                      defer_sampling: bool = False) -> StepFuture | None:
+        """Launch a step; its future, or None with `defer_sampling` (only the forward runs:
+        the step's result comes from `sample_tokens`)."""
 
-    def sample_tokens(self, so: SchedulerOutput, non_block: bool = False):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def sample_tokens(self, so: SchedulerOutput) -> StepFuture:
+        """Sample a deferred step, with the grammar bitmask (`so.grammar_bitmask`) known now."""
 
     def check_health(self) -> None:
         """Raise if a worker is gone."""
@@ -54,22 +67,12 @@ class Executor:
         """Resident bytes of each worker process ({} when the workers run in this one)."""
         return {}
 
+    def add_host_process(self, pid: int) -> None:
+        """A process whose CPU time is host work beside the forward (core placement); nothing
+        to do when the workers run in the engine core's process."""
+
     def shutdown(self) -> None:
-        pass
+        """Stop the workers and free their memory."""
 
 
-def runner_config(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
-    m, c, s, d = config.model, config.cache, config.scheduler, config.device
-    return RunnerConfig(
-        model_path=m.model, dtype=m.dtype, max_model_len=m.max_model_len,
-        max_num_seqs=s.max_num_seqs, block_size=c.block_size, device=d.device,
-        attention_backend=d.attention_backend, pp_rank=pp_rank,
-        pp_size=config.parallel.pipeline_parallel_size,
-        layer_partition=config.parallel.layer_partition,
-        kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-        gpu_memory_utilization=c.gpu_memory_utilization,
-        num_gpu_blocks_override=c.num_gpu_blocks_override, enforce_eager=d.enforce_eager,
-        sliding_window=c.sliding_window, local_block_cap=config.local_block_cap)
-
-
-__all__ = ["Executor", "StepFuture", "runner_config"]
+__all__ = ["Executor", "StepFuture"]

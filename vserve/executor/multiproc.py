@@ -1,8 +1,8 @@
 """Workers in their own processes (spawned), one per pipeline stage of this host.
 
 The engine core sends each `SchedulerOutput` to rank 0 (which passes it on to the
-other ranks) and receives one reply per step, in order. `execute_model(..., non_block=True)` returns
-a future; resolving it reads replies FIFO while watching every local worker process, so a
+other ranks) and receives one reply per step, in order. `execute_model` returns a future;
+resolving it reads replies FIFO while watching every local worker process, so a
 worker that dies or raises surfaces as an error within moments, never as a hang. A step that
 has run `watchdog_timeout` seconds without a reply (counted from when it was sent, or from the
 previous step's reply if that came later: steps run in order) means a stopped or stuck worker
@@ -22,9 +22,10 @@ from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
-from vserve.executor.base import Executor, StepFuture, runner_config
+from vserve.executor.base import Executor, StepFuture
 from vserve.executor.placement_control import PlacementController, overrides_from_env
 from vserve.workers import messages as wire
+from vserve.workers.model_runner import RunnerConfig
 from vserve.workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.executor")
@@ -60,7 +61,6 @@ class MultiprocExecutor(Executor):
         par = config.parallel
         if par.node_rank != 0:
             raise ValueError("the engine runs on node 0; start other nodes with `vserve worker`")
-        self.on_failure = None   # set by the engine core process: called when a worker dies
         self._closing = False
         self.replies: dict[int, RunnerOutput] = {}
         self.watchdog_timeout = config.watchdog_timeout
@@ -80,7 +80,7 @@ class MultiprocExecutor(Executor):
             setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, port,
                               initial.worker_threads[i], initial.worker_cpus[i])
             conns = (req_r, resp_w) if rank == 0 else (None, None)
-            proc = ctx.Process(target=worker_main, args=(runner_config(config, rank), setup,
+            proc = ctx.Process(target=worker_main, args=(RunnerConfig.of(config, rank), setup,
                                                          *conns),
                                name=f"vserve-worker-{rank}", daemon=True)
             with _environment(WORKER_ENV_DEFAULTS):   # read by the child's runtime at start
@@ -101,21 +101,19 @@ class MultiprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self._call(wire.InitKvCache(num_blocks))
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
-                      defer_sampling: bool = False):
+    def execute_model(self, so: SchedulerOutput,
+                      defer_sampling: bool = False) -> StepFuture | None:
         self._send(wire.Execute(so, defer_sampling))
         self._sent_at[so.step_id] = time.monotonic()
-        return None if defer_sampling else self._future(so.step_id, non_block)
+        return None if defer_sampling else self._future(so.step_id)
 
-    def sample_tokens(self, so: SchedulerOutput, non_block: bool = False):
-        """Sampling of a deferred step, with the grammar bitmask known only now."""
+    def sample_tokens(self, so: SchedulerOutput) -> StepFuture:
         self._send(wire.Sample(so.step_id, so.grammar_bitmask))
         self._sent_at[so.step_id] = time.monotonic()
-        return self._future(so.step_id, non_block)
+        return self._future(so.step_id)
 
-    def _future(self, step_id: int, non_block: bool):
-        future = StepFuture(lambda timeout: self._reply_for(step_id, timeout))
-        return future if non_block else future.result()
+    def _future(self, step_id: int) -> StepFuture:
+        return StepFuture(lambda timeout: self._reply_for(step_id, timeout))
 
     def worker_memory(self) -> dict[str, int]:
         from vserve.startup import resident_bytes

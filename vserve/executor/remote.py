@@ -17,8 +17,8 @@ import signal
 from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
-from vserve.executor.base import runner_config
 from vserve.executor.multiproc import _threads_per_worker, local_ranks
+from vserve.workers.model_runner import RunnerConfig
 from vserve.workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.worker")
@@ -39,7 +39,7 @@ def run_remote_workers(config: EngineConfig) -> int:
     for rank in ranks:
         setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, par.master_port,
                           threads)
-        proc = ctx.Process(target=worker_main, args=(runner_config(config, rank), setup),
+        proc = ctx.Process(target=worker_main, args=(RunnerConfig.of(config, rank), setup),
                            name=f"vserve-worker-{rank}", daemon=True)
         proc.start()
         procs.append(proc)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
-from vserve.executor.base import Executor, StepFuture, runner_config
+from vserve.executor.base import Executor, StepFuture
+from vserve.workers.model_runner import RunnerConfig
 from vserve.workers.worker import Worker
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
-        self.worker = Worker(runner_config(config))
+        self.worker = Worker(RunnerConfig.of(config))
         self.worker.load_model()
 
     def num_kv_blocks(self) -> int:
@@ -21,18 +22,14 @@ class UniProcExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
-                      defer_sampling: bool = False):
+    def execute_model(self, so: SchedulerOutput,
+                      defer_sampling: bool = False) -> StepFuture | None:
         out = self.worker.execute_model(so, defer_sampling)
-        if defer_sampling:
-            return None
-        future = StepFuture(lambda timeout: out.get())
-        return future if non_block else future.result()
+        return None if defer_sampling else StepFuture(lambda timeout: out.get())
 
-    def sample_tokens(self, so: SchedulerOutput, non_block: bool = False):
+    def sample_tokens(self, so: SchedulerOutput) -> StepFuture:
         out = self.worker.sample_tokens(so.step_id, so.grammar_bitmask)
-        future = StepFuture(lambda timeout: out.get())
-        return future if non_block else future.result()
+        return StepFuture(lambda timeout: out.get())
 
     @property
     def runner(self):
