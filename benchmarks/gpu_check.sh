@@ -137,12 +137,13 @@ lat() {  # lat NAME MODEL FLAGS...
 }
 
 # -- 1. correctness first: no host sync in a mixed sampling batch, then the GPU tests ----------
-step sync_check 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_sampler_staging.py \
-  tests/test_gpu.py::test_mixed_batch_decode_steps_never_sync_the_host
+step sync_check 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/workers/test_sampler_staging.py \
+  tests/e2e/test_gpu.py::test_mixed_batch_decode_steps_never_sync_the_host
 step imports 60 "$PY" -c "import fastapi, msgspec, pydantic, uvicorn, xgrammar, zmq; \
 import vserve.entrypoints.openai.server, vserve.engine.mp_client, vserve.engine.core_proc; \
 print('server, engine and structured-output imports ok')"
-GPU_TESTS=(tests/test_gpu.py tests/test_triton_kernels.py tests/test_cuda_graph_padding.py)
+GPU_TESTS=(tests/e2e/test_gpu.py tests/models/test_triton_kernels.py
+           tests/workers/test_cuda_graph_padding.py)
 step gpu_tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" -k "not never_sync"
 
 # -- 2. models built on the device ---------------------------------------------------------------

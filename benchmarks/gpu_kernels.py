@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+# the repo root, for tests.support; appended, so an installed vserve still comes first
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":   # before triton is first imported: run the kernels in its interpreter
@@ -44,8 +45,7 @@ def timed_ms(fn, repeats: int) -> float:
 
 
 def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats):
-    from attention_reference import make_case
-
+    from tests.support.attention_reference import make_case
     from vserve.attention import get_attention_backend
     from vserve.attention.base import AttentionLayerSpec
     from vserve.csrc_triton.kv_write import kv_write_reference

@@ -3,7 +3,7 @@ processes) and async, with the CPU share of every process and where the workers 
 
     python benchmarks/host_bound_ab.py [--rounds 3] [--modes sync-uni,sync-mp,async]
 
-A tiny fp32 Llama (tests/tiny_models.py, 384-token vocabulary), 256 prompts x 32 tokens in,
+A tiny fp32 Llama (tests/support/tiny_models.py, 384-token vocabulary), 256 prompts x 32 tokens in,
 96 out, greedy, max_num_seqs 256. Each round starts every mode afresh (in alternating order),
 warms it up, then times three generate calls; per-process CPU is user + system time over the
 timed calls divided by their wall time (100% = one core). Set VSERVE_CPU_NUM_RESERVED /
@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+# the repo root, for tests.support; appended, so an installed vserve still comes first
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from vserve import proc_tree  # noqa: E402
 
@@ -73,7 +74,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default="sync-uni,sync-mp,async")
     args = p.parse_args()
-    from tiny_models import build_model
+    from tests.support.tiny_models import build_model
 
     model = str(build_model("llama", Path(tempfile.gettempdir()) / "vserve-host-bound-llama"))
     modes = args.modes.split(",")

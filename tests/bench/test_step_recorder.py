@@ -1,0 +1,41 @@
+"""The step recorder keeps recording after `max_records` steps (a long-running server's step
+metrics must not freeze): both its stores hold the newest records, bounded."""
+
+from types import SimpleNamespace
+
+from tests.support.fakes import FakeExecutor, core_request, fake_engine_config
+from vserve.core.sched_output import StepTiming
+from vserve.engine.core import EngineCore
+from vserve.engine.recorder import StepRecorder
+
+
+def _record_steps(rec: StepRecorder, step_ids) -> None:
+    for i in step_ids:
+        so = SimpleNamespace(step_id=i, total_num_scheduled_tokens=1,
+                             num_scheduled_tokens={"r": 1})
+        rec.scheduled(so, float(i), i + 0.1, 0)
+        out = SimpleNamespace(timing=StepTiming(i, i + 0.2, i + 0.7, i + 0.8))
+        rec.committed(so, out, i + 0.9, i + 0.95)
+
+
+def test_recorder_keeps_the_newest_records_after_max_records():
+    rec = StepRecorder(max_records=10)
+    _record_steps(rec, range(20))
+    recent = rec.drain_recent()
+    assert [r.step_id for r in recent] == list(range(10, 20))
+    assert [r.step_id for r in rec.take()] == list(range(10, 20))
+    _record_steps(rec, range(20, 25))   # still recording after a take
+    assert [r.step_id for r in rec.drain_recent()] == list(range(20, 25))
+    assert [r.step_id for r in rec.take()] == list(range(20, 25))
+
+
+def test_engine_step_metrics_keep_updating_past_max_records():
+    core = EngineCore(fake_engine_config(async_scheduling=True), FakeExecutor())
+    core.recorder = StepRecorder(max_records=10)
+    core.add_request(core_request("r", [1, 2, 3], max_tokens=30))
+    forward_counts = []
+    while core.has_work():
+        if core.step_fn() is not None:
+            forward_counts.append(len(core.make_stats().forward_times))
+    assert len(forward_counts) >= 20
+    assert all(n >= 1 for n in forward_counts[-5:]), forward_counts

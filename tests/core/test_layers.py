@@ -1,0 +1,131 @@
+"""The package's layers import downward only, and the core never imports torch.
+
+Lowest first; a module may import its own layer and the layers below it, never one above
+(lazy imports inside functions count too: they are dependencies all the same).
+
+    base         sampling_params, outputs, envs, tokenizer, startup, ... (no vserve imports
+                 above them)
+    core         requests, KV blocks, the scheduler and the types they exchange
+                 (`vserve.core`), the frozen configs (`vserve.config`); no torch
+    models       `vserve.models`, `vserve.attention`, `vserve.cpu_ops`,
+                 `vserve.csrc_triton` (the `csrc_triton/` folder)
+    workers      `vserve.workers` (the `workers/` folder): model runner, sampler, worker
+                 processes
+    executor     `vserve.executor`: runs the workers for the engine
+    engine       `vserve.engine`: engine core, its process and clients, front-end processing
+    entrypoints  `vserve.entrypoints` (LLM, the OpenAI server, the CLI), `vserve.bench`
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# folder -> the package it installs as
+FOLDERS = {"vserve": "vserve", "workers": "vserve.workers", "csrc_triton": "vserve.csrc_triton"}
+LAYERS = [
+    ("base", ["vserve.sampling_params", "vserve.outputs", "vserve.envs", "vserve.cache_files",
+              "vserve.proc_tree", "vserve.lifeline", "vserve.cpu_affinity", "vserve.tokenizer",
+              "vserve.startup"]),
+    ("core", ["vserve.core", "vserve.config"]),
+    ("models", ["vserve.models", "vserve.attention", "vserve.cpu_ops", "vserve.csrc_triton"]),
+    ("workers", ["vserve.workers"]),
+    ("executor", ["vserve.executor"]),
+    ("engine", ["vserve.engine"]),
+    ("entrypoints", ["vserve.entrypoints", "vserve.bench", "vserve"]),
+]
+TORCH_FREE = ["vserve.core", "vserve.config", "vserve.sampling_params", "vserve.outputs"]
+
+
+def _rank(module: str) -> int:
+    """The layer of a module: the longest listed prefix that owns it."""
+    best, rank = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank >= 0, f"{module} belongs to no layer: add it to LAYERS"
+    return rank
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts[0] = FOLDERS[parts[0]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every module the file imports, at the top or inside functions, in installed names."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            found.add(".".join(base + ([node.module] if node.module else [])))
+        elif isinstance(node, ast.ImportFrom):
+            found.add(node.module)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p, _module_name(p))
+            for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+GRAPH = _graph()
+
+
+def test_every_module_has_a_layer():
+    for module in GRAPH:
+        _rank(module)
+
+
+def test_no_top_level_workers_or_csrc_triton_imports():
+    """`workers/` and `csrc_triton/` install as `vserve.workers` / `vserve.csrc_triton`: a
+    bare `import workers` would load a second copy (or another distribution's package)."""
+    bad = sorted(f"{m} imports {i}" for m, imps in GRAPH.items() for i in imps
+                 if i.split(".")[0] in ("workers", "csrc_triton"))
+    assert not bad, bad
+
+
+def test_imports_go_downward_only():
+    upward = []
+    for module, imports in GRAPH.items():
+        for target in imports:
+            if target.split(".")[0] != "vserve" or target == "vserve":
+                continue
+            if _rank(target) > _rank(module):
+                upward.append(f"{module} ({LAYERS[_rank(module)][0]}) imports {target} "
+                              f"({LAYERS[_rank(target)][0]})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+@pytest.mark.parametrize("prefix", TORCH_FREE)
+def test_core_imports_no_torch(prefix):
+    heavy = sorted(f"{m} imports {i}" for m, imps in GRAPH.items()
+                   if m == prefix or m.startswith(prefix + ".")
+                   for i in imps if i.split(".")[0] in ("torch", "triton", "transformers"))
+    assert not heavy, heavy
+
+
+def test_the_check_sees_an_upward_import():
+    """The walker itself: a core module that imported the engine would be caught."""
+    assert _rank("vserve.engine.messages") > _rank("vserve.core.scheduler")
+    assert _rank("vserve.workers.sampler") > _rank("vserve.core.outputs")
+    assert _rank("vserve.executor.base") < _rank("vserve.engine.core")
+
+
+def test_pyproject_installs_every_package_under_vserve():
+    tomllib = pytest.importorskip("tomllib")
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {_module_name(p.parent / "__init__.py") for folder in FOLDERS
+               for p in (ROOT / folder).rglob("__init__.py")}
+    assert set(setup["packages"]) == folders
+    assert setup["package-dir"] == {v: k for k, v in FOLDERS.items() if k != "vserve"}

@@ -1,0 +1,66 @@
+"""The embedded default model: the pretrained Gemma-3-270M, converted once from its GGUF."""
+
+import pytest
+import torch
+
+from tests.support.engines import make_llm
+from vserve import SamplingParams
+from vserve.models.resolve import cache_root, embedded_model_path, resolve_model_path
+
+# transformers, fp32, greedy, "The capital of France is" (with BOS); bf16 and llama.cpp agree
+REFERENCE_IDS = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm(None, max_model_len=512)
+
+
+def test_default_and_alias_resolve_to_embedded():
+    path = str(embedded_model_path())
+    assert resolve_model_path(None) == path
+    assert resolve_model_path("gemma-3-270m") == path
+    assert path.startswith(str(cache_root()))
+
+
+def test_cache_root_honours_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_root() == tmp_path / "vserve" / "models"
+
+
+def test_capital_of_france(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=11),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == REFERENCE_IDS
+    assert out.outputs[0].text == " the capital of the country of France. It is the"
+
+
+def test_greedy_equals_transformers(llm):
+    from transformers import AutoModelForCausalLM
+
+    folder = str(embedded_model_path())
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_shipped_chat_template(llm):
+    tok = llm.get_tokenizer()
+    rendered = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        tokenize=False, add_generation_prompt=True)
+    assert rendered == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                        "<start_of_turn>model\n")
+    out = llm.chat([{"role": "user", "content": "Hi"}],
+                   SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert out.prompt_token_ids[:2] == [2, 105]   # <bos><start_of_turn>
+    assert 106 in llm.config.model.eos_token_ids   # <end_of_turn> stops a chat reply

@@ -1,0 +1,95 @@
+"""Offline lifecycle, as in vLLM: dropping the last reference to an `LLM` (or leaving its
+`with` block) shuts its engine core and workers down; LLMs created one after another leave no
+process behind; a script that simply ends prints no error. Waits are bounded."""
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+from tests.support.proc_utils import descendants, wait_dead
+from vserve import LLM, SamplingParams
+
+SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _start(model_dir) -> LLM:
+    return LLM(model_dir, dtype="float32", max_model_len=256)
+
+
+def _tree(llm) -> list[int]:
+    engine_pid = llm.engine.client.engine.proc.pid
+    tree = [engine_pid, *descendants(engine_pid)]
+    assert len(tree) >= 2, "expected an engine core and a worker"
+    return tree
+
+
+def _client_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("vserve-client")]
+
+
+def _wait_collected(ref, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.1)
+    return ref() is None
+
+
+def test_del_shuts_the_engine_down(tiny_model_dir):
+    llm = _start(tiny_model_dir("llama"))
+    llm.generate(["hello"], SHORT, use_tqdm=False)
+    tree = _tree(llm)
+    client = weakref.ref(llm.engine.client)
+    del llm
+    gc.collect()
+    assert wait_dead(tree, timeout=30) == []
+    assert _wait_collected(client), "the engine client is kept alive"
+    assert _client_threads() == []
+
+
+def test_leaving_a_with_block_shuts_the_engine_down(tiny_model_dir):
+    with _start(tiny_model_dir("llama")) as llm:
+        llm.generate(["hello"], SHORT, use_tqdm=False)
+        tree = _tree(llm)
+    assert wait_dead(tree, timeout=30) == []
+    llm.shutdown()   # a second shutdown is harmless
+
+
+def test_several_llms_in_a_row_leave_no_process(tiny_model_dir):
+    trees = []
+    for _ in range(3):
+        llm = _start(tiny_model_dir("llama"))   # replaces (and so collects) the previous one
+        llm.generate(["hello"], SHORT, use_tqdm=False)
+        trees.append(_tree(llm))
+        assert wait_dead([p for t in trees[:-1] for p in t], timeout=30) == []
+    del llm
+    gc.collect()
+    assert wait_dead([p for t in trees for p in t], timeout=30) == []
+
+
+def test_script_exit_prints_no_error_and_leaves_no_process(tiny_model_dir, tmp_path):
+    """Two LLMs still alive when the script ends: both shut down quietly at exit."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os\n"
+        "from vserve import LLM, SamplingParams\n"
+        "sp = SamplingParams(temperature=0, max_tokens=4)\n"
+        f"a = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256)\n"
+        f"b = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256)\n"
+        "for llm in (a, b):\n"
+        "    llm.generate(['hi'], sp, use_tqdm=False)\n"
+        "    pid = llm.engine.client.engine.proc.pid\n"
+        "    print(pid, flush=True)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "VSERVE_LOG_LEVEL": "WARNING"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    bad = [line for line in run.stderr.splitlines()
+           if any(word in line for word in ("ERROR", "Error", "Traceback", "dead", "leaked"))]
+    assert bad == [], run.stderr[-3000:]
+    engine_pids = [int(line) for line in run.stdout.split()]
+    assert len(engine_pids) == 2
+    assert wait_dead(engine_pids, timeout=10) == []

@@ -1,0 +1,106 @@
+"""The default path against an outside reference: `dtype="auto"` on a CPU with bf16 instructions
+resolves to bfloat16, and that model (packed linears, fused CPU kernels, fused decode) gives
+per-position logprobs within a stated tolerance of transformers running the same checkpoint in
+bfloat16, teacher-forced on the tokens vserve generated (so one argmax flip between two
+near-tied tokens cannot derail the comparison).
+
+Both sides round to bf16 at different points (fused kernels, oneDNN, transformers' eager ops),
+so they differ by bf16 noise that grows through the layers. Measured on 2026-11-30 over every
+compared logprob (the sampled token and the top 3 at each of 24 positions of 3 prompts), as
+max / median |difference|: llama and mistral 0.26 / 0.030, qwen2 0.24 / 0.029, qwen3
+0.083 / 0.022, gemma3 0.011 / 0.004; the embedded Gemma-3-270M (2 prompts x 16 tokens)
+0.16 / 0.035. For scale, transformers in bf16 against transformers in fp32 on the same
+tokens differs by 0.37, 0.25, 0.21 and 0.023 on the four tiny architectures: vserve's bf16
+path is as close to transformers' bf16 as that is to its own fp32. The bounds below are about
+twice the measured maxima and medians.
+"""
+
+import pytest
+import torch
+
+from tests.support.engines import greedy_with_logprobs, make_llm
+from vserve.config import cpu_has_bf16
+
+pytestmark = pytest.mark.skipif(not cpu_has_bf16(),
+                                reason="no bf16 instructions: dtype=auto resolves to float32")
+
+PROMPTS = [[5, 17, 99, 3, 42, 7], [8] * 20, list(range(30, 60))]
+TOLERANCE = {   # kind: (max, median) |logprob difference|
+    "llama": (0.5, 0.06), "mistral": (0.5, 0.06), "qwen2": (0.5, 0.06), "qwen3": (0.17, 0.045),
+    "gemma3": (0.025, 0.008),
+}
+EMBEDDED_TOLERANCE = (0.33, 0.07)
+
+
+def transformers_logprobs(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), vocab] fp32 log-softmax of transformers' bf16 logits at the positions
+    that predicted each output token."""
+    model = _hf_model(model_dir)
+    ids = torch.tensor([prompt + output[:-1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:]
+    return logits.float().log_softmax(dim=-1)
+
+
+_MODELS: dict[str, object] = {}
+
+
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _MODELS:
+        _MODELS.clear()
+        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16).eval()
+    return _MODELS[model_dir]
+
+
+def logprob_differences(llm, model_dir: str, prompts: list[list[int]],
+                        max_tokens: int) -> tuple[float, float]:
+    """max and median |vserve - transformers| over the sampled and top-3 tokens' logprobs."""
+    diffs = []
+    for prompt, (output, logprobs) in zip(prompts, greedy_with_logprobs(llm, prompts,
+                                                                         max_tokens)):
+        ref = transformers_logprobs(model_dir, prompt, output)
+        for position, entries in enumerate(logprobs):
+            diffs += [abs(value - ref[position, token].item())
+                      for token, value in entries.items()]
+    diffs.sort()
+    return diffs[-1], diffs[len(diffs) // 2]
+
+
+def _within(measured: tuple[float, float], bound: tuple[float, float]) -> bool:
+    return measured[0] < bound[0] and measured[1] < bound[1]
+
+
+def _resolved_dtype(llm) -> str:
+    return llm.engine.client.core.executor.worker.runner.config.dtype
+
+
+@pytest.mark.parametrize("kind", list(TOLERANCE))
+def test_default_bf16_logprobs_match_transformers_bf16(kind, tiny_model_dir):
+    model_dir = tiny_model_dir(kind)
+    llm = make_llm(model_dir, dtype="auto", max_model_len=128)
+    try:
+        assert _resolved_dtype(llm) == "bfloat16"
+        measured = logprob_differences(llm, model_dir, PROMPTS, 24)
+    finally:
+        llm.shutdown()
+    assert _within(measured, TOLERANCE[kind]), measured
+
+
+@pytest.mark.slow
+def test_embedded_model_bf16_logprobs_match_transformers_bf16():
+    from vserve.models.resolve import embedded_model_path
+
+    llm = make_llm(None, dtype="auto", max_model_len=256)
+    try:
+        assert _resolved_dtype(llm) == "bfloat16"
+        tok = llm.get_tokenizer()
+        prompts = [tok("The capital of France is").input_ids,
+                   tok("def fibonacci(n):").input_ids]
+        measured = logprob_differences(llm, str(embedded_model_path()), prompts, 16)
+    finally:
+        llm.shutdown()
+    print("embedded max / median |logprob difference|", measured)
+    assert _within(measured, EMBEDDED_TOLERANCE), measured

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: fakes, tiny models, references, server and process utilities."""

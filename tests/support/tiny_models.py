@@ -1,0 +1,110 @@
+"""Tiny random-weight models built with transformers, plus a small byte-level BPE tokenizer.
+
+Each model is saved once per test session as a Hugging Face folder (config.json, safetensors,
+tokenizer files), exactly what a user would point vserve at.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "Paris is the capital of France, and Berlin is the capital of Germany. ",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time there was a little engine that could schedule tokens. ",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 ",
+    "héllo wörld, naïve café — 東京 🙂 ",
+] * 20
+
+
+def build_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "</s>", "<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+MODEL_KINDS = ["llama", "qwen2", "qwen3", "gemma3", "mistral"]
+
+
+def _config(kind: str, **overrides):
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    if kind == "llama":
+        cfg = LlamaConfig(**common)
+    elif kind == "mistral":
+        cfg = MistralConfig(**{**common, "sliding_window": 24})
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**{**common, "tie_word_embeddings": True})
+    elif kind == "qwen3":
+        cfg = Qwen3Config(**{**common, "head_dim": 32})
+    elif kind == "gemma3":
+        cfg = Gemma3TextConfig(**{**common, "head_dim": 32, "num_hidden_layers": 6,
+                                  "sliding_window": 16, "query_pre_attn_scalar": 32,
+                                  "tie_word_embeddings": True})
+    else:
+        raise ValueError(kind)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_model(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = _config(kind, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # weights large enough that greedy text varies (a model stuck on one token would hide
+    # feedback bugs) and top-2 logit gaps stay far above fp32 rounding
+    gemma = kind == "gemma3"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name and gemma:
+                p.normal_(0.0, 0.03)
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.3 if gemma else 0.25)
+            elif "norm" in name:
+                p.normal_(0.0, 0.5) if gemma else p.normal_(1.0, 0.1)
+    model.save_pretrained(str(folder))
+    build_tokenizer(folder)
+    return folder
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("VSERVE_TEST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vserve-tests")
+    return Path(root)
