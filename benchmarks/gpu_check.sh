@@ -46,11 +46,7 @@ if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
 else
   echo "no wheels in $WHEELS: using the environment as it is"
 fi
-# vserve itself, from this tree: workers/ and csrc_triton/ install as vserve.workers and
-# vserve.csrc_triton (pyproject's package-dir), so the bare tree on PYTHONPATH is not enough.
-# The image's setuptools and wheel build it; nothing is fetched.
-"$PY" -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --no-compile \
-  --no-cache-dir --target "$SITE" "$ROOT" || { echo "installing vserve from $ROOT failed"; exit 1; }
+# vserve runs from this tree (vserve/source_layout.py maps workers/ and csrc_triton/ in)
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 

@@ -5,8 +5,7 @@ worker's feedback bookkeeping (push, write back, plan), the torch attention back
     python benchmarks/host_step_micro.py [--batch 256]
 
 CPU time of this thread (time.thread_time), best or median of repeats, so other load on the
-machine moves it little. Run it with PYTHONPATH at two checkouts to compare them (or, since
-`workers/` installs as `vserve.workers`, with each checkout's own venv).
+machine moves it little. Run it with PYTHONPATH at two checkouts to compare them.
 """
 
 from __future__ import annotations

@@ -9,9 +9,7 @@
     python benchmarks/startup.py [--model M] [--runs 3] [--engine-args "--dtype float32"]
                                  [--compare-tree /path/to/other/checkout]
 
-`--compare-tree` runs the same cases with another source tree on PYTHONPATH (a tree from before
-`workers/` installed as `vserve.workers`: a newer one takes its workers from the installed
-vserve), interleaved
+`--compare-tree` runs the same cases with another source tree on PYTHONPATH, interleaved
 run by run with this one, and reports the ratios (the machine may be shared: compare within
 one run). Caches are warm after the first run of each tree: the first run of each is a
 warm-up and not counted unless `--runs 1`. Prints a table and writes

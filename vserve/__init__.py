@@ -1,5 +1,7 @@
 """vserve: a vLLM-style LLM serving engine with overlap (async) scheduling."""
 
+# first: in a source checkout, maps vserve.workers / vserve.csrc_triton to its folders
+from vserve import source_layout  # noqa: F401
 from vserve.engine.arg_utils import EngineArgs
 from vserve.entrypoints.llm import LLM
 from vserve.outputs import CompletionOutput, Logprob, RequestOutput

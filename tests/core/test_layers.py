@@ -129,3 +129,21 @@ def test_pyproject_installs_every_package_under_vserve():
                for p in (ROOT / folder).rglob("__init__.py")}
     assert set(setup["packages"]) == folders
     assert setup["package-dir"] == {v: k for k, v in FOLDERS.items() if k != "vserve"}
+
+
+def test_a_checkout_on_the_path_imports_its_own_workers(tmp_path):
+    """Without any installer's mapping (the editable finder removed), a checkout on
+    PYTHONPATH finds `vserve.workers` and `vserve.csrc_triton` in its own folders."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+            "if '__editable__' not in repr(f) and '__editable__' not in "
+            "getattr(f, '__module__', '')]; "
+            "import vserve.workers.messages as w, vserve.csrc_triton as c; "
+            "print(w.__file__); print(c.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(ROOT / "workers" / "messages.py"),
+                                  str(ROOT / "csrc_triton" / "__init__.py")]

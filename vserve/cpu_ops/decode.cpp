@@ -1,6 +1,6 @@
 // Fused bf16 CPU kernels: norms, rotary, gated activation, paged decode attention, a one-row
 // gemv, and one whole decoder layer of a decode step that strings them together with the
-// oneDNN linears (vserve/cpu_ops/__init__.py builds this file; tests/test_cpu_ops.py).
+// oneDNN linears (vserve/cpu_ops/__init__.py builds this file; tests/workers/test_cpu_ops.py).
 //
 // Every kernel computes what the eager torch code it replaces computes, rounding to bf16 at
 // the same points (each elementwise op rounds its result; norms and softmax run in fp32).

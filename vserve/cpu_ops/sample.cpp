@@ -1,5 +1,5 @@
 // Fused sampling over the full vocabulary for the CPU path (vserve/cpu_ops/__init__.py builds
-// this file; workers/cpu_sampling.py calls it; tests/test_sampler_kernel.py checks it against
+// this file; workers/cpu_sampling.py calls it; tests/workers/test_sampler_kernel.py checks it against
 // the torch sampler in workers/sampler.py, which stays the oracle and the fallback).
 //
 // Per row, reading the logits in the model's dtype (bf16 or fp32), with no sort of the

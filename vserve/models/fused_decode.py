@@ -3,7 +3,7 @@
 A step whose rows all decode one token runs each layer as a single call into vserve.cpu_ops
 (norms, packed linears, rotary, KV write, paged attention, activation, residuals), instead of
 ~60 torch ops. It calls the same kernels in the same order as the per-op path the model takes
-for every other step, so its outputs are bitwise those of that path (tests/test_cpu_ops.py).
+for every other step, so its outputs are bitwise those of that path (tests/workers/test_cpu_ops.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 reorders the weight into oneDNN's blocked layout on every call: at batch 1 that reorder costs
 nearly as much as the matmul itself (the 262k-row lm_head of Gemma-3 takes ~21 ms instead of
 ~13 ms). Reordering once at load time gives the same kernel the same blocked weight, so the
-outputs are bitwise those of `F.linear` (tests/test_packed_linear.py checks it), for less.
+outputs are bitwise those of `F.linear` (tests/models/test_packed_linear.py checks it), for less.
 
 fp32 is left alone: there `F.linear` runs MKL, whose results the packed oneDNN kernel does not
 reproduce bit for bit, and fp32 is the mode whose outputs must equal transformers'. fp16
