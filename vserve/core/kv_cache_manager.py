@@ -176,7 +176,7 @@ class KVCacheManager:
     def check_invariants(self, live_request_ids: set[str]) -> None:
         self.pool.check_invariants()
         assert set(self.req_blocks) <= live_request_ids, set(self.req_blocks) - live_request_ids
-        held = {}
+        held: dict[int, int] = {}
         for blocks in self.req_blocks.values():
             for b in blocks:
                 held[b.block_id] = held.get(b.block_id, 0) + 1

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vserve.core.kv_cache_manager import KVCacheManager
+from vserve.core.kv_cache_manager import BlockIds, KVCacheManager
 from vserve.core.outputs import EngineCoreOutput, LogprobsDelta, SchedulerStats
 from vserve.core.request import Request, RequestStatus
 from vserve.core.sched_output import (
@@ -41,7 +42,7 @@ class _StepPlan:
     budget: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
-    cached_reqs: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    cached_reqs: list[tuple[Request, BlockIds, int]] = field(default_factory=list)
     sampling: set[str] = field(default_factory=set)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     grammar_ids: list[str] = field(default_factory=list)
@@ -145,7 +146,8 @@ class Scheduler:
             return True
         return plan.num_decodes >= -(-len(self.running) // pp)
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, plan: _StepPlan):
+    def _allocate_or_preempt(self, req: Request, num_new: int,
+                             plan: _StepPlan) -> BlockIds | None:
         while True:
             block_ids = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
             if block_ids is not None:
@@ -188,7 +190,7 @@ class Scheduler:
         if not req.use_grammar or req.grammar is not None:
             return True
         future = req.grammar_future
-        if future is None:
+        if future is None or self.structured is None:
             req.error = "structured outputs are not available in this engine"
             return False
         if not future.done():
@@ -261,6 +263,7 @@ class Scheduler:
         return num_out == 0 or num_out < sp.min_tokens or sp.needs_penalties or req.use_grammar
 
     def _draft_room(self, req: Request, ph: int) -> int:
+        assert self.spec is not None   # asked only while drafting
         room = min(self.spec.num_speculative_tokens,
                    self.config.max_model_len - (req.num_tokens + ph) - 1)
         if req.max_tokens is not None:
@@ -273,6 +276,7 @@ class Scheduler:
         cached = self._lag_cache.get(req.request_id)
         if cached is None or cached[0] != length:
             spec = self.spec
+            assert spec is not None   # asked only while drafting
             tokens = req.all_token_ids if length == req.num_tokens else \
                 req.all_token_ids[:length]
             found = bool(propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, 1))
@@ -280,7 +284,7 @@ class Scheduler:
         return cached[1]
 
     def _schedule_req(self, req: Request, num_new: int, plan: _StepPlan,
-                      drafts: list[int] = ()) -> None:
+                      drafts: Sequence[int] = ()) -> None:
         prompt_left = req.num_prompt_tokens - req.num_computed_tokens
         plan.num_prompt_tokens += max(0, min(num_new, prompt_left))
         num_new += len(drafts)

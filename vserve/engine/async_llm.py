@@ -95,7 +95,7 @@ class AsyncLLM:
         finished = False
         try:
             while True:
-                item = await state.queue.get()
+                item = await _queue(state).get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -142,7 +142,8 @@ class AsyncLLM:
                 if child.finish_reason is None:
                     child.finish_reason = "abort"
             out = self.output_processor._make_output(state)
-            state.queue.put_nowait(out)
+            assert out is not None   # every choice is finished
+            _queue(state).put_nowait(out)
             for listener in self.output_listeners:
                 listener(state, out)
         return ids
@@ -171,11 +172,11 @@ class AsyncLLM:
     def _deliver(self, outs) -> None:
         if outs.scheduler_stats is not None:
             self.last_stats = outs.scheduler_stats
-            for listener in self.stats_listeners:
-                listener(outs.scheduler_stats)
+            for on_stats in self.stats_listeners:
+                on_stats(outs.scheduler_stats)
         delivered, to_abort = self.output_processor.process_outputs(outs.outputs)
         for state, out in delivered:
-            state.queue.put_nowait(out)
+            _queue(state).put_nowait(out)
             for listener in self.output_listeners:
                 listener(state, out)
         self._queue_aborts(to_abort)
@@ -184,7 +185,7 @@ class AsyncLLM:
         self.dead_error = message
         error = EngineDeadError(message)
         for state in list(self.output_processor.requests.values()):
-            state.queue.put_nowait(error)
+            _queue(state).put_nowait(error)
         self.output_processor.requests.clear()
         self.output_processor.child_to_parent.clear()
 
@@ -204,3 +205,8 @@ class AsyncLLM:
         if self._handler is not None:
             self._handler.cancel()
         self.client.shutdown()
+
+
+def _queue(state: RequestState) -> OutputCollector:
+    assert state.queue is not None   # AsyncLLM gives every request one
+    return state.queue

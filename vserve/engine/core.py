@@ -57,7 +57,7 @@ class EngineCore:
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque = deque()
         self.step_fn = self.step_with_batch_queue if self.depth > 1 else self.step
-        self._aborts: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
         self.recorder = StepRecorder()
         self._idle = True   # nothing ran since the engine last ran out of work
         self._draft_waits = 0   # the scheduler's count of requests held back for drafts ...
@@ -86,9 +86,9 @@ class EngineCore:
             eos_token_ids=tuple(req.eos_token_ids), sampling_seed=req.sampling_seed,
             cache_salt=req.cache_salt, arrival_time=req.arrival_time)
         request.add_seq, request.incarnation = seq, req.incarnation
-        if request.use_grammar:   # compiles on a worker thread; admitted once ready
-            request.grammar_future = self.structured.submit(
-                req.sampling_params.structured_outputs)
+        constraint = req.sampling_params.structured_outputs   # request.use_grammar
+        if constraint is not None:   # compiles on a worker thread; admitted once ready
+            request.grammar_future = self.structured.submit(constraint)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], num_adds: float = math.inf) -> None:

@@ -56,7 +56,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     os.environ.setdefault("VSERVE_LOG_LEVEL", log_level)   # workers log at the same level
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started: list[EngineCoreProc] = []   # the front end may die while we start or are stuck
-    exit_with_parent(parent_pid, lambda: [p.request_shutdown() for p in started], grace_s=5.0)
+
+    def shut_down_started() -> None:
+        for p in started:
+            p.request_shutdown()
+
+    exit_with_parent(parent_pid, shut_down_started, grace_s=5.0)
     proc = EngineCoreProc(config, input_addr, output_addr, parent_pid)
     started.append(proc)
     signal.signal(signal.SIGTERM, lambda *_: proc.request_shutdown())
@@ -82,7 +87,6 @@ class EngineCoreProc:
         # what the output thread sends, in order; None ends it
         self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
         self._stop = threading.Event()
-        self.core: EngineCore | None = None
         self.encoder = msgspec.msgpack.Encoder()
         try:
             self.core = EngineCore(config)

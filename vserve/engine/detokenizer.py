@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         return self._find_stop(start)
 
     def _decode_next(self) -> None:
-        if self._stream is not None:
+        if self._stream is not None and self._backend is not None:   # a stream has a backend
             try:
                 text = self._stream.step(self._backend, self.ids[-1])
             except Exception:   # the Rust stream refuses some byte-fallback sequences

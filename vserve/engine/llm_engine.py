@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from vserve.config import EngineConfig
 from vserve.engine.arg_utils import EngineArgs
+from vserve.engine.messages import SchedulerStats
 from vserve.engine.output_processor import OutputKind, OutputProcessor
 from vserve.engine.processor import InputProcessor, Prompt
 from vserve.engine.recorder import StepRecord
@@ -35,7 +36,7 @@ class LLMEngine:
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._finalizer = weakref.finalize(self, self.client.shutdown)
-        self.last_stats = None
+        self.last_stats: SchedulerStats | None = None
         self.detokenize_spans: list[tuple[float, float]] = []  # front-end lane of the trace
 
     @classmethod

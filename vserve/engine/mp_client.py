@@ -15,6 +15,7 @@ loop, a dead input or output thread, a stopped process) kills the engine core's 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import logging
@@ -29,6 +30,7 @@ import tempfile
 import threading
 import time
 import weakref
+from typing import Any
 
 import msgspec
 import zmq
@@ -77,11 +79,13 @@ class _EngineProcess:
         self.output_sock.bind(output_addr)
         level = logging.getLevelName(logging.getLogger("vserve").getEffectiveLevel())
         # its own process group, which its workers join: one signal ends the whole tree
-        self.proc = subprocess.Popen(
+        self.proc: subprocess.Popen[bytes] = subprocess.Popen(
             [sys.executable, "-m", "vserve.engine.core_proc", input_addr, output_addr,
              str(os.getpid()), level], stdin=subprocess.PIPE, **_NEW_GROUP)
-        self.proc.stdin.write(pickle.dumps(config))
-        self.proc.stdin.close()
+        stdin = self.proc.stdin
+        assert stdin is not None   # stdin=PIPE
+        stdin.write(pickle.dumps(config))
+        stdin.close()
         self.stopping = threading.Event()   # set once we stop it: its exit is no error
         # stop the engine core when the client is collected or the interpreter exits
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.tmpdir,
@@ -163,8 +167,8 @@ def _stop_process(proc: subprocess.Popen, tmpdir: str, stopping: threading.Event
 
 
 # Python 3.11 names it; before, a new session does the same for a non-interactive child
-_NEW_GROUP = ({"process_group": 0} if sys.version_info >= (3, 11)
-              else {"start_new_session": True})
+_NEW_GROUP: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
+                              else {"start_new_session": True})
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -184,7 +188,10 @@ def _wait(proc: subprocess.Popen, timeout: float) -> None:
         pass
 
 
-class _ClientBase:
+class _ClientBase(abc.ABC):
+    engine: _EngineProcess
+    watchdog_timeout: float
+
     def _init_common(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._out_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -209,6 +216,14 @@ class _ClientBase:
             return EngineCoreOutputs(engine_error=payload.decode())
         raise RuntimeError(f"unexpected frame {frame!r} from the engine core")
 
+    @abc.abstractmethod
+    def _route(self, outs: EngineCoreOutputs) -> None:
+        """Hand one decoded message to its waiter (the engine's outputs or a utility call)."""
+
+    @abc.abstractmethod
+    def _die(self, message: str) -> None:
+        """Mark the engine dead: every pending call and output wait gets `message`."""
+
     def _watchdog_fired(self, waited: float) -> None:
         if self.engine.closing or self.dead_message is not None:
             return
@@ -229,6 +244,7 @@ class _ClientBase:
 
     @staticmethod
     def _utility_value(outs: EngineCoreOutputs):
+        assert outs.utility_result is not None   # the engine core answers every call with one
         result = msgspec.msgpack.decode(outs.utility_result)
         if "error" in result:
             raise ValueError(result["error"])
@@ -356,12 +372,13 @@ class AsyncMPClient(_ClientBase):
         self._sync_ctx = sync_ctx
         self._in = zmq.asyncio.Socket.from_socket(self.engine.input_sock)
         self._out = zmq.asyncio.Socket.from_socket(self.engine.output_sock)
-        self.outputs: asyncio.Queue | None = None
         self._utility: dict[int, asyncio.Future] = {}
+        # set by start(), on the running loop
+        self.outputs: asyncio.Queue[EngineCoreOutputs] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader_task = None
-        self._ping_task = None
-        self._monitor = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._ping_task: asyncio.Task[None] | None = None
+        self._monitor: threading.Thread | None = None
         self.watchdog_timeout = config.watchdog_timeout
 
     def start(self) -> None:
@@ -406,6 +423,7 @@ class AsyncMPClient(_ClientBase):
             if fut is not None and not fut.done():
                 fut.set_result(outs)
         else:
+            assert self.outputs is not None   # read only after start()
             self.outputs.put_nowait(outs)
 
     def _watch(self) -> None:
@@ -414,12 +432,14 @@ class AsyncMPClient(_ClientBase):
         if not self.engine.closing:
             time.sleep(0.2)
             message = f"the engine core process died (exit code {self.engine.exitcode})"
+            assert self._loop is not None   # watched only after start()
             self._loop.call_soon_threadsafe(self._die, message)
 
     def _die(self, message: str) -> None:
         if self.dead_message is None:
             self.dead_message = message
             logger.error("engine core dead: %s", message)
+            assert self.outputs is not None   # its callers run after start()
             self.outputs.put_nowait(EngineCoreOutputs(engine_error=message))
             for fut in self._utility.values():
                 if not fut.done():
@@ -439,10 +459,12 @@ class AsyncMPClient(_ClientBase):
             await self._send(self._frames_abort(request_ids))
 
     async def get_output_async(self) -> EngineCoreOutputs:
+        assert self.outputs is not None, "start() first"
         return await self.outputs.get()
 
     async def call_utility_async(self, method: str, *args, timeout: float = 60.0):
         call_id = next(self._call_ids)
+        assert self._loop is not None, "start() first"
         fut = self._loop.create_future()
         self._utility[call_id] = fut
         try:

@@ -81,7 +81,7 @@ class OutputProcessor:
         children = {}
         for i, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
-            lp = [] if params.logprobs is not None else None
+            lp: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
             children[child_id] = ChildState(i, detok, logprobs=lp,
                                             cumulative_logprob=0.0 if lp is not None else None,
                                             incarnation=incarnations[i] if incarnations else 0)
@@ -102,8 +102,10 @@ class OutputProcessor:
             self.child_to_parent.pop(child_id, None)
         return [cid for cid, c in state.children.items() if c.finish_reason is None]
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]):
-        """Returns (request outputs to deliver, states they belong to, engine ids to abort)."""
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
+        """Returns ((state, request output) pairs to deliver, engine ids to abort)."""
         delivered: list[tuple[RequestState, RequestOutput]] = []
         to_abort: list[str] = []
         touched: dict[str, RequestState] = {}
@@ -132,12 +134,13 @@ class OutputProcessor:
 
     def fail_all(self, message: str) -> list[tuple[RequestState, RequestOutput]]:
         """The engine died: finish every request with reason 'error'."""
-        delivered = []
+        delivered: list[tuple[RequestState, RequestOutput]] = []
         for state in list(self.requests.values()):
             for child in state.children.values():
                 if child.finish_reason is None:
                     child.finish_reason, child.stop_reason = "error", message
             ro = self._make_output(state)
+            assert ro is not None   # every choice is finished
             delivered.append((state, ro))
         self.requests.clear()
         self.child_to_parent.clear()
@@ -165,6 +168,8 @@ class OutputProcessor:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
 
     def _add_logprobs(self, child: ChildState, delta: LogprobsDelta) -> None:
+        # both are set when the request asked for logprobs
+        assert child.logprobs is not None and child.cumulative_logprob is not None
         child.logprobs += self._logprob_dicts(delta)
         for vals in delta.logprobs:
             child.cumulative_logprob += vals[0]
@@ -200,6 +205,7 @@ class OutputProcessor:
             outs.append(out)
         metrics = {"arrival_time": state.arrival_time}
         if state.first_token_time is not None:
+            assert state.last_token_time is not None   # set with the first token
             metrics["first_token_time"] = state.first_token_time
             metrics["last_token_time"] = state.last_token_time
         ro = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,

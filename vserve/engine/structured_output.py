@@ -16,10 +16,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from vserve.core.structured import GrammarMatcher
 from vserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:   # imported when first used
+    import xgrammar as xgr
 
 logger = logging.getLogger("vserve.engine")
 
@@ -50,7 +55,7 @@ class StructuredOutputManager:
         self.eos_token_ids = list(eos_token_ids)
         self._pool = ThreadPoolExecutor(max_workers=max_workers,
                                         thread_name_prefix="vserve-grammar")
-        self._compiler = None
+        self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
         self._compiled = threading.Event()   # a compile finished since the last wait
         self.on_compiled: Callable[[], None] | None = None   # the engine core's wake-up
@@ -82,10 +87,10 @@ class StructuredOutputManager:
 
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size).numpy()
 
-    def fill(self, state: GrammarState, bitmask: np.ndarray, row: int) -> None:
+    def fill(self, state: GrammarMatcher, bitmask: np.ndarray, row: int) -> None:
         import torch
 
-        state.fill(torch.from_numpy(bitmask), row)
+        cast(GrammarState, state).fill(torch.from_numpy(bitmask), row)   # made by new_state
 
     # -- compile -----------------------------------------------------------------------------------
     def _get_compiler(self):
@@ -130,6 +135,7 @@ def grammar_source(params: StructuredOutputsParams) -> tuple[str, str]:
     if kind == "json_object":
         return "json", '{"type": "object"}'
     if kind == "choice":
+        assert params.choice is not None   # what `key` said
         return "regex", "|".join(_regex_escape(c) for c in params.choice)
     return ("ebnf", value) if kind == "grammar" else (kind, value)
 
@@ -178,8 +184,9 @@ def _check_source(kind: str, source: str) -> None:
     if kind == "json" and _depth(json.loads(source)) > MAX_SCHEMA_DEPTH:
         raise ValueError(f"structured outputs: the JSON schema is nested deeper than "
                          f"{MAX_SCHEMA_DEPTH} levels")
-    build = {"json": json_schema_grammar, "regex": xgr.Grammar.from_regex,
-             "ebnf": xgr.Grammar.from_ebnf}[kind]
+    builds: dict[str, Callable[[str], Any]] = {
+        "json": json_schema_grammar, "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf}
+    build = builds[kind]
     try:
         build(source)
     except RuntimeError as e:   # xgrammar's parse errors; the last line says what is wrong
