@@ -61,17 +61,17 @@ def _record_steps(core) -> tuple[list[tuple[str, int]], list[int]]:
     events, grammar_steps, executor = [], [], core.executor
     execute, sample, commit = executor.execute_model, executor.sample_tokens, core._commit
 
-    def on_execute(so, non_block=False, defer_sampling=False):
+    def on_execute(so, defer_sampling=False):
         events.append(("launch", so.step_id))
         if so.grammar_req_ids:
             grammar_steps.append(so.step_id)
         if not defer_sampling:
             events.append(("sample", so.step_id))
-        return execute(so, non_block, defer_sampling)
+        return execute(so, defer_sampling)
 
-    def on_sample(so, non_block=False):
+    def on_sample(so):
         events.append(("sample", so.step_id))
-        return sample(so, non_block)
+        return sample(so)
 
     def on_commit(so, runner_output):
         events.append(("commit", so.step_id))
