@@ -41,6 +41,7 @@ import httpx
 
 from vserve.bench.sse import sse_lines
 from vserve.proc_tree import cmdline, descendants
+from vserve.startup import kv_resident_bytes
 
 RSS_GROWTH_LIMIT = 0.05
 WORDS = ("the a of and to in is it that for on with as was at by an be this from or have "
@@ -62,8 +63,10 @@ KINDS = {"completion": 4, "completion_stream": 4, "chat": 2, "chat_stream": 2,
 
 
 # -- processes -----------------------------------------------------------------------------------
-def rss_of(pid: int) -> tuple[str, int] | None:
-    """(command line, RSS bytes) of a live process, None once it is gone."""
+def rss_of(pid: int) -> tuple[str, int, int] | None:
+    """(command line, RSS bytes, of which the CPU KV cache's) of a live process, None once it
+    is gone. The KV cache's pages are committed as its blocks are first written and stay, up
+    to the KV budget: growth there is the cache filling, not a leak, so it is told apart."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
@@ -71,11 +74,11 @@ def rss_of(pid: int) -> tuple[str, int] | None:
     cmd = cmdline(pid).replace(b"\0", b" ").decode(errors="replace")
     for line in status.splitlines():
         if line.startswith("VmRSS:"):
-            return cmd.strip()[:80], int(line.split()[1]) * 1024
+            return cmd.strip()[:80], int(line.split()[1]) * 1024, kv_resident_bytes(pid)
     return None
 
 
-def rss_table(pid: int) -> dict[int, tuple[str, int]]:
+def rss_table(pid: int) -> dict[int, tuple[str, int, int]]:
     return {p: r for p in [pid, *descendants(pid)] if (r := rss_of(p)) is not None}
 
 
@@ -354,8 +357,7 @@ async def drive(server: Server, args) -> dict:
             if now >= next_window or all(w.done() for w in workers):
                 cur = scrape((await client.get("/metrics", timeout=30)).text)
                 windows.append({**_window(now - start, last, cur),
-                                "rss_mib": {p: round(r[1] / 2**20, 1)
-                                            for p, r in rss_table(server.proc.pid).items()}})
+                                **_rss_window(rss_table(server.proc.pid))})
                 last, next_window = cur, now + args.window
         await asyncio.gather(*workers)
         traffic_s = time.monotonic() - start
@@ -387,16 +389,24 @@ def _window(t: float, before: dict, after: dict) -> dict:
     return out
 
 
+def _rss_window(table: dict[int, tuple[str, int, int]]) -> dict:
+    return {"rss_mib": {p: round(r[1] / 2**20, 1) for p, r in table.items()},
+            "kv_mib": {p: round(r[2] / 2**20, 1) for p, r in table.items() if r[2]}}
+
+
 def evaluate(res: dict, code: int, left: list[int], args) -> dict:
     t: Traffic = res["traffic"]
     final = res["final"]
     kv_usage = final.get("vserve:kv_cache_usage_perc")
     rss = []
-    for pid, (cmd, end) in res["rss_end"].items():
-        begin = res["rss_start"].get(pid, (cmd, None))[1]
-        growth = None if not begin else (end - begin) / begin
+    for pid, (cmd, end, kv_end) in res["rss_end"].items():
+        _, begin, kv_begin = res["rss_start"].get(pid, (cmd, None, 0))
+        # the growth that counts: resident memory besides the KV cache's committed pages
+        growth = None if not begin else (end - kv_end - begin + kv_begin) / (begin - kv_begin)
         rss.append({"pid": pid, "cmd": cmd, "rss_start_mib": begin and round(begin / 2**20, 1),
                     "rss_end_mib": round(end / 2**20, 1),
+                    "kv_start_mib": round(kv_begin / 2**20, 1),
+                    "kv_end_mib": round(kv_end / 2**20, 1),
                     "growth": None if growth is None else round(growth, 4)})
     checks = {
         "no_errors": sum(t.errors.values()) == 0,
@@ -430,11 +440,12 @@ def report(result: dict) -> None:
     for kind, text in result["error_examples"].items():
         print(f"    {kind}: {text}")
     print(f"  KV cache in use at the end: {result['kv_cache_usage_end']}")
-    print(f"  {'pid':>8} {'RSS start MiB':>14} {'RSS end MiB':>12} {'growth':>8}  command")
+    print(f"  {'pid':>8} {'RSS start MiB':>14} {'RSS end MiB':>12} {'KV start':>9} "
+          f"{'KV end':>8} {'growth':>8}  command (growth: RSS besides the KV cache)")
     for r in result["rss"]:
         growth = "-" if r["growth"] is None else f"{100 * r['growth']:+.1f}%"
         print(f"  {r['pid']:>8} {r['rss_start_mib'] or '-':>14} {r['rss_end_mib']:>12} "
-              f"{growth:>8}  {r['cmd']}")
+              f"{r['kv_start_mib']:>9} {r['kv_end_mib']:>8} {growth:>8}  {r['cmd']}")
     print(f"  {'t (s)':>8} {'steps':>7} {'launch p99 (s)':>15} {'forward p99 (s)':>16}  "
           "RSS MiB by pid")
     for w in result["windows"]:

@@ -47,6 +47,28 @@ def resident_bytes(pid: int | None = None) -> int:
         return 0
 
 
+# the name of the CPU KV cache's memory (vserve.workers.kv_cache): /proc/PID/smaps shows its
+# mappings as "/memfd:vserve-kv (deleted)", so the cache's resident pages can be told apart
+KV_MAPPING_NAME = "vserve-kv"
+
+
+def kv_resident_bytes(pid: int | None = None) -> int:
+    """Resident bytes of process `pid`'s CPU KV cache (0 if none, or it is gone). Committed
+    pages stay resident when their blocks are freed: bounded by the KV budget."""
+    pid = os.getpid() if pid is None else pid
+    total, in_kv = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    in_kv = f"/memfd:{KV_MAPPING_NAME}" in line   # a mapping's header
+                elif in_kv and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
 def seconds_since_process_start() -> float | None:
     """Wall time since this process started (Linux: /proc), imports included; None if
     unknown."""

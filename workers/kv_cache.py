@@ -1,8 +1,10 @@
 """The KV cache of one pipeline stage: how many blocks it gets and the tensors that hold them.
 
-Memory follows use on the CPU: each layer's tensor is an anonymous private `mmap`, whose pages
-the kernel commits (zero-filled) on the first write. A block costs memory from the step that
-first writes it, so resident memory grows with the tokens in the cache, not with the budget.
+Memory follows use on the CPU: each layer's tensor maps a fresh memfd named "vserve-kv", whose
+pages the kernel commits (zero-filled) on the first write. A block costs memory from the step
+that first writes it, so resident memory grows with the tokens in the cache, not with the
+budget; pages stay once written, so it is bounded by the budget. The name lets anyone read the
+cache's share of a worker's resident memory from /proc (`vserve.startup.kv_resident_bytes`).
 (`torch.zeros` would write every page at start-up; a plain `torch.empty` would come from the
 heap, which the worker's malloc tuning keeps instead of unmapping, so it could hold old data.)
 Unwritten slots read as zeros, which the torch backend needs: it gathers whole blocks and masks
@@ -28,18 +30,30 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 
 import torch
+
+from vserve.startup import KV_MAPPING_NAME
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages are committed on first write (fresh anonymous mmap)."""
+    """A zero CPU tensor whose pages are committed on first write (a fresh memfd, or an
+    anonymous mapping where memfds do not exist)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not hasattr(os, "memfd_create"):
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
+    fd = os.memfd_create(KV_MAPPING_NAME, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)   # the mapping keeps the memory
     return torch.frombuffer(buf, dtype=dtype).view(shape)   # the tensor keeps `buf` alive
 
 

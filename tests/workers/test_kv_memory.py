@@ -45,6 +45,20 @@ def test_kv_tensor_commits_pages_on_first_write():
     assert bool((t[:, 20:30] == 0).all())   # unwritten blocks read as zeros
 
 
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the KV mapping is named on Linux")
+def test_kv_resident_bytes_reads_the_cache_from_proc():
+    """The cache's mappings are named, so its resident share of a process is readable from
+    outside (the soak benchmark tells KV pages from a leak this way)."""
+    from vserve.startup import kv_resident_bytes
+
+    before = kv_resident_bytes(os.getpid())
+    t = new_kv_tensor(1024, 16, 2, 64, torch.float32, torch.device("cpu"))
+    assert kv_resident_bytes(os.getpid()) == before   # nothing written yet
+    t[:, :32] = 1.0
+    assert kv_resident_bytes(os.getpid()) - before == resident_bytes(t) >= 2 * 32 * t[0, 0].nbytes
+    assert kv_resident_bytes(2**22 + 7) == 0   # no such process
+
+
 def test_engine_kv_resident_grows_with_blocks_in_use(tiny_model_dir):
     llm = make_llm(tiny_model_dir("llama"), max_model_len=1024, block_size=16,
                    num_gpu_blocks_override=4096)
