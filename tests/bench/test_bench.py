@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 NUM_PROMPTS, IN_LEN, OUT_LEN = 6, 24, 12
 
 

@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from soak import histogram_p99, scrape  # noqa: E402
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 
 def test_histogram_p99_interpolates_inside_its_bucket():
     before = {"x_bucket{0.1}": 10, "x_bucket{0.2}": 10, "x_bucket{+Inf}": 10}

@@ -12,6 +12,8 @@ from tests.support.proc_utils import descendants, kill, wait_dead, worker_pids
 from vserve import LLM, SamplingParams
 from vserve.engine.mp_client import EngineDeadError
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
 
 

@@ -10,8 +10,12 @@ import threading
 import time
 import weakref
 
+import pytest
+
 from tests.support.proc_utils import descendants, wait_dead
 from vserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
 
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -14,6 +14,8 @@ from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
 from vserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 ENGINE = dict(dtype="float32", max_model_len=128, block_size=4, num_gpu_blocks_override=40,
               max_num_batched_tokens=24, max_num_seqs=8)
 

@@ -16,6 +16,8 @@ from tests.support.proc_utils import kill, wait_dead, worker_pids
 from vserve import LLM, SamplingParams
 from vserve.executor.multiproc import free_port
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 

@@ -11,6 +11,8 @@ from tests.support.engines import make_llm
 from tests.support.hf_reference import PROMPTS, SHARED_PREFIX
 from vserve import SamplingParams
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 TOP = 3
 SCENARIOS = {
     "plain": dict(),

@@ -17,6 +17,8 @@ from tests.support.engines import make_llm
 from tests.support.openai_server import TINY_ARGS, serving
 from vserve import SamplingParams
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 PROMPTS = ["The quick brown fox", "Paris is the capital of"]
 
 

@@ -14,6 +14,8 @@ from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.mp_client import EngineDeadError
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 LONG = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
 

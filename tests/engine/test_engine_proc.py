@@ -13,6 +13,8 @@ from tests.support.hf_reference import PROMPTS
 from vserve import LLM, SamplingParams, StructuredOutputsParams
 from vserve.engine.messages import EngineCoreRequest, RequestType
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

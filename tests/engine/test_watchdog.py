@@ -14,6 +14,8 @@ from vserve import LLM, SamplingParams
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.mp_client import EngineDeadError
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 WATCHDOG_S = 3
 

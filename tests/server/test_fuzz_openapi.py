@@ -20,6 +20,8 @@ from schemathesis.generation import GenerationMode
 
 from tests.support.openai_server import TINY_ARGS, children_of, serving
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 NUM_CASES = {GenerationMode.POSITIVE: 200, GenerationMode.NEGATIVE: 100}
 MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 4}
 

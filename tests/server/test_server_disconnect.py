@@ -15,6 +15,8 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, ServerProcess, metric_value
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 NUM_STREAMS = 200
 NUM_NON_STREAMING = 20
 

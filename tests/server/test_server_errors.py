@@ -14,6 +14,8 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, children_of, serving
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 256

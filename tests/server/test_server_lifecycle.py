@@ -18,6 +18,8 @@ import pytest
 from tests.support.openai_server import TINY_ARGS, ServerProcess, children_of
 from vserve.proc_tree import cmdline
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 PROMPT = "The quick brown fox"
 LONG = {"prompt": PROMPT, "max_tokens": 5000, "ignore_eos": True}
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, children_of, serving
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 MAX_BODY = 100_000
 LIMIT_ARGS = ["--max-model-len", "8192", "--max-request-body-bytes", str(MAX_BODY),
               "--max-prompt-chars", "20000", "--max-num-seqs-per-request", "8",

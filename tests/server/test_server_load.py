@@ -11,6 +11,8 @@ import pytest
 
 from tests.support.openai_server import ServerProcess
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 NUM_CLIENTS = 64
 NUM_ROUNDS = 2
 MAX_TOKENS = 24

@@ -15,6 +15,8 @@ import pytest
 from tests.e2e.test_prompt_logprobs import _hf_logprobs
 from tests.support.openai_server import TINY_ARGS, serving
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 MODEL = "tiny-llama"
 PROMPT = "Paris is the capital of France, and Berlin is"
 

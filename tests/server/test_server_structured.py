@@ -10,6 +10,8 @@ import pytest
 from tests.server.test_server_errors import check_grammar_with_ignore_eos
 from tests.support.openai_server import TINY_ARGS, ServerProcess, children_of, metric_value
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0,
                                                  "maximum": 9}},

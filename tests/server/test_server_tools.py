@@ -17,6 +17,8 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, serving
 
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+
 QWEN_TEMPLATE = r"""
 {%- if tools %}
 {{- '<|im_start|>system\n' }}

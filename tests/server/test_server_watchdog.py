@@ -11,10 +11,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.support.openai_server import TINY_ARGS, ServerProcess, children_of, is_running
 from tests.support.proc_utils import kill
 from vserve.proc_tree import cmdline, descendants
+
+pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
 
 
 def _stream(url: str, body: dict, started: threading.Event) -> list:
