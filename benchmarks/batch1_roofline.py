@@ -56,8 +56,9 @@ def weight_bytes(model_path: str, dtype: str) -> int:
             for name in f.keys():
                 shapes[name] = f.get_slice(name).get_shape()
     untied = any(n.endswith("lm_head.weight") for n in shapes)
-    numel = sum(_numel(s) for n, s in shapes.items()
-                if not (untied and n.endswith("embed_tokens.weight")))
+    numel = sum(
+        _numel(s) for n, s in shapes.items() if not (untied and n.endswith("embed_tokens.weight"))
+    )
     return numel * DTYPE_BYTES[dtype]
 
 
@@ -71,19 +72,24 @@ def _numel(shape) -> int:
 def decode_step_times(args) -> tuple[list[float], object]:
     from vserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              max_model_len=args.input_len + args.output_len + 16)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.input_len + args.output_len + 16,
+    )
     prompt = {"prompt_token_ids": list(range(1000, 1000 + args.input_len))}
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)   # warm up every shape once
+    llm.generate([prompt], params, use_tqdm=False)  # warm up every shape once
     llm.engine.take_step_records()
     for _ in range(args.num_iters):
         llm.generate([prompt], params, use_tqdm=False)
     records = llm.engine.take_step_records()
     config = llm.config.model
     llm.shutdown()
-    steps = [r.forward_end - r.forward_start for r in records
-             if r.num_tokens == 1 and r.forward_end > 0]
+    steps = [
+        r.forward_end - r.forward_start for r in records if r.num_tokens == 1 and r.forward_end > 0
+    ]
     return steps, config
 
 
@@ -99,28 +105,40 @@ def main() -> None:
     args = p.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    bandwidth = copy_bandwidth(device=args.device)   # before the engine owns the cores
+    bandwidth = copy_bandwidth(device=args.device)  # before the engine owns the cores
     steps, config = decode_step_times(args)
     wbytes = weight_bytes(config.model, config.dtype)
     floor_ms = wbytes / (bandwidth * 1e9) * 1e3
     median_ms = statistics.median(steps) * 1e3
     mean_ms = statistics.fmean(steps) * 1e3
-    rows = [("copy bandwidth (GB/s, read + write)", f"{bandwidth:.1f}"),
-            (f"weight bytes read per step ({config.dtype})", f"{wbytes / 1e6:.1f} MB"),
-            ("weight-streaming time (ms)", f"{floor_ms:.1f}"),
-            (f"decode model step, median of {len(steps)} (ms)", f"{median_ms:.1f}"),
-            ("decode model step, mean (ms)", f"{mean_ms:.1f}"),
-            ("step / streaming time (goal <= 1.3)", f"{median_ms / floor_ms:.2f}")]
-    table = "\n".join(["| quantity | value |", "|---|---|"]
-                      + [f"| {k} | {v} |" for k, v in rows])
+    rows = [
+        ("copy bandwidth (GB/s, read + write)", f"{bandwidth:.1f}"),
+        (f"weight bytes read per step ({config.dtype})", f"{wbytes / 1e6:.1f} MB"),
+        ("weight-streaming time (ms)", f"{floor_ms:.1f}"),
+        (f"decode model step, median of {len(steps)} (ms)", f"{median_ms:.1f}"),
+        ("decode model step, mean (ms)", f"{mean_ms:.1f}"),
+        ("step / streaming time (goal <= 1.3)", f"{median_ms / floor_ms:.2f}"),
+    ]
+    table = "\n".join(["| quantity | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
     print(f"\nbatch 1, {args.input_len} in / {args.output_len} out, greedy\n\n{table}")
     out = Path(args.output_json or Path(__file__).parent / "results" / "batch1_roofline.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "args": vars(args), "dtype": config.dtype, "copy_bandwidth_gbs": bandwidth,
-        "weight_bytes": wbytes, "streaming_ms": floor_ms, "step_median_ms": median_ms,
-        "step_mean_ms": mean_ms, "ratio": median_ms / floor_ms, "num_steps": len(steps)},
-        indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "dtype": config.dtype,
+                "copy_bandwidth_gbs": bandwidth,
+                "weight_bytes": wbytes,
+                "streaming_ms": floor_ms,
+                "step_median_ms": median_ms,
+                "step_mean_ms": mean_ms,
+                "ratio": median_ms / floor_ms,
+                "num_steps": len(steps),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

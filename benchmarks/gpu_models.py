@@ -21,28 +21,74 @@ import torch
 def llama_config(small: bool):
     from transformers import LlamaConfig
 
-    size = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, intermediate_size=256, vocab_size=4096) if small else \
-        dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-             num_key_value_heads=8, intermediate_size=8192, vocab_size=32000)
-    return LlamaConfig(**size, max_position_embeddings=4096, bos_token_id=2, eos_token_id=1,
-                       pad_token_id=0, tie_word_embeddings=False)
+    size = (
+        dict(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=256,
+            vocab_size=4096,
+        )
+        if small
+        else dict(
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=8192,
+            vocab_size=32000,
+        )
+    )
+    return LlamaConfig(
+        **size,
+        max_position_embeddings=4096,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
 
 
 def gemma_config(small: bool):
     from transformers import Gemma3TextConfig
 
     layers = 6 if small else 18
-    size = dict(hidden_size=64, intermediate_size=128, head_dim=32, vocab_size=8192,
-                sliding_window=16, query_pre_attn_scalar=32) if small else \
-        dict(hidden_size=640, intermediate_size=2048, head_dim=256, vocab_size=262144,
-             sliding_window=512, query_pre_attn_scalar=256)
+    size = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            head_dim=32,
+            vocab_size=8192,
+            sliding_window=16,
+            query_pre_attn_scalar=32,
+        )
+        if small
+        else dict(
+            hidden_size=640,
+            intermediate_size=2048,
+            head_dim=256,
+            vocab_size=262144,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+        )
+    )
     return Gemma3TextConfig(
-        **size, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=1,
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                     for i in range(layers)],
-        max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
-        pad_token_id=0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+        **size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)
+        ],
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+    )
 
 
 def word_tokenizer(vocab_size: int, folder: Path) -> None:
@@ -54,10 +100,11 @@ def word_tokenizer(vocab_size: int, folder: Path) -> None:
     vocab.update({f"w{i}": i for i in range(3, vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-    fast.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(str(folder))
 
 
@@ -67,15 +114,14 @@ def build(name: str, config, dest: Path, device: str) -> dict:
     folder = dest / name
     if not (folder / ".complete").is_file():
         torch.manual_seed(0)
-        with torch.device(device):   # initialising 1.1B weights on a GPU takes a second
+        with torch.device(device):  # initialising 1.1B weights on a GPU takes a second
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(str(folder))
         word_tokenizer(config.vocab_size, folder)
         params = sum(p.numel() for p in model.parameters())
         (folder / ".complete").write_text(str(params))
         del model
-    return {"name": name, "path": str(folder),
-            "params": int((folder / ".complete").read_text())}
+    return {"name": name, "path": str(folder), "params": int((folder / ".complete").read_text())}
 
 
 def main() -> None:
@@ -85,8 +131,10 @@ def main() -> None:
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dest = Path(args.dest)
-    for name, cfg in (("llama-1b", llama_config(args.small)),
-                      ("gemma3-270m-shape", gemma_config(args.small))):
+    for name, cfg in (
+        ("llama-1b", llama_config(args.small)),
+        ("gemma3-270m-shape", gemma_config(args.small)),
+    ):
         start = time.perf_counter()
         info = build(name, cfg, dest, device)
         info["build_s"] = round(time.perf_counter() - start, 1)

@@ -16,49 +16,69 @@ def f(value, digits=1) -> str:
 
 
 def bench_rows(results: dict) -> list[str]:
-    rows = ["| run | output tok/s | async / sync | avg latency (s) | forward (ms) | "
-            "launch interval (ms) | overlap eff. |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| run | output tok/s | async / sync | avg latency (s) | forward (ms) | "
+        "launch interval (ms) | overlap eff. |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         if not (name.startswith("tput_") or name.startswith("lat_")):
             continue
         ov = r.get("overlap") or {}
         cmp = (r.get("compare_sync") or {}).get("async_speedup")
-        rows.append(f"| {name} | {f(r.get('output_throughput'))} | {f(cmp, 3)} | "
-                    f"{f(r.get('avg_latency'), 3)} | {f(ov.get('mean_forward_ms'), 2)} | "
-                    f"{f(ov.get('mean_launch_interval_ms'), 2)} | "
-                    f"{f(ov.get('overlap_efficiency'), 3)} |")
+        rows.append(
+            f"| {name} | {f(r.get('output_throughput'))} | {f(cmp, 3)} | "
+            f"{f(r.get('avg_latency'), 3)} | {f(ov.get('mean_forward_ms'), 2)} | "
+            f"{f(ov.get('mean_launch_interval_ms'), 2)} | "
+            f"{f(ov.get('overlap_efficiency'), 3)} |"
+        )
     return rows
 
 
 def roofline_rows(results: dict) -> list[str]:
-    rows = ["| batch-1 decode | copy GB/s | weight MB | floor (ms) | step median (ms) | "
-            "step / floor |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| batch-1 decode | copy GB/s | weight MB | floor (ms) | step median (ms) | step / floor |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         if name.startswith("roofline_"):
-            rows.append(f"| {name} | {f(r['copy_bandwidth_gbs'])} | "
-                        f"{f(r['weight_bytes'] / 1e6)} | {f(r['streaming_ms'], 3)} | "
-                        f"{f(r['step_median_ms'], 3)} | {f(r['ratio'], 2)} |")
+            rows.append(
+                f"| {name} | {f(r['copy_bandwidth_gbs'])} | "
+                f"{f(r['weight_bytes'] / 1e6)} | {f(r['streaming_ms'], 3)} | "
+                f"{f(r['step_median_ms'], 3)} | {f(r['ratio'], 2)} |"
+            )
     return rows
 
 
 def kernel_rows(results: dict) -> list[str]:
-    rows = ["| kernel case | equal to reference | max abs diff | triton (ms) | "
-            "torch backend (ms) | KV read GB/s |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| kernel case | equal to reference | max abs diff | triton (ms) | "
+        "torch backend (ms) | KV read GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in (results.get("kernels") or {}).get("kernels", []):
-        rows.append(f"| {r['case']} | {r['ok']} | {f(r.get('max_abs_diff'), 4)} | "
-                    f"{f(r.get('triton_ms'), 3)} | {f(r.get('torch_backend_ms'), 3)} | "
-                    f"{f(r.get('kv_read_gbs'))} |")
+        rows.append(
+            f"| {r['case']} | {r['ok']} | {f(r.get('max_abs_diff'), 4)} | "
+            f"{f(r.get('triton_ms'), 3)} | {f(r.get('torch_backend_ms'), 3)} | "
+            f"{f(r.get('kv_read_gbs'))} |"
+        )
     return rows
 
 
 def main() -> None:
     results_dir, steps_tsv, out, cuda, elapsed = sys.argv[1:6]
-    results = {p.stem: json.loads(p.read_text())
-               for p in sorted(Path(results_dir).glob("*.json"))}
-    steps = [line.split("\t") for line in Path(steps_tsv).read_text().splitlines()] \
-        if Path(steps_tsv).is_file() else []
-    lines = [f"GPU check ({'CUDA' if cuda == '1' else 'CPU dry run'}), {elapsed} s", "",
-             "| step | status | seconds |", "|---|---|---|"]
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))}
+    steps = (
+        [line.split("\t") for line in Path(steps_tsv).read_text().splitlines()]
+        if Path(steps_tsv).is_file()
+        else []
+    )
+    lines = [
+        f"GPU check ({'CUDA' if cuda == '1' else 'CPU dry run'}), {elapsed} s",
+        "",
+        "| step | status | seconds |",
+        "|---|---|---|",
+    ]
     lines += [f"| {name} | {status} | {secs} |" for name, status, secs in steps]
     for rows in (bench_rows(results), roofline_rows(results), kernel_rows(results)):
         if len(rows) > 2:
@@ -66,10 +86,17 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     Path(out, "summary.md").write_text(text + "\n")
-    Path(out, "results.json").write_text(json.dumps(
-        {"cuda": cuda == "1", "elapsed_s": int(elapsed),
-         "steps": [{"name": n, "status": s, "seconds": int(t)} for n, s, t in steps],
-         "results": results}, indent=1))
+    Path(out, "results.json").write_text(
+        json.dumps(
+            {
+                "cuda": cuda == "1",
+                "elapsed_s": int(elapsed),
+                "steps": [{"name": n, "status": s, "seconds": int(t)} for n, s, t in steps],
+                "results": results,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -47,11 +47,11 @@ def run_mode(model: str, mode: str, reps: int = 3) -> list[tuple[float, dict, di
 
     llm = LLM(model=model, dtype="float32", max_num_seqs=256, max_model_len=160, **MODES[mode])
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 380) for _ in range(32)]}
-               for _ in range(256)]
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 380) for _ in range(32)]} for _ in range(256)]
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
-    llm.generate(prompts[:32], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        prompts[:32], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     core = llm.engine.client.engine.proc.pid
     pids = {"front": os.getpid(), "core": core}
     pids.update({f"worker{i}": p for i, p in enumerate(children(core))})
@@ -83,14 +83,19 @@ def main() -> None:
         for mode in modes if r % 2 == 0 else modes[::-1]:
             for tps, share, cpus in run_mode(model, mode):
                 table[mode].append(tps)
-                print(f"round {r} {mode:8s} {tps:8.0f} output tok/s  CPU " +
-                      " ".join(f"{k}={v * 100:.0f}%" for k, v in share.items()) +
-                      f"  CPUs {cpus}", flush=True)
+                print(
+                    f"round {r} {mode:8s} {tps:8.0f} output tok/s  CPU "
+                    + " ".join(f"{k}={v * 100:.0f}%" for k, v in share.items())
+                    + f"  CPUs {cpus}",
+                    flush=True,
+                )
     best_sync = max((max(v) for m, v in table.items() if m != "async"), default=None)
     for mode, values in table.items():
         values = sorted(values)
-        line = (f"{mode:8s} median {values[len(values) // 2]:8.0f}  max {values[-1]:8.0f}  "
-                f"min {values[0]:8.0f}")
+        line = (
+            f"{mode:8s} median {values[len(values) // 2]:8.0f}  max {values[-1]:8.0f}  "
+            f"min {values[0]:8.0f}"
+        )
         if mode == "async" and best_sync:
             line += f"  async max / best sync max = {values[-1] / best_sync:.3f}"
         print(line)

@@ -28,10 +28,15 @@ def feedback_us(n: int) -> float:
 
     batch = InputBatch(n, 160, 10)
     for k in range(n):
-        batch.add(NewRequestData(f"r{k}", 1, list(range(1, 33)), 32, SamplingParams(), 0, [],
-                                 [], 0))
-    rows, req_ids, queue, ids = np.arange(n), [f"r{k}" for k in range(n)], FeedbackQueue(), \
-        torch.arange(n)
+        batch.add(
+            NewRequestData(f"r{k}", 1, list(range(1, 33)), 32, SamplingParams(), 0, [], [], 0)
+        )
+    rows, req_ids, queue, ids = (
+        np.arange(n),
+        [f"r{k}" for k in range(n)],
+        FeedbackQueue(),
+        torch.arange(n),
+    )
 
     def step() -> float:
         if batch.num_tokens[0] > 150:
@@ -42,8 +47,15 @@ def feedback_us(n: int) -> float:
         queue.push(1, batch, rows.tolist(), req_ids, ids)
         queue.settle(batch, None)
         computed = batch.num_tokens[rows] - 1
-        host = HostInputs(np.arange(n + 1), computed, computed.copy(), computed + 1,
-                          np.zeros((n, 1), np.int32), batch.token_ids[rows, computed], 16)
+        host = HostInputs(
+            np.arange(n + 1),
+            computed,
+            computed.copy(),
+            computed + 1,
+            np.zeros((n, 1), np.int32),
+            batch.token_ids[rows, computed],
+            16,
+        )
         queue.plan(batch, host, req_ids, rows)
         return time.thread_time() - start
 
@@ -59,13 +71,17 @@ def attention_prepare_us(n: int) -> float:
     seq = np.random.RandomState(0).randint(33, 128, n)
     qsl = np.arange(n + 1)
     meta = AttentionMetadata(
-        num_tokens=n, positions=torch.tensor(seq - 1),
+        num_tokens=n,
+        positions=torch.tensor(seq - 1),
         slot_mapping=torch.zeros(n, dtype=torch.long),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq, dtype=torch.int32),
         block_tables=torch.arange(n * 10, dtype=torch.int32).view(n, 10),
-        query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq.tolist(), max_query_len=1,
-        max_seq_len=int(seq.max()))
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=seq.tolist(),
+        max_query_len=1,
+        max_seq_len=int(seq.max()),
+    )
     backend = TorchAttentionBackend(16)
     best = float("inf")
     for _ in range(7):
@@ -89,16 +105,22 @@ def scheduler_us(n: int) -> tuple[float, float]:
         rng = random.Random(0)
         params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
         for i in range(n):
-            sched.add_request(Request(f"r{i}", [rng.randrange(3, 380) for _ in range(32)],
-                                      params, eos_token_ids=(1,)))
+            sched.add_request(
+                Request(
+                    f"r{i}", [rng.randrange(3, 380) for _ in range(32)], params, eos_token_ids=(1,)
+                )
+            )
         schedule = commit = 0.0
         steps = 0
         while sched.has_unfinished_requests():
             t0 = time.thread_time()
             so = sched.schedule()
             t1 = time.thread_time()
-            ro = RunnerOutput(so.step_id, list(so.sampling_req_ids),
-                              [[rng.randrange(3, 380)] for _ in so.sampling_req_ids])
+            ro = RunnerOutput(
+                so.step_id,
+                list(so.sampling_req_ids),
+                [[rng.randrange(3, 380)] for _ in so.sampling_req_ids],
+            )
             t2 = time.thread_time()
             sched.update_from_output(so, ro)
             commit += time.thread_time() - t2

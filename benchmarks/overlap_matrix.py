@@ -37,16 +37,19 @@ ASYNC, SYNC = ["--async-scheduling"], ["--no-async-scheduling"]
 UNI, MP = ["--distributed-executor-backend", "uni"], ["--distributed-executor-backend", "mp"]
 PP2 = ["--pipeline-parallel-size", "2"]
 
-PP1_MODES = [("sync, PP=1, uni", SYNC + UNI), ("sync, PP=1, mp", SYNC + MP),
-             ("async, PP=1", ASYNC)]
+PP1_MODES = [("sync, PP=1, uni", SYNC + UNI), ("sync, PP=1, mp", SYNC + MP), ("async, PP=1", ASYNC)]
 PP2_MODES = [("sync, PP=2", SYNC + PP2), ("async, PP=2", ASYNC + PP2)]
-HOST_BOUND_MODES = [("sync, uni", SYNC + UNI), ("sync, mp", SYNC + MP),
-                    ("async", ASYNC + ["--compare-sync"])]
+HOST_BOUND_MODES = [
+    ("sync, uni", SYNC + UNI),
+    ("sync, mp", SYNC + MP),
+    ("async", ASYNC + ["--compare-sync"]),
+]
 
 
 # -- models ----------------------------------------------------------------------------------------
-def build_llama(folder: Path, vocab_size: int, hidden: int, layers: int,
-                tokenizer: str = "embedded") -> str:
+def build_llama(
+    folder: Path, vocab_size: int, hidden: int, layers: int, tokenizer: str = "embedded"
+) -> str:
     """A random fp32 Llama. Tokenizer "embedded": the embedded model's (prompts look like real
     ones; only with its full vocabulary, see `bpe_tokenizer`); "bpe": a byte-level BPE trained
     to `vocab_size` tokens."""
@@ -58,10 +61,18 @@ def build_llama(folder: Path, vocab_size: int, hidden: int, layers: int,
     from vserve.models.resolve import embedded_model_path
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=2048, bos_token_id=2, eos_token_id=1,
-                      pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(str(folder))
     if tokenizer == "bpe":
         bpe_tokenizer(vocab_size).save_pretrained(str(folder))
@@ -80,29 +91,45 @@ def bpe_tokenizer(vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-             for _ in range(6000)]
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        for _ in range(6000)
+    ]
     corpus = [" ".join(rng.choice(words) for _ in range(50)) + ". " for _ in range(2000)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<pad>", "</s>", "<s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
 
 
 def model_args(name: str) -> list[str]:
     tmp = Path(tempfile.gettempdir())
     if name == "embedded":
-        return []   # the default dtype: bf16 on CPUs with bf16 instructions
+        return []  # the default dtype: bf16 on CPUs with bf16 instructions
     if name == "tiny":
-        return ["--model", build_llama(tmp / "vserve-tiny-llama", 262144, 64, 2),
-                "--dtype", "float32"]
+        return [
+            "--model",
+            build_llama(tmp / "vserve-tiny-llama", 262144, 64, 2),
+            "--dtype",
+            "float32",
+        ]
     if name == "host-bound":
-        return ["--model", build_llama(tmp / "vserve-host-bound-llama", 4096, 64, 2, "bpe"),
-                "--dtype", "float32"]
+        return [
+            "--model",
+            build_llama(tmp / "vserve-host-bound-llama", 4096, 64, 2, "bpe"),
+            "--dtype",
+            "float32",
+        ]
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -110,10 +137,26 @@ def model_args(name: str) -> list[str]:
 def run_cell(args: list[str], num_prompts: int, in_len: int, out_len: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", "throughput", *args,
-           "--num-prompts", str(num_prompts), "--input-len", str(in_len),
-           "--output-len", str(out_len), "--temperature", "0",
-           "--max-model-len", str(in_len + out_len + 16), "--output-json", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vserve.entrypoints.cli",
+        "bench",
+        "throughput",
+        *args,
+        "--num-prompts",
+        str(num_prompts),
+        "--input-len",
+        str(in_len),
+        "--output-len",
+        str(out_len),
+        "--temperature",
+        "0",
+        "--max-model-len",
+        str(in_len + out_len + 16),
+        "--output-json",
+        out,
+    ]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode:
@@ -154,15 +197,20 @@ def _f(value, digits: int = 2) -> str:
 
 
 def cell_line(prefix: str, label: str, runs: list[dict]) -> str:
-    return (f"| {prefix} | {label} | {_f(median_of(runs, 'overlap.mean_forward_ms'))} | "
-            f"{_f(median_of(runs, 'overlap.mean_launch_interval_ms'))} | "
-            f"{_f(median_of(runs, 'overlap.forward_slowdown'), 3)} | "
-            f"{_f(median_of(runs, 'overlap.overlap_efficiency'), 3)} | "
-            f"{_f(median_of(runs, 'output_throughput'), 1)} |")
+    return (
+        f"| {prefix} | {label} | {_f(median_of(runs, 'overlap.mean_forward_ms'))} | "
+        f"{_f(median_of(runs, 'overlap.mean_launch_interval_ms'))} | "
+        f"{_f(median_of(runs, 'overlap.forward_slowdown'), 3)} | "
+        f"{_f(median_of(runs, 'overlap.overlap_efficiency'), 3)} | "
+        f"{_f(median_of(runs, 'output_throughput'), 1)} |"
+    )
 
 
-CELL_HEADER = ["| row | mode | forward (ms) | launch interval (ms) | forward slowdown "
-               "| overlap efficiency | output tok/s |", "|---|---|---|---|---|---|---|"]
+CELL_HEADER = [
+    "| row | mode | forward (ms) | launch interval (ms) | forward slowdown "
+    "| overlap efficiency | output tok/s |",
+    "|---|---|---|---|---|---|---|",
+]
 
 
 # -- groups ----------------------------------------------------------------------------------------
@@ -172,32 +220,44 @@ def overlap_rows(args) -> dict:
         margs = model_args(name)
         for batch in (int(b) for b in args.batches.split(",")):
             modes = PP1_MODES + PP2_MODES
-            res = run_group([(label, margs + extra) for label, extra in modes], args.repeats,
-                            num_prompts=batch, in_len=args.input_len, out_len=args.output_len)
+            res = run_group(
+                [(label, margs + extra) for label, extra in modes],
+                args.repeats,
+                num_prompts=batch,
+                in_len=args.input_len,
+                out_len=args.output_len,
+            )
             for label, runs in res.items():
                 lines.append(cell_line(f"{name}, batch {batch}", label, runs))
                 cells += [{"model": name, "batch": batch, "mode": label, **r} for r in runs]
             summary.append({"model": name, "batch": batch, **pp_summary(res)})
     print("\n".join(lines))
-    print("\n| model | batch | async / best sync (PP=1) | PP=2 / PP=1 sync | PP=2 / PP=1 "
-          "async | PP=2 bottleneck interval / forward (sync, async) |\n|---|---|---|---|---|---|")
+    print(
+        "\n| model | batch | async / best sync (PP=1) | PP=2 / PP=1 sync | PP=2 / PP=1 "
+        "async | PP=2 bottleneck interval / forward (sync, async) |\n|---|---|---|---|---|---|"
+    )
     for s in summary:
-        print(f"| {s['model']} | {s['batch']} | {_f(s['async_over_best_sync'], 3)} | "
-              f"{_f(s['pp2_over_pp1_sync'], 3)} | {_f(s['pp2_over_pp1_async'], 3)} | "
-              f"{_f(s['pp2_sync_bottleneck_interval_over_forward'], 3)}, "
-              f"{_f(s['pp2_async_bottleneck_interval_over_forward'], 3)} |")
+        print(
+            f"| {s['model']} | {s['batch']} | {_f(s['async_over_best_sync'], 3)} | "
+            f"{_f(s['pp2_over_pp1_sync'], 3)} | {_f(s['pp2_over_pp1_async'], 3)} | "
+            f"{_f(s['pp2_sync_bottleneck_interval_over_forward'], 3)}, "
+            f"{_f(s['pp2_async_bottleneck_interval_over_forward'], 3)} |"
+        )
     return {"cells": cells, "summary": summary}
 
 
 def pp_summary(res: dict[str, list]) -> dict:
     tput = {label: median_of(runs, "output_throughput") for label, runs in res.items()}
     best_sync = max(tput["sync, PP=1, uni"] or 0, tput["sync, PP=1, mp"] or 0) or None
-    out = {"async_over_best_sync": ratio(tput["async, PP=1"], best_sync),
-           "pp2_over_pp1_sync": ratio(tput["sync, PP=2"], best_sync),
-           "pp2_over_pp1_async": ratio(tput["async, PP=2"], tput["async, PP=1"])}
+    out = {
+        "async_over_best_sync": ratio(tput["async, PP=1"], best_sync),
+        "pp2_over_pp1_sync": ratio(tput["sync, PP=2"], best_sync),
+        "pp2_over_pp1_async": ratio(tput["async, PP=2"], tput["async, PP=1"]),
+    }
     for mode in ("sync", "async"):
         out[f"pp2_{mode}_bottleneck_interval_over_forward"] = statistics.median(
-            [bottleneck_ratio(r) for r in res[f"{mode}, PP=2"]])
+            [bottleneck_ratio(r) for r in res[f"{mode}, PP=2"]]
+        )
     return out
 
 
@@ -211,57 +271,76 @@ def bottleneck_ratio(result: dict) -> float:
 
 
 def host_bound_rows(args) -> dict:
-    workload = dict(num_prompts=args.hb_prompts, in_len=args.hb_input_len,
-                    out_len=args.hb_output_len)
+    workload = dict(
+        num_prompts=args.hb_prompts, in_len=args.hb_input_len, out_len=args.hb_output_len
+    )
     margs = model_args("host-bound") + ["--max-num-seqs", "256"]
-    res = run_group([(label, margs + extra) for label, extra in HOST_BOUND_MODES],
-                    args.repeats, **workload)
+    res = run_group(
+        [(label, margs + extra) for label, extra in HOST_BOUND_MODES], args.repeats, **workload
+    )
     lines = list(CELL_HEADER)
     lines += [cell_line("host-bound", label, runs) for label, runs in res.items()]
     tput = {label: median_of(runs, "output_throughput") for label, runs in res.items()}
     best = max(tput["sync, uni"] or 0, tput["sync, mp"] or 0) or None
-    summary = {"async_over_best_sync": ratio(tput["async"], best),
-               "async_over_sync_same_process": median_of(res["async"],
-                                                         "compare_sync.async_speedup"),
-               **{f"output_throughput[{k}]": v for k, v in tput.items()}}
+    summary = {
+        "async_over_best_sync": ratio(tput["async"], best),
+        "async_over_sync_same_process": median_of(res["async"], "compare_sync.async_speedup"),
+        **{f"output_throughput[{k}]": v for k, v in tput.items()},
+    }
     print("\n".join(lines))
-    print(f"\nhost-bound: async / best sync = {_f(summary['async_over_best_sync'], 3)} "
-          f"(async / sync mp in the async cell's own process: "
-          f"{_f(summary['async_over_sync_same_process'], 3)})")
-    return {"cells": [{"mode": k, **r} for k, runs in res.items() for r in runs],
-            "summary": summary}
+    print(
+        f"\nhost-bound: async / best sync = {_f(summary['async_over_best_sync'], 3)} "
+        f"(async / sync mp in the async cell's own process: "
+        f"{_f(summary['async_over_sync_same_process'], 3)})"
+    )
+    return {
+        "cells": [{"mode": k, **r} for k, runs in res.items() for r in runs],
+        "summary": summary,
+    }
 
 
 DRAFT_REASON = "speculative decoding"
 
 
 def spec_rows(args) -> dict:
-    spec = ["--speculative-config", json.dumps({"method": "ngram",
-                                                "num_speculative_tokens": 3})]
+    spec = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})]
     # min_tokens = the output length: no request can draft, in either cell
     common = ASYNC + ["--min-tokens", str(args.output_len)]
     lines, cells, summary = list(CELL_HEADER), [], []
     for name in args.models.split(","):
         margs = model_args(name) + common
-        res = run_group([("async", margs), ("async, speculative_config", margs + spec)],
-                        args.repeats, num_prompts=args.spec_batch, in_len=args.input_len,
-                        out_len=args.output_len)
+        res = run_group(
+            [("async", margs), ("async, speculative_config", margs + spec)],
+            args.repeats,
+            num_prompts=args.spec_batch,
+            in_len=args.input_len,
+            out_len=args.output_len,
+        )
         for label, runs in res.items():
             lines.append(cell_line(f"{name}, batch {args.spec_batch}", label, runs))
             cells += [{"model": name, "mode": label, **r} for r in runs]
         spec_runs = res["async, speculative_config"]
-        summary.append({
-            "model": name, "batch": args.spec_batch,
-            "spec_over_plain": ratio(median_of(spec_runs, "output_throughput"),
-                                     median_of(res["async"], "output_throughput")),
-            "draft_caused_steps": statistics.median(draft_steps(r) for r in spec_runs),
-            "spec_num_drafts": statistics.median(r.get("spec_num_drafts", 0)
-                                                 for r in spec_runs)})
+        summary.append(
+            {
+                "model": name,
+                "batch": args.spec_batch,
+                "spec_over_plain": ratio(
+                    median_of(spec_runs, "output_throughput"),
+                    median_of(res["async"], "output_throughput"),
+                ),
+                "draft_caused_steps": statistics.median(draft_steps(r) for r in spec_runs),
+                "spec_num_drafts": statistics.median(
+                    r.get("spec_num_drafts", 0) for r in spec_runs
+                ),
+            }
+        )
     print("\n".join(lines))
     for s in summary:
-        print(f"spec, {s['model']}: spec / plain = {_f(s['spec_over_plain'], 3)}, steps "
-              f"without overlap because of drafts: {s['draft_caused_steps']}, drafts: "
-              f"{s['spec_num_drafts']}")
+        print(
+            f"spec, {s['model']}: spec / plain = {_f(s['spec_over_plain'], 3)}, steps "
+            f"without overlap because of drafts: {s['draft_caused_steps']}, drafts: "
+            f"{s['spec_num_drafts']}"
+        )
     return {"cells": cells, "summary": summary}
 
 
@@ -270,9 +349,11 @@ def draft_steps(result: dict) -> int:
     return sum(n for reason, n in reasons.items() if reason.startswith(DRAFT_REASON))
 
 
-GROUPS = {"overlap": (overlap_rows, "overlap_matrix.json"),
-          "host-bound": (host_bound_rows, "overlap_host_bound.json"),
-          "spec": (spec_rows, "overlap_spec.json")}
+GROUPS = {
+    "overlap": (overlap_rows, "overlap_matrix.json"),
+    "host-bound": (host_bound_rows, "overlap_host_bound.json"),
+    "spec": (spec_rows, "overlap_spec.json"),
+}
 
 
 def main() -> None:
@@ -297,8 +378,10 @@ def main() -> None:
         print(f"\n## {group}", flush=True)
         result = run(args)
         (args.results_dir / filename).write_text(
-            json.dumps({"args": {**vars(args), "results_dir": str(args.results_dir)},
-                        **result}, indent=2))
+            json.dumps(
+                {"args": {**vars(args), "results_dir": str(args.results_dir)}, **result}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

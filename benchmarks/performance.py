@@ -23,20 +23,35 @@ ROWS = [
     ("vserve, async, bf16", ["--dtype", "bfloat16"]),
     ("vserve, sync, bf16", ["--dtype", "bfloat16", "--no-async-scheduling"]),
     ("vserve, async, bf16, temperature 1.0", ["--dtype", "bfloat16", "--temperature", "1.0"]),
-    ("vserve, async, bf16, temperature 1.0, top_p 0.9, top_k 50",
-     ["--dtype", "bfloat16", "--temperature", "1.0", "--top-p", "0.9", "--top-k", "50"]),
-    ("transformers generate, fp32, batch 32", ["--backend", "hf", "--dtype", "float32",
-                                               "--hf-max-batch-size", "32"]),
-    ("transformers generate, bf16, batch 32", ["--backend", "hf", "--dtype", "bfloat16",
-                                               "--hf-max-batch-size", "32"]),
+    (
+        "vserve, async, bf16, temperature 1.0, top_p 0.9, top_k 50",
+        ["--dtype", "bfloat16", "--temperature", "1.0", "--top-p", "0.9", "--top-k", "50"],
+    ),
+    (
+        "transformers generate, fp32, batch 32",
+        ["--backend", "hf", "--dtype", "float32", "--hf-max-batch-size", "32"],
+    ),
+    (
+        "transformers generate, bf16, batch 32",
+        ["--backend", "hf", "--dtype", "bfloat16", "--hf-max-batch-size", "32"],
+    ),
 ]
 
 
 def run_row(extra: list[str], common: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", "throughput", *common,
-           *extra, "--output-json", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vserve.entrypoints.cli",
+        "bench",
+        "throughput",
+        *common,
+        *extra,
+        "--output-json",
+        out,
+    ]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(Path(out).read_text())
@@ -49,30 +64,46 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rows", default=None, help="comma-separated row indices to run")
     args = p.parse_args()
-    common = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-              "--output-len", str(args.output_len), "--temperature", "0",
-              "--max-model-len", str(args.input_len + args.output_len + 16)]
+    common = [
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--temperature",
+        "0",
+        "--max-model-len",
+        str(args.input_len + args.output_len + 16),
+    ]
     rows = ROWS if args.rows is None else [ROWS[int(i)] for i in args.rows.split(",")]
     results = [(name, run_row(extra, common)) for name, extra in rows]
     hf = [r["output_throughput"] for n, r in results if n.startswith("transformers")]
-    base = max(hf) if hf else None   # transformers' best configuration
-    lines = ["| configuration | output tok/s | total tok/s | vs transformers' best | "
-             "forward (ms) | launch interval (ms) | forward / interval |",
-             "|---|---|---|---|---|---|---|"]
+    base = max(hf) if hf else None  # transformers' best configuration
+    lines = [
+        "| configuration | output tok/s | total tok/s | vs transformers' best | "
+        "forward (ms) | launch interval (ms) | forward / interval |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results:
         ov = r.get("overlap") or {}
         ratio = f"{r['output_throughput'] / base:.2f}x" if base else "-"
-        lines.append(f"| {name} | {r['output_throughput']:.1f} | {r['tokens_per_second']:.1f} "
-                     f"| {ratio} | {_f(ov.get('mean_forward_ms'))} | "
-                     f"{_f(ov.get('mean_launch_interval_ms'))} | "
-                     f"{_f(ov.get('stretched_forward_over_interval'), 3)} |")
+        lines.append(
+            f"| {name} | {r['output_throughput']:.1f} | {r['tokens_per_second']:.1f} "
+            f"| {ratio} | {_f(ov.get('mean_forward_ms'))} | "
+            f"{_f(ov.get('mean_launch_interval_ms'))} | "
+            f"{_f(ov.get('stretched_forward_over_interval'), 3)} |"
+        )
     table = "\n".join(lines)
-    print(f"\n{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
-          f"greedy unless the row says otherwise, EOS ignored\n\n{table}")
+    print(
+        f"\n{args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, "
+        f"greedy unless the row says otherwise, EOS ignored\n\n{table}"
+    )
     out_dir = Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)
-    (out_dir / "performance.json").write_text(json.dumps(
-        {"args": vars(args), "rows": [{"name": n, **r} for n, r in results]}, indent=2))
+    (out_dir / "performance.json").write_text(
+        json.dumps({"args": vars(args), "rows": [{"name": n, **r} for n, r in results]}, indent=2)
+    )
 
 
 def _f(value, digits: int = 1) -> str:

@@ -29,7 +29,7 @@ import torch
 from vserve import cpu_ops
 from vserve.workers.sampler import Sampler, SamplingMetadata
 
-CASES = {   # name: (temperature, top_k, top_p, min_p, logprobs)
+CASES = {  # name: (temperature, top_k, top_p, min_p, logprobs)
     "greedy": (0.0, 0, 1.0, 0.0, None),
     "temperature=1": (1.0, 0, 1.0, 0.0, None),
     "top_p=0.9,top_k=50": (1.0, 50, 0.9, 0.0, None),
@@ -42,15 +42,24 @@ CASES = {   # name: (temperature, top_k, top_p, min_p, logprobs)
 def metadata(rows: int, case: tuple, step: int) -> SamplingMetadata:
     temperature, top_k, top_p, min_p, logprobs = case
     return SamplingMetadata(
-        temperature=[temperature] * rows, top_k=[top_k] * rows, top_p=[top_p] * rows,
-        min_p=[min_p] * rows, seeds=list(range(rows)), positions=[step] * rows,
-        num_logprobs=[logprobs] * rows, logit_bias=[None] * rows, masked_ids=[None] * rows,
-        presence=[0.0] * rows, frequency=[0.0] * rows, repetition=[1.0] * rows)
+        temperature=[temperature] * rows,
+        top_k=[top_k] * rows,
+        top_p=[top_p] * rows,
+        min_p=[min_p] * rows,
+        seeds=list(range(rows)),
+        positions=[step] * rows,
+        num_logprobs=[logprobs] * rows,
+        logit_bias=[None] * rows,
+        masked_ids=[None] * rows,
+        presence=[0.0] * rows,
+        frequency=[0.0] * rows,
+        repetition=[1.0] * rows,
+    )
 
 
 def timed(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
-    sampler(logits, meta).logprobs   # (resolved: building the deltas counts too)
+    sampler(logits, meta).logprobs  # (resolved: building the deltas counts too)
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -64,7 +73,7 @@ def run(rows: int, vocab: int, repeats: int) -> list[dict]:
             meta = metadata(rows, case, step)
             for path, sampler in paths.items():
                 wall, cpu = timed(sampler, logits, meta)
-                if step:   # the first call of each warms up
+                if step:  # the first call of each warms up
                     times[path][0].append(wall)
                     times[path][1].append(cpu)
         row = {"case": name}
@@ -89,17 +98,31 @@ def main() -> None:
     if cpu_ops.load_sampler() is None:
         raise SystemExit("the sampling kernel did not build (see the log)")
     results = run(args.rows, args.vocab, args.repeats)
-    print(f"{args.rows} rows x {args.vocab} bf16 logits, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} interleaved calls\n")
+    print(
+        f"{args.rows} rows x {args.vocab} bf16 logits, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats} interleaved calls\n"
+    )
     print("| case | torch ms | kernel ms | speedup | torch CPU ms | kernel CPU ms | CPU ratio |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['case']} | {r['torch_ms']:.1f} | {r['kernel_ms']:.1f} | {r['ratio']:.1f}x "
-              f"| {r['torch_cpu_ms']:.1f} | {r['kernel_cpu_ms']:.1f} | {r['cpu_ratio']:.1f}x |")
+        print(
+            f"| {r['case']} | {r['torch_ms']:.1f} | {r['kernel_ms']:.1f} | {r['ratio']:.1f}x "
+            f"| {r['torch_cpu_ms']:.1f} | {r['kernel_cpu_ms']:.1f} | {r['cpu_ratio']:.1f}x |"
+        )
     out = Path(__file__).parent / "results" / "sampler_speed.json"
-    out.write_text(json.dumps({"rows": args.rows, "vocab": args.vocab,
-                               "threads": torch.get_num_threads(), "repeats": args.repeats,
-                               "results": results}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "rows": args.rows,
+                "vocab": args.vocab,
+                "threads": torch.get_num_threads(),
+                "repeats": args.repeats,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {out}")
 
 

@@ -44,22 +44,40 @@ from vserve.proc_tree import cmdline, descendants
 from vserve.startup import kv_resident_bytes
 
 RSS_GROWTH_LIMIT = 0.05
-WORDS = ("the a of and to in is it that for on with as was at by an be this from or have "
-         "one all were when we there can more if out so what up time about into than them "
-         "cat dog river stone light house garden paper music window bread north quickly "
-         "silver number seven green table city morning question answer story engine").split()
+WORDS = (
+    "the a of and to in is it that for on with as was at by an be this from or have "
+    "one all were when we there can more if out so what up time about into than them "
+    "cat dog river stone light house garden paper music window bread north quickly "
+    "silver number seven green table city morning question answer story engine"
+).split()
 SHARED_PREFIX = " ".join(WORDS[i % len(WORDS)] for i in range(0, 240, 7))
 CHOICES = ["red", "green", "blue", "yellow"]
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
-                                           "ok": {"type": "boolean"}},
-          "required": ["n", "ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
 # --short: two minutes, sized for a tiny model on a small CI machine
-SHORT_MODE = {"minutes": 2.0, "concurrency": 16, "window": 20.0, "request_timeout": 60.0,
-              "ready_timeout": 120.0}
-WARMUP_REQUESTS_PER_CLIENT = 4   # and at least 15 % of the run (10 s to 2 min): see _warm
+SHORT_MODE = {
+    "minutes": 2.0,
+    "concurrency": 16,
+    "window": 20.0,
+    "request_timeout": 60.0,
+    "ready_timeout": 120.0,
+}
+WARMUP_REQUESTS_PER_CLIENT = 4  # and at least 15 % of the run (10 s to 2 min): see _warm
 # request kinds and their weights
-KINDS = {"completion": 4, "completion_stream": 4, "chat": 2, "chat_stream": 2,
-         "guided_choice": 1, "json_schema": 1, "disconnect": 2, "abort": 1}
+KINDS = {
+    "completion": 4,
+    "completion_stream": 4,
+    "chat": 2,
+    "chat_stream": 2,
+    "guided_choice": 1,
+    "json_schema": 1,
+    "disconnect": 2,
+    "abort": 1,
+}
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -98,8 +116,8 @@ def scrape(text: str) -> dict[str, float]:
             continue
         name_part, value = line.rsplit(" ", 1)
         name = name_part.split("{", 1)[0]
-        if "le=\"" in name_part:
-            name += "{" + name_part.split("le=\"", 1)[1].split("\"", 1)[0] + "}"
+        if 'le="' in name_part:
+            name += "{" + name_part.split('le="', 1)[1].split('"', 1)[0] + "}"
         values[name] = values.get(name, 0.0) + float(value)
     return values
 
@@ -133,9 +151,9 @@ def histogram_p99(before: dict, after: dict, name: str) -> tuple[float | None, i
 class Traffic:
     def __init__(self, client: httpx.AsyncClient, model: str, args) -> None:
         self.client, self.model, self.args = client, model, args
-        self.served = Counter()        # completed and checked, by kind
-        self.chaos = Counter()         # deliberate disconnects / aborts
-        self.errors = Counter()        # by kind
+        self.served = Counter()  # completed and checked, by kind
+        self.chaos = Counter()  # deliberate disconnects / aborts
+        self.errors = Counter()  # by kind
         self.error_examples: dict[str, str] = {}
 
     def _error(self, kind: str, detail: str) -> None:
@@ -149,8 +167,12 @@ class Traffic:
 
     def _body(self, rng: random.Random, kind: str) -> tuple[str, dict]:
         chat = kind.startswith("chat") or kind == "json_schema"
-        body: dict = {"model": self.model, "max_tokens": rng.randint(1, self.args.max_tokens),
-                      "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randint(0, 2**31)}
+        body: dict = {
+            "model": self.model,
+            "max_tokens": rng.randint(1, self.args.max_tokens),
+            "temperature": rng.choice([0.0, 0.7, 1.0]),
+            "seed": rng.randint(0, 2**31),
+        }
         if rng.random() < 0.3:
             body["top_p"], body["top_k"] = 0.9, rng.choice([5, 50, -1])
         if rng.random() < 0.2:
@@ -159,7 +181,7 @@ class Traffic:
             body["stop"] = [rng.choice(WORDS)]
         if kind in ("completion", "completion_stream", "disconnect", "abort"):
             body["n"] = rng.choice([1, 1, 2, 3])
-            if body["n"] > 1:   # greedy n > 1 is a 400 (identical choices)
+            if body["n"] > 1:  # greedy n > 1 is a 400 (identical choices)
                 body["temperature"] = rng.choice([0.7, 1.0])
             if rng.random() < 0.3:
                 body["logprobs"] = rng.randint(0, 3)
@@ -173,8 +195,10 @@ class Traffic:
             body["guided_choice"] = CHOICES
             body.pop("stop", None)
         if kind == "json_schema":
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "s", "schema": SCHEMA}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": SCHEMA},
+            }
             body["max_tokens"] = 64
             body.pop("stop", None)
         if kind in ("completion_stream", "chat_stream", "disconnect"):
@@ -223,8 +247,9 @@ class Traffic:
     async def _stream(self, path: str, body: dict, kind: str, rng: random.Random) -> None:
         cut = rng.randint(1, 4) if kind == "disconnect" else None
         chunks, done = 0, False
-        async with self.client.stream("POST", path, json=body,
-                                      timeout=self.args.request_timeout) as r:
+        async with self.client.stream(
+            "POST", path, json=body, timeout=self.args.request_timeout
+        ) as r:
             if r.status_code != 200:
                 self._error(f"http_{r.status_code}", f"{kind}: {(await r.aread()).decode()}")
                 return
@@ -241,7 +266,7 @@ class Traffic:
                 chunks += 1
                 if cut is not None and chunks >= cut:
                     self.chaos["disconnect"] += 1
-                    return   # leaving the block closes the connection mid-stream
+                    return  # leaving the block closes the connection mid-stream
         if not done:
             self._error("stream_truncated", f"{kind}: no [DONE] after {chunks} chunks")
             return
@@ -251,7 +276,8 @@ class Traffic:
         """A client that gives up: the request is cancelled after a short random wait."""
         body["max_tokens"] = self.args.max_tokens
         task = asyncio.ensure_future(
-            self.client.post(path, json=body, timeout=self.args.request_timeout))
+            self.client.post(path, json=body, timeout=self.args.request_timeout)
+        )
         done, _ = await asyncio.wait([task], timeout=rng.uniform(0.01, 0.5))
         if done:
             r = task.result()
@@ -279,9 +305,18 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- open while the server runs
-            "w+", prefix="vserve-soak-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "serve", args.model,
-               "--port", str(self.port), *extra]
+            "w+", prefix="vserve-soak-", suffix=".log", delete=False
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "vserve.entrypoints.cli",
+            "serve",
+            args.model,
+            "--port",
+            str(self.port),
+            *extra,
+        ]
         env = {**os.environ, "VSERVE_DEBUG_INVARIANTS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.tree: set[int] = set()
@@ -328,8 +363,10 @@ async def _wait_idle(client: httpx.AsyncClient, timeout: float) -> dict[str, flo
     deadline = time.monotonic() + timeout
     while True:
         m = scrape((await client.get("/metrics", timeout=10)).text)
-        idle = all(m.get(f"vserve:{g}", 1) == 0 for g in
-                   ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+        idle = all(
+            m.get(f"vserve:{g}", 1) == 0
+            for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        )
         if idle or time.monotonic() > deadline:
             return m
         await asyncio.sleep(0.5)
@@ -344,8 +381,9 @@ async def drive(server: Server, args) -> dict:
         traffic = Traffic(client, model, args)
         start = time.monotonic()
         deadline = start + duration
-        workers = [asyncio.ensure_future(traffic.worker(i, deadline))
-                   for i in range(args.concurrency)]
+        workers = [
+            asyncio.ensure_future(traffic.worker(i, deadline)) for i in range(args.concurrency)
+        ]
         windows, rss_start = [], None
         last = scrape((await client.get("/metrics")).text)
         next_window = start + args.window
@@ -356,42 +394,54 @@ async def drive(server: Server, args) -> dict:
                 rss_start, warmup = rss_table(server.proc.pid), round(now - start, 1)
             if now >= next_window or all(w.done() for w in workers):
                 cur = scrape((await client.get("/metrics", timeout=30)).text)
-                windows.append({**_window(now - start, last, cur),
-                                **_rss_window(rss_table(server.proc.pid))})
+                windows.append(
+                    {**_window(now - start, last, cur), **_rss_window(rss_table(server.proc.pid))}
+                )
                 last, next_window = cur, now + args.window
         await asyncio.gather(*workers)
         traffic_s = time.monotonic() - start
         final = await _wait_idle(client, 60)
-        await asyncio.sleep(1.0)   # let freed allocator pages settle before the RSS reading
+        await asyncio.sleep(1.0)  # let freed allocator pages settle before the RSS reading
         rss_end = rss_table(server.proc.pid)
         health = (await client.get("/health", timeout=10)).status_code
-    return {"traffic": traffic, "windows": windows, "rss_start": rss_start or {},
-            "rss_end": rss_end, "final": final, "health": health, "traffic_s": traffic_s,
-            "warmup_s": warmup}
+    return {
+        "traffic": traffic,
+        "windows": windows,
+        "rss_start": rss_start or {},
+        "rss_end": rss_end,
+        "final": final,
+        "health": health,
+        "traffic_s": traffic_s,
+        "warmup_s": warmup,
+    }
 
 
 def _warm(traffic: Traffic, elapsed: float, warmup: float, duration: float, args) -> bool:
     """Warm-up is over (RSS is read as the start) after `warmup` seconds once every client
     has finished WARMUP_REQUESTS_PER_CLIENT requests, so that a slow start on a busy machine
     does not count as growth; at half the run at the latest."""
-    done = sum(traffic.served.values()) + sum(traffic.chaos.values()) + \
-        sum(traffic.errors.values())
+    done = sum(traffic.served.values()) + sum(traffic.chaos.values()) + sum(traffic.errors.values())
     return elapsed >= duration / 2 or (
-        elapsed >= warmup and done >= WARMUP_REQUESTS_PER_CLIENT * args.concurrency)
+        elapsed >= warmup and done >= WARMUP_REQUESTS_PER_CLIENT * args.concurrency
+    )
 
 
 def _window(t: float, before: dict, after: dict) -> dict:
     out = {"t_s": round(t, 1)}
-    for short, name in (("launch_interval", "vserve:step_launch_interval_seconds"),
-                        ("forward", "vserve:model_forward_time_seconds")):
+    for short, name in (
+        ("launch_interval", "vserve:step_launch_interval_seconds"),
+        ("forward", "vserve:model_forward_time_seconds"),
+    ):
         p99, count = histogram_p99(before, after, name)
         out[f"{short}_p99_s"], out[f"{short}_steps"] = p99, count
     return out
 
 
 def _rss_window(table: dict[int, tuple[str, int, int]]) -> dict:
-    return {"rss_mib": {p: round(r[1] / 2**20, 1) for p, r in table.items()},
-            "kv_mib": {p: round(r[2] / 2**20, 1) for p, r in table.items() if r[2]}}
+    return {
+        "rss_mib": {p: round(r[1] / 2**20, 1) for p, r in table.items()},
+        "kv_mib": {p: round(r[2] / 2**20, 1) for p, r in table.items() if r[2]},
+    }
 
 
 def evaluate(res: dict, code: int, left: list[int], args) -> dict:
@@ -403,62 +453,90 @@ def evaluate(res: dict, code: int, left: list[int], args) -> dict:
         _, begin, kv_begin = res["rss_start"].get(pid, (cmd, None, 0))
         # the growth that counts: resident memory besides the KV cache's committed pages
         growth = None if not begin else (end - kv_end - begin + kv_begin) / (begin - kv_begin)
-        rss.append({"pid": pid, "cmd": cmd, "rss_start_mib": begin and round(begin / 2**20, 1),
-                    "rss_end_mib": round(end / 2**20, 1),
-                    "kv_start_mib": round(kv_begin / 2**20, 1),
-                    "kv_end_mib": round(kv_end / 2**20, 1),
-                    "growth": None if growth is None else round(growth, 4)})
+        rss.append(
+            {
+                "pid": pid,
+                "cmd": cmd,
+                "rss_start_mib": begin and round(begin / 2**20, 1),
+                "rss_end_mib": round(end / 2**20, 1),
+                "kv_start_mib": round(kv_begin / 2**20, 1),
+                "kv_end_mib": round(kv_end / 2**20, 1),
+                "growth": None if growth is None else round(growth, 4),
+            }
+        )
     checks = {
         "no_errors": sum(t.errors.values()) == 0,
         "served_requests": sum(t.served.values()) > 0,
         "kv_blocks_in_use_0": kv_usage == 0,
         "idle_at_end": final.get("vserve:num_requests_running") == 0
         and final.get("vserve:num_requests_waiting") == 0,
-        "rss_growth_below_5pct": bool(rss) and all(
-            r["growth"] is not None and r["growth"] < RSS_GROWTH_LIMIT for r in rss),
+        "rss_growth_below_5pct": bool(rss)
+        and all(r["growth"] is not None and r["growth"] < RSS_GROWTH_LIMIT for r in rss),
         "health_200": res["health"] == 200,
         "clean_exit": code == 0 and not left,
     }
     return {
-        "model": args.model, "minutes": args.minutes, "concurrency": args.concurrency,
-        "seed": args.seed, "traffic_s": round(res["traffic_s"], 1), "warmup_s": res["warmup_s"],
-        "served": sum(t.served.values()), "served_by_kind": dict(t.served),
-        "chaos": dict(t.chaos), "errors": dict(t.errors), "error_examples": t.error_examples,
+        "model": args.model,
+        "minutes": args.minutes,
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "traffic_s": round(res["traffic_s"], 1),
+        "warmup_s": res["warmup_s"],
+        "served": sum(t.served.values()),
+        "served_by_kind": dict(t.served),
+        "chaos": dict(t.chaos),
+        "errors": dict(t.errors),
+        "error_examples": t.error_examples,
         "generation_tokens": final.get("vserve:generation_tokens_total"),
-        "kv_cache_usage_end": kv_usage, "rss": rss, "windows": res["windows"],
-        "server_exit_code": code, "leftover_processes": left, "checks": checks,
+        "kv_cache_usage_end": kv_usage,
+        "rss": rss,
+        "windows": res["windows"],
+        "server_exit_code": code,
+        "leftover_processes": left,
+        "checks": checks,
         "passed": all(checks.values()),
     }
 
 
 def report(result: dict) -> None:
-    print(f"\nsoak: {result['model']}, {result['traffic_s']} s of traffic at concurrency "
-          f"{result['concurrency']} (seed {result['seed']})")
+    print(
+        f"\nsoak: {result['model']}, {result['traffic_s']} s of traffic at concurrency "
+        f"{result['concurrency']} (seed {result['seed']})"
+    )
     print(f"  served {result['served']}  {result['served_by_kind']}")
     print(f"  chaos  {result['chaos']}")
     print(f"  errors {result['errors'] or 'none'}")
     for kind, text in result["error_examples"].items():
         print(f"    {kind}: {text}")
     print(f"  KV cache in use at the end: {result['kv_cache_usage_end']}")
-    print(f"  {'pid':>8} {'RSS start MiB':>14} {'RSS end MiB':>12} {'KV start':>9} "
-          f"{'KV end':>8} {'growth':>8}  command (growth: RSS besides the KV cache)")
+    print(
+        f"  {'pid':>8} {'RSS start MiB':>14} {'RSS end MiB':>12} {'KV start':>9} "
+        f"{'KV end':>8} {'growth':>8}  command (growth: RSS besides the KV cache)"
+    )
     for r in result["rss"]:
         growth = "-" if r["growth"] is None else f"{100 * r['growth']:+.1f}%"
-        print(f"  {r['pid']:>8} {r['rss_start_mib'] or '-':>14} {r['rss_end_mib']:>12} "
-              f"{r['kv_start_mib']:>9} {r['kv_end_mib']:>8} {growth:>8}  {r['cmd']}")
-    print(f"  {'t (s)':>8} {'steps':>7} {'launch p99 (s)':>15} {'forward p99 (s)':>16}  "
-          "RSS MiB by pid")
+        print(
+            f"  {r['pid']:>8} {r['rss_start_mib'] or '-':>14} {r['rss_end_mib']:>12} "
+            f"{r['kv_start_mib']:>9} {r['kv_end_mib']:>8} {growth:>8}  {r['cmd']}"
+        )
+    print(
+        f"  {'t (s)':>8} {'steps':>7} {'launch p99 (s)':>15} {'forward p99 (s)':>16}  "
+        "RSS MiB by pid"
+    )
     for w in result["windows"]:
-        print(f"  {w['t_s']:>8} {w['launch_interval_steps']:>7} "
-              f"{w['launch_interval_p99_s'] or '-':>15} {w['forward_p99_s'] or '-':>16}  "
-              f"{w.get('rss_mib', '-')}")
+        print(
+            f"  {w['t_s']:>8} {w['launch_interval_steps']:>7} "
+            f"{w['launch_interval_p99_s'] or '-':>15} {w['forward_p99_s'] or '-':>16}  "
+            f"{w.get('rss_mib', '-')}"
+        )
     for name, ok in result["checks"].items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--model", default="gemma-3-270m", help="default: the embedded model")
     p.add_argument("--concurrency", type=int, default=32)
@@ -466,14 +544,21 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-prompt-words", type=int, default=120)
     p.add_argument("--window", type=float, default=60.0, help="seconds per step-time window")
-    p.add_argument("--request-timeout", type=float, default=300.0,
-                   help="a request slower than this counts as a hang (client_timeout)")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="a request slower than this counts as a hang (client_timeout)",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--result", default=str(Path(__file__).parent / "results" / "soak.json"))
-    p.add_argument("--short", action="store_true",
-                   help="the short mode CI runs on a tiny model: " + ", ".join(
-                       f"--{k.replace('_', '-')} {v:g}" for k, v in SHORT_MODE.items())
-                   + " (flags given as well win)")
+    p.add_argument(
+        "--short",
+        action="store_true",
+        help="the short mode CI runs on a tiny model: "
+        + ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in SHORT_MODE.items())
+        + " (flags given as well win)",
+    )
     args, extra = p.parse_known_args(argv)
     if args.short:
         p.set_defaults(**SHORT_MODE)

@@ -54,10 +54,25 @@ def run_generate(tree: Path, model: str, engine_args: list[str]) -> dict:
     """Wall time; memory: each process's largest RSS, sampled from outside every 0.1 s."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(_cli(["--log-level", "INFO", "generate", PROMPT,
-                                      "--max-tokens", "8", "--model", model, *engine_args]),
-                                env=_env(tree), cwd=tree, stdout=subprocess.DEVNULL,
-                                stderr=err)
+        proc = subprocess.Popen(
+            _cli(
+                [
+                    "--log-level",
+                    "INFO",
+                    "generate",
+                    PROMPT,
+                    "--max-tokens",
+                    "8",
+                    "--model",
+                    model,
+                    *engine_args,
+                ]
+            ),
+            env=_env(tree),
+            cwd=tree,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
         peak: dict[str, int] = {}
         while proc.poll() is None:
             for name, value in tree_rss_mb(proc.pid).items():
@@ -78,7 +93,7 @@ def tree_rss_mb(pid: int) -> dict[str, int]:
     for p in sorted([pid, *proc_tree.descendants(pid)]):
         cmd = proc_tree.cmdline(p).replace(b"\0", b" ").decode(errors="replace")
         rss = resident_bytes(p) >> 20
-        if not rss:   # gone meanwhile
+        if not rss:  # gone meanwhile
             continue
         if p == pid:
             name = "frontend"
@@ -86,7 +101,7 @@ def tree_rss_mb(pid: int) -> dict[str, int]:
             name = "engine_core"
         elif "spawn_main" in cmd and "resource_tracker" not in cmd:
             name, workers = f"worker_{workers}", workers + 1
-        else:   # the resource tracker, a kernel build's compiler: not part of the engine
+        else:  # the resource tracker, a kernel build's compiler: not part of the engine
             continue
         found[name] = rss
     return found
@@ -94,19 +109,29 @@ def tree_rss_mb(pid: int) -> dict[str, int]:
 
 def run_serve(tree: Path, model: str, engine_args: list[str]) -> dict:
     port = _free_port()
-    log = tree / f".startup-bench-{port}.log" if os.access(tree, os.W_OK) else Path(
-        f"/tmp/startup-bench-{port}.log")
+    log = (
+        tree / f".startup-bench-{port}.log"
+        if os.access(tree, os.W_OK)
+        else Path(f"/tmp/startup-bench-{port}.log")
+    )
     with open(log, "w") as sink:
         start = time.perf_counter()
-        proc = subprocess.Popen(_cli(["serve", model, "--port", str(port), *engine_args]),
-                                env=_env(tree), cwd=tree, stdout=sink,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            _cli(["serve", model, "--port", str(port), *engine_args]),
+            env=_env(tree),
+            cwd=tree,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
         try:
             ready = _wait_health(proc, f"http://127.0.0.1:{port}", start)
             url = f"http://127.0.0.1:{port}"
-            httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8,
-                                                      "temperature": 0}, timeout=300)
-            rss = tree_rss_mb(proc.pid)   # from outside: any version of the server
+            httpx.post(
+                url + "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+                timeout=300,
+            )
+            rss = tree_rss_mb(proc.pid)  # from outside: any version of the server
             exported = _metric_rss(httpx.get(url + "/metrics", timeout=60).text)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -117,8 +142,7 @@ def run_serve(tree: Path, model: str, engine_args: list[str]) -> dict:
                 proc.wait()
     text = log.read_text()
     log.unlink(missing_ok=True)
-    return {"ready_s": ready, "phases": _phases(text), "rss_mb": rss,
-            "metrics_rss_mb": exported}
+    return {"ready_s": ready, "phases": _phases(text), "rss_mb": rss, "metrics_rss_mb": exported}
 
 
 def _wait_health(proc: subprocess.Popen, url: str, start: float) -> float:
@@ -135,8 +159,12 @@ def _wait_health(proc: subprocess.Popen, url: str, start: float) -> float:
 
 
 def _metric_rss(text: str) -> dict[str, int]:
-    found = re.findall(r'^vserve:process_resident_memory_bytes\{[^}]*process="(\w+)"[^}]*\} '
-                       r'(\S+)$', text, re.M)
+    found = re.findall(
+        r'^vserve:process_resident_memory_bytes\{[^}]*process="(\w+)"[^}]*\} '
+        r"(\S+)$",
+        text,
+        re.M,
+    )
     return {name: int(float(value) / 2**20) for name, value in found}
 
 
@@ -151,13 +179,20 @@ def _free_port() -> int:
 
 
 def summarize(runs: list[dict]) -> dict:
-    counted = runs[1:] if len(runs) > 1 else runs   # the first run warms the caches
+    counted = runs[1:] if len(runs) > 1 else runs  # the first run warms the caches
     key = "wall_s" if "wall_s" in runs[0] else "ready_s"
-    phases = {name: statistics.median(r["phases"].get(name, 0.0) for r in counted)
-              for name in counted[-1]["phases"]}
+    phases = {
+        name: statistics.median(r["phases"].get(name, 0.0) for r in counted)
+        for name in counted[-1]["phases"]
+    }
     rss = counted[-1]["rss_mb"]
-    return {key: statistics.median(r[key] for r in counted), "phases": phases,
-            "rss_mb": rss, "rss_total_mb": sum(rss.values()), "runs": runs}
+    return {
+        key: statistics.median(r[key] for r in counted),
+        "phases": phases,
+        "rss_mb": rss,
+        "rss_total_mb": sum(rss.values()),
+        "runs": runs,
+    }
 
 
 def main() -> None:
@@ -166,8 +201,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--engine-args", default="", help="extra engine flags, one string")
     parser.add_argument("--cases", default="generate,serve")
-    parser.add_argument("--compare-tree", default=None,
-                        help="another vserve checkout, run interleaved with this one")
+    parser.add_argument(
+        "--compare-tree",
+        default=None,
+        help="another vserve checkout, run interleaved with this one",
+    )
     parser.add_argument("--output-json", default=str(ROOT / "benchmarks/results/startup.json"))
     args = parser.parse_args()
     trees = {"this": ROOT}
@@ -175,24 +213,34 @@ def main() -> None:
         trees["compare"] = Path(args.compare_tree).resolve()
     engine_args = shlex.split(args.engine_args)
     cases = {"generate": run_generate, "serve": run_serve}
-    results: dict[str, dict[str, list]] = {t: {c: [] for c in args.cases.split(",")}
-                                           for t in trees}
+    results: dict[str, dict[str, list]] = {t: {c: [] for c in args.cases.split(",")} for t in trees}
     for i in range(args.runs):
         for case in args.cases.split(","):
             for tree_name, tree in trees.items():
                 result = cases[case](tree, args.model, engine_args)
                 results[tree_name][case].append(result)
-                print(f"run {i} {tree_name:8s} {case:8s} "
-                      f"{result.get('wall_s', result.get('ready_s')):6.2f} s "
-                      f"rss {sum(result['rss_mb'].values())} MB", flush=True)
+                print(
+                    f"run {i} {tree_name:8s} {case:8s} "
+                    f"{result.get('wall_s', result.get('ready_s')):6.2f} s "
+                    f"rss {sum(result['rss_mb'].values())} MB",
+                    flush=True,
+                )
     summary = {t: {c: summarize(r) for c, r in cases_.items()} for t, cases_ in results.items()}
     print_table(summary)
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "engine_args": engine_args,
-                               "runs": args.runs, "trees": {t: str(p) for t, p in
-                                                             trees.items()},
-                               "summary": summary}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "engine_args": engine_args,
+                "runs": args.runs,
+                "trees": {t: str(p) for t, p in trees.items()},
+                "summary": summary,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 
@@ -204,17 +252,20 @@ def print_table(summary: dict) -> None:
             value = s.get("wall_s", s.get("ready_s"))
             per = ", ".join(f"{k} {v}" for k, v in s["rss_mb"].items())
             print(f"| {tree} | {case} | {value:.2f} | {s['rss_total_mb']} | {per} |")
-    names = sorted({n for cases in summary.values() for s in cases.values()
-                    for n in s["phases"]})
+    names = sorted({n for cases in summary.values() for s in cases.values() for n in s["phases"]})
     if not names:
         return
     trees = list(summary)
-    print("\n| phase (median s) | " + " | ".join(f"{t} {c}" for t in trees
-                                                  for c in summary[t]) + " |")
+    print(
+        "\n| phase (median s) | " + " | ".join(f"{t} {c}" for t in trees for c in summary[t]) + " |"
+    )
     print("|---|" + "---|" * sum(len(summary[t]) for t in trees))
     for name in names:
-        cells = [f"{summary[t][c]['phases'].get(name, float('nan')):.2f}"
-                 for t in trees for c in summary[t]]
+        cells = [
+            f"{summary[t][c]['phases'].get(name, float('nan')):.2f}"
+            for t in trees
+            for c in summary[t]
+        ]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -58,16 +58,39 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,            # q/out [T, H, D]; k/v [num_blocks, bs, Hkv, D]
-    qsl_ptr, seq_lens_ptr, bt_ptr,           # [R + 1], [R], [R, max_blocks]
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_ot, stride_oh, stride_bt,
-    num_reqs, scale, softcap, window,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,  # q/out [T, H, D]; k/v [num_blocks, bs, Hkv, D]
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,  # [R + 1], [R], [R, max_blocks]
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    num_reqs,
+    scale,
+    softcap,
+    window,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -79,10 +102,10 @@ def _paged_attention_kernel(
     if tile_start >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    ctx_start = seq_len - q_len              # position of the request's first query token
+    ctx_start = seq_len - q_len  # position of the request's first query token
 
     rows = tl.arange(0, BLOCK_M)
-    tok = tile_start + rows // GROUP_PAD     # token index inside the request's query
+    tok = tile_start + rows // GROUP_PAD  # token index inside the request's query
     head_in_group = rows % GROUP_PAD
     row_valid = (tok < q_len) & (head_in_group < GROUP)
     head = kv_head * GROUP + head_in_group
@@ -91,8 +114,11 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_PAD)
     d_valid = d < HEAD_DIM
     q_mask = row_valid[:, None] & d_valid[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=q_mask,
+        other=0.0,
+    )
 
     # Keys past the tile's last query position are never visible; with a window, neither
     # are those before the first query's window.
@@ -113,7 +139,7 @@ def _paged_attention_kernel(
         kv_off = block * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = n_valid[:, None] & d_valid[None, :]
         kv_ptrs = kv_off[:, None] + d[None, :] * stride_kd
-        k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)       # [BLOCK_N, HEAD_PAD]
+        k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_PAD]
         v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0.0)
 
         s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale
@@ -134,8 +160,11 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
 # The decorator picked the interpreter from TRITON_INTERPRET when this module was imported.
@@ -152,14 +181,14 @@ def _tiles(group: int, max_query_len: int | None) -> tuple[int, int]:
 
 
 def paged_attention(
-    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,         # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor,         # [num_reqs] int32, context length including this step
-    block_tables: torch.Tensor,     # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, context length including this step
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
     spec: AttentionLayerSpec,
     max_query_len: int | None = None,
-) -> torch.Tensor:                  # [num_tokens, num_heads * head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert num_heads % num_kv_heads == 0, "query heads must split evenly over kv heads"
@@ -172,18 +201,38 @@ def paged_attention(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, out,
-        query_start_loc, seq_lens, block_tables,
-        query.stride(0), query.stride(1), query.stride(2),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
-        out.stride(0), out.stride(1), block_tables.stride(0),
-        num_reqs, float(spec.scale), float(spec.logit_softcap or 1.0),
+        query,
+        key_cache,
+        value_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_cache.stride(3),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        num_reqs,
+        float(spec.scale),
+        float(spec.logit_softcap or 1.0),
         int(spec.sliding_window or 0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_q * group_pad,
-        BLOCK_N=32, BLOCK_R=min(128, triton.next_power_of_2(num_reqs)),
-        HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_q * group_pad,
+        BLOCK_N=32,
+        BLOCK_R=min(128, triton.next_power_of_2(num_reqs)),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
-        USE_WINDOW=spec.sliding_window is not None, USE_SOFTCAP=spec.logit_softcap is not None,
+        USE_WINDOW=spec.sliding_window is not None,
+        USE_SOFTCAP=spec.logit_softcap is not None,
         # tf32 would cost fp32 inputs ~1e-3 relative error; half types ignore the setting.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=_INTERPRETED and query.dtype == torch.bfloat16,
@@ -192,14 +241,14 @@ def paged_attention(
 
 
 def paged_attention_reference(
-    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,         # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor,         # [num_reqs] int32
-    block_tables: torch.Tensor,     # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
     spec: AttentionLayerSpec,
     max_query_len: int | None = None,
-) -> torch.Tensor:                  # [num_tokens, num_heads * head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     """Same contract as `paged_attention`, one request at a time in fp32 (syncs the host)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -209,12 +258,12 @@ def paged_attention_reference(
     out = torch.zeros_like(query)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for r, seq_len in enumerate(lens):
-        q = query[qsl[r]:qsl[r + 1]].float()
+        q = query[qsl[r] : qsl[r + 1]].float()
         if q.shape[0] == 0:
             continue
         k_pos = torch.arange(seq_len, device=query.device)
         slots = block_tables[r, k_pos // block_size].long() * block_size + k_pos % block_size
-        k = flat_k[slots].float().repeat_interleave(group, dim=1)       # [L, H, D]
+        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
         v = flat_v[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * spec.scale
         if spec.logit_softcap is not None:
@@ -225,5 +274,5 @@ def paged_attention_reference(
             visible &= q_pos[:, None] - k_pos[None, :] < spec.sliding_window
         scores = scores.masked_fill(~visible[None], float("-inf"))
         o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        out[qsl[r]:qsl[r + 1]] = o.to(query.dtype)
+        out[qsl[r] : qsl[r + 1]] = o.to(query.dtype)
     return out.view(num_tokens, -1)

@@ -21,9 +21,23 @@ _BLOCK = 64  # query tokens per loop step of a row
 
 
 @triton.jit
-def _fill_row(row, qsl_ptr, num_computed_ptr, bt_ptr, stride_bt, max_blocks, host_ptr,
-              prev_ptr, prev_index_ptr, fb_offset_ptr, ids_ptr, pos_ptr, slot_ptr,
-              BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _fill_row(
+    row,
+    qsl_ptr,
+    num_computed_ptr,
+    bt_ptr,
+    stride_bt,
+    max_blocks,
+    host_ptr,
+    prev_ptr,
+    prev_index_ptr,
+    fb_offset_ptr,
+    ids_ptr,
+    pos_ptr,
+    slot_ptr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     start = tl.load(qsl_ptr + row)
     q_len = tl.load(qsl_ptr + row + 1) - start
     computed = tl.load(num_computed_ptr + row).to(tl.int64)
@@ -61,43 +75,82 @@ def _fill_padding(first, num_tokens, ids_ptr, pos_ptr, slot_ptr, BLOCK: tl.const
 
 
 @triton.jit
-def _prepare_inputs_kernel(qsl_ptr, num_computed_ptr, bt_ptr, stride_bt, max_blocks, host_ptr,
-                           prev_ptr, prev_index_ptr, fb_offset_ptr, ids_ptr, pos_ptr, slot_ptr,
-                           num_reqs, num_tokens,
-                           BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _prepare_inputs_kernel(
+    qsl_ptr,
+    num_computed_ptr,
+    bt_ptr,
+    stride_bt,
+    max_blocks,
+    host_ptr,
+    prev_ptr,
+    prev_index_ptr,
+    fb_offset_ptr,
+    ids_ptr,
+    pos_ptr,
+    slot_ptr,
+    num_reqs,
+    num_tokens,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     if row < num_reqs:
-        _fill_row(row, qsl_ptr, num_computed_ptr, bt_ptr, stride_bt, max_blocks, host_ptr,
-                  prev_ptr, prev_index_ptr, fb_offset_ptr, ids_ptr, pos_ptr, slot_ptr,
-                  BLOCK_SIZE, BLOCK)
+        _fill_row(
+            row,
+            qsl_ptr,
+            num_computed_ptr,
+            bt_ptr,
+            stride_bt,
+            max_blocks,
+            host_ptr,
+            prev_ptr,
+            prev_index_ptr,
+            fb_offset_ptr,
+            ids_ptr,
+            pos_ptr,
+            slot_ptr,
+            BLOCK_SIZE,
+            BLOCK,
+        )
     else:
-        _fill_padding(tl.load(qsl_ptr + num_reqs), num_tokens, ids_ptr, pos_ptr, slot_ptr,
-                      BLOCK)
+        _fill_padding(tl.load(qsl_ptr + num_reqs), num_tokens, ids_ptr, pos_ptr, slot_ptr, BLOCK)
 
 
 def prepare_inputs(
-    query_start_loc: torch.Tensor,   # [R + 1] int32
-    num_computed: torch.Tensor,      # [R] int64, tokens in the KV cache before this step
-    block_table: torch.Tensor,       # [R, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    num_computed: torch.Tensor,  # [R] int64, tokens in the KV cache before this step
+    block_table: torch.Tensor,  # [R, max_blocks] int32
     block_size: int,
-    host_tokens: torch.Tensor,       # [T] int64, -1 where the host does not know the id
-    prev_sampled: torch.Tensor,      # [P] int64, ids sampled by the previous step
-    prev_index: torch.Tensor,        # [R] int32, index into prev_sampled, -1 = none
-    feedback_offset: torch.Tensor,   # [R] int32, query offset the fed-back id goes to
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:   # input_ids, positions, slots [T]
+    host_tokens: torch.Tensor,  # [T] int64, -1 where the host does not know the id
+    prev_sampled: torch.Tensor,  # [P] int64, ids sampled by the previous step
+    prev_index: torch.Tensor,  # [R] int32, index into prev_sampled, -1 = none
+    feedback_offset: torch.Tensor,  # [R] int32, query offset the fed-back id goes to
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # input_ids, positions, slots [T]
     num_tokens = host_tokens.shape[0]
     num_reqs = query_start_loc.shape[0] - 1
     device = host_tokens.device
     input_ids = torch.empty(num_tokens, dtype=torch.int64, device=device)
     positions = torch.empty(num_tokens, dtype=torch.int64, device=device)
     slot_mapping = torch.empty(num_tokens, dtype=torch.int64, device=device)
-    if prev_sampled.numel() == 0:   # keep a valid pointer; no row can index it
+    if prev_sampled.numel() == 0:  # keep a valid pointer; no row can index it
         prev_sampled = torch.zeros(1, dtype=torch.int64, device=device)
     _prepare_inputs_kernel[(num_reqs + 1,)](
-        query_start_loc, num_computed, block_table, block_table.stride(0),
-        block_table.shape[1], host_tokens, prev_sampled, prev_index, feedback_offset,
-        input_ids, positions, slot_mapping, num_reqs, num_tokens,
-        BLOCK_SIZE=block_size, BLOCK=_BLOCK,
+        query_start_loc,
+        num_computed,
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
+        host_tokens,
+        prev_sampled,
+        prev_index,
+        feedback_offset,
+        input_ids,
+        positions,
+        slot_mapping,
+        num_reqs,
+        num_tokens,
+        BLOCK_SIZE=block_size,
+        BLOCK=_BLOCK,
     )
     return input_ids, positions, slot_mapping
 

@@ -3,7 +3,7 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VSERVE_DEBUG_INVARIANTS", "1")   # engine cores check KV blocks at idle
+os.environ.setdefault("VSERVE_DEBUG_INVARIANTS", "1")  # engine cores check KV blocks at idle
 if not __import__("torch").cuda.is_available():
     # Triton decides at import whether to interpret: set before anything imports it
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -24,4 +24,3 @@ def tiny_model_dir(tmp_path_factory):
         return built[key]
 
     return get
-

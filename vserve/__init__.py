@@ -8,5 +8,13 @@ from vserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "EngineArgs", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "EngineArgs",
+    "__version__",
+]

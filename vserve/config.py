@@ -16,10 +16,10 @@ from vserve.core.spec_decode import SpeculativeConfig
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str                  # local folder with config.json and safetensors
+    model: str  # local folder with config.json and safetensors
     tokenizer: str
     architecture: str
-    dtype: str                  # float32 | bfloat16 | float16
+    dtype: str  # float32 | bfloat16 | float16
     seed: int
     max_model_len: int
     vocab_size: int
@@ -45,17 +45,17 @@ class CacheConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"   # uni | mp
+    distributed_executor_backend: str = "uni"  # uni | mp
     master_addr: str = "127.0.0.1"
-    master_port: int = 0                         # 0: pick a free port
+    master_port: int = 0  # 0: pick a free port
     nnodes: int = 1
     node_rank: int = 0
-    layer_partition: tuple[int, ...] = ()        # decoder layers per stage; () = even split
+    layer_partition: tuple[int, ...] = ()  # decoder layers per stage; () = even split
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = "cpu"                          # cpu | cuda
+    device: str = "cpu"  # cpu | cuda
     attention_backend: str = "torch"
     enforce_eager: bool = False
 
@@ -90,8 +90,13 @@ class EngineConfig:
         if window is None:
             return 0
         s = self.scheduler
-        return local_block_cap(window, self.cache.block_size, s.max_num_seqs,
-                               s.max_num_batched_tokens, self.max_concurrent_batches)
+        return local_block_cap(
+            window,
+            self.cache.block_size,
+            s.max_num_seqs,
+            s.max_num_batched_tokens,
+            self.max_concurrent_batches,
+        )
 
 
 def cpu_has_bf16() -> bool:
@@ -104,5 +109,13 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-__all__ = ["EngineConfig", "ModelConfig", "CacheConfig", "ParallelConfig", "DeviceConfig",
-           "SchedulerConfig", "SpeculativeConfig", "cpu_has_bf16"]
+__all__ = [
+    "EngineConfig",
+    "ModelConfig",
+    "CacheConfig",
+    "ParallelConfig",
+    "DeviceConfig",
+    "SchedulerConfig",
+    "SpeculativeConfig",
+    "cpu_has_bf16",
+]

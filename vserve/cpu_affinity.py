@@ -37,7 +37,7 @@ def pin_process(pid: int, cpus: Iterable[int]) -> None:
     for tid in tids:
         try:
             os.sched_setaffinity(tid, cpus)
-        except OSError:   # thread gone, or not ours to move
+        except OSError:  # thread gone, or not ours to move
             pass
 
 
@@ -50,4 +50,4 @@ def process_cpu_seconds(pid: int) -> float:
             fields = f.read().rsplit(b")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS   # utime, stime
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime

@@ -8,27 +8,27 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Env:
-    log_level: str                 # VSERVE_LOG_LEVEL: log level of engine and worker processes
-    engine_ready_timeout: float    # VSERVE_ENGINE_READY_TIMEOUT: seconds to wait for start-up
-    dist_timeout: float            # VSERVE_DIST_TIMEOUT: torch.distributed op timeout (s)
-    fault_inject: str | None       # VSERVE_FAULT_INJECT="execute_model:N": raise at step N,
-                                   # "execute_model_hang:N": never return from step N
-                                   # or "grammar_compile_delay:S": compiles take S s longer
-                                   # (testing hooks for failure handling)
-    api_key: str | None            # VSERVE_API_KEY: server API key when --api-key is absent
-    cpu_num_reserved: str | None   # VSERVE_CPU_NUM_RESERVED: cores kept for the engine core
-                                   # and front end beside CPU workers ("auto" / unset: chosen
-                                   # from measured host work per step; vLLM's
-                                   # VLLM_CPU_NUM_OF_RESERVED_CPU)
-    cpu_threads_bind: str | None   # VSERVE_CPU_THREADS_BIND: "auto", "nobind" or one CPU list
-                                   # per local worker, "0-3|4-7" (VLLM_CPU_OMP_THREADS_BIND)
+    log_level: str  # VSERVE_LOG_LEVEL: log level of engine and worker processes
+    engine_ready_timeout: float  # VSERVE_ENGINE_READY_TIMEOUT: seconds to wait for start-up
+    dist_timeout: float  # VSERVE_DIST_TIMEOUT: torch.distributed op timeout (s)
+    fault_inject: str | None  # VSERVE_FAULT_INJECT="execute_model:N": raise at step N,
+    # "execute_model_hang:N": never return from step N
+    # or "grammar_compile_delay:S": compiles take S s longer
+    # (testing hooks for failure handling)
+    api_key: str | None  # VSERVE_API_KEY: server API key when --api-key is absent
+    cpu_num_reserved: str | None  # VSERVE_CPU_NUM_RESERVED: cores kept for the engine core
+    # and front end beside CPU workers ("auto" / unset: chosen
+    # from measured host work per step; vLLM's
+    # VLLM_CPU_NUM_OF_RESERVED_CPU)
+    cpu_threads_bind: str | None  # VSERVE_CPU_THREADS_BIND: "auto", "nobind" or one CPU list
+    # per local worker, "0-3|4-7" (VLLM_CPU_OMP_THREADS_BIND)
     pp_layer_partition: str | None  # VSERVE_PP_LAYER_PARTITION="10,8": decoder layers per
-                                    # pipeline stage, first to last (default: by cost)
-    debug_invariants: bool         # VSERVE_DEBUG_INVARIANTS=1: the engine core checks the
-                                   # scheduler and KV-block invariants each time it goes idle
-                                   # (free + cached + in-use == total, none in use); on in tests
-    weight_cache: bool = True      # VSERVE_WEIGHT_CACHE=0: load CPU weights from the checkpoint
-                                   # every time, without the memory-mapped copy on disk
+    # pipeline stage, first to last (default: by cost)
+    debug_invariants: bool  # VSERVE_DEBUG_INVARIANTS=1: the engine core checks the
+    # scheduler and KV-block invariants each time it goes idle
+    # (free + cached + in-use == total, none in use); on in tests
+    weight_cache: bool = True  # VSERVE_WEIGHT_CACHE=0: load CPU weights from the checkpoint
+    # every time, without the memory-mapped copy on disk
 
 
 def read_env() -> Env:

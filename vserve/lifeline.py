@@ -16,8 +16,9 @@ from collections.abc import Callable
 POLL_S = 0.5
 
 
-def exit_with_parent(parent_pid: int, on_parent_gone: Callable[[], None] | None = None,
-                     grace_s: float = 0.0) -> threading.Thread:
+def exit_with_parent(
+    parent_pid: int, on_parent_gone: Callable[[], None] | None = None, grace_s: float = 0.0
+) -> threading.Thread:
     """When `parent_pid` is no longer our parent: call `on_parent_gone` (a polite shutdown),
     give it `grace_s` seconds to end the process, then kill our children and exit(1)."""
 

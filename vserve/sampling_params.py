@@ -12,7 +12,7 @@ import math
 import msgspec
 
 _GREEDY_EPS = 1e-5
-_INT64 = 2**63   # integers must fit int64: msgpack and torch carry nothing wider
+_INT64 = 2**63  # integers must fit int64: msgpack and torch carry nothing wider
 _TYPE_NAMES = {"regex": "a string", "grammar": "a string", "choice": "a list of strings"}
 
 
@@ -35,30 +35,43 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.json = _json.dumps(self.json)
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k)]
         kinds += ["json_object"] if self.json_object else []
-        _check(len(kinds) == 1, "structured outputs need exactly one of json, json_object, "
-                                f"regex, choice or grammar; got {kinds or 'none'}")
+        _check(
+            len(kinds) == 1,
+            "structured outputs need exactly one of json, json_object, "
+            f"regex, choice or grammar; got {kinds or 'none'}",
+        )
         if self.json:
             try:
                 _json.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"structured outputs: json is not a valid schema: {e}") from e
         if self.choice is not None:
-            _check(all(isinstance(c, str) and c for c in self.choice),
-                   "structured outputs: choice must be a list of non-empty strings")
+            _check(
+                all(isinstance(c, str) and c for c in self.choice),
+                "structured outputs: choice must be a list of non-empty strings",
+            )
 
     def _check_types(self) -> None:
         """msgspec does not check types in `__init__`: a wrong type would pass here and fail
         only when the engine core decodes the request."""
-        for name, types in (("json", (str, dict)), ("regex", str), ("grammar", str),
-                            ("choice", list)):
+        for name, types in (
+            ("json", (str, dict)),
+            ("regex", str),
+            ("grammar", str),
+            ("choice", list),
+        ):
             value = getattr(self, name)
-            _check(value is None or isinstance(value, types),
-                   f"structured outputs: {name} must be "
-                   f"{'a string or an object' if name == 'json' else _TYPE_NAMES[name]}, "
-                   f"got {type(value).__name__}")
-        _check(isinstance(self.json_object, bool),
-               f"structured outputs: json_object must be a boolean, got "
-               f"{type(self.json_object).__name__}")
+            _check(
+                value is None or isinstance(value, types),
+                f"structured outputs: {name} must be "
+                f"{'a string or an object' if name == 'json' else _TYPE_NAMES[name]}, "
+                f"got {type(value).__name__}",
+            )
+        _check(
+            isinstance(self.json_object, bool),
+            f"structured outputs: json_object must be a boolean, got "
+            f"{type(self.json_object).__name__}",
+        )
 
     @property
     def key(self) -> tuple[str, str]:
@@ -90,7 +103,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
-    prompt_logprobs: int | None = None   # top-k per prompt position (+ the prompt token's own)
+    prompt_logprobs: int | None = None  # top-k per prompt position (+ the prompt token's own)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -129,9 +142,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
-            _check(isinstance(self.logit_bias, dict),
-                   f"logit_bias must be a dict of token id -> bias, got "
-                   f"{_short(self.logit_bias)}.")
+            _check(
+                isinstance(self.logit_bias, dict),
+                f"logit_bias must be a dict of token id -> bias, got {_short(self.logit_bias)}.",
+            )
             self.logit_bias = {_token_id(k): _clamp_bias(v) for k, v in self.logit_bias.items()}
         if isinstance(self.temperature, (int, float)) and 0 <= self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
@@ -139,8 +153,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def _verify(self) -> None:
         self._verify_types()
-        _check(_is_int64(self.n) and self.n >= 1,
-               f"n must be an integer >= 1 (64-bit), got {_short(self.n)}.")
+        _check(
+            _is_int64(self.n) and self.n >= 1,
+            f"n must be an integer >= 1 (64-bit), got {_short(self.n)}.",
+        )
         _check(
             _is_finite(self.temperature) and self.temperature >= 0,
             f"temperature must be a finite number >= 0, got {_short(self.temperature)}.",
@@ -151,71 +167,101 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
         _check(
             _is_int64(self.top_k) and self.top_k >= 0,
-            f"top_k must be -1 or 0 (disabled) or at least 1 (64-bit), got "
-            f"{_short(self.top_k)}.",
+            f"top_k must be -1 or 0 (disabled) or at least 1 (64-bit), got {_short(self.top_k)}.",
         )
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1,
-               f"min_p must be in [0, 1], got {_short(self.min_p)}.")
+        _check(
+            _is_num(self.min_p) and 0 <= self.min_p <= 1,
+            f"min_p must be in [0, 1], got {_short(self.min_p)}.",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_num(value) and -2 <= value <= 2,
-                   f"{name} must be in [-2, 2], got {_short(value)}.")
+            _check(
+                _is_num(value) and -2 <= value <= 2,
+                f"{name} must be in [-2, 2], got {_short(value)}.",
+            )
         _check(
             _is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
             f"repetition_penalty must be a finite number > 0, got "
             f"{_short(self.repetition_penalty)}.",
         )
-        _check(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
-               f"seed must be a 64-bit integer, got {_short(self.seed)}.")
+        _check(
+            self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
+            f"seed must be a 64-bit integer, got {_short(self.seed)}.",
+        )
         _check(
             self.max_tokens is None or (_is_int64(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be at least 1 (64-bit), got {_short(self.max_tokens)}.",
         )
-        _check(_is_int64(self.min_tokens) and self.min_tokens >= 0,
-               f"min_tokens must be >= 0 (64-bit), got {_short(self.min_tokens)}.")
+        _check(
+            _is_int64(self.min_tokens) and self.min_tokens >= 0,
+            f"min_tokens must be >= 0 (64-bit), got {_short(self.min_tokens)}.",
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens,
-                   f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        _check(self.logprobs is None or (_is_int64(self.logprobs) and self.logprobs >= 0),
-               f"logprobs must be a non-negative integer, got {_short(self.logprobs)}.")
-        _check(self.prompt_logprobs is None
-               or (_is_int64(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-               f"prompt_logprobs must be a non-negative integer, got "
-               f"{_short(self.prompt_logprobs)}.")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).",
+            )
+        _check(
+            self.logprobs is None or (_is_int64(self.logprobs) and self.logprobs >= 0),
+            f"logprobs must be a non-negative integer, got {_short(self.logprobs)}.",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int64(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            f"prompt_logprobs must be a non-negative integer, got {_short(self.prompt_logprobs)}.",
+        )
         for s in self.stop or []:
             _check(isinstance(s, str) and s != "", "stop strings must be non-empty strings.")
         for t in self.stop_token_ids or []:
-            _check(_is_int64(t) and t >= 0,
-                   f"stop_token_ids must be non-negative 64-bit ints, got {_short(t)}.")
+            _check(
+                _is_int64(t) and t >= 0,
+                f"stop_token_ids must be non-negative 64-bit ints, got {_short(t)}.",
+            )
         if self.n > 1:
-            _check(not self.greedy,
-                   "n > 1 needs random sampling: set temperature > 0 (greedy choices would "
-                   "all be identical).")
+            _check(
+                not self.greedy,
+                "n > 1 needs random sampling: set temperature > 0 (greedy choices would "
+                "all be identical).",
+            )
 
     def _verify_types(self) -> None:
         """Containers, flags and the nested params, whose wrong types msgspec would otherwise
         find only when the engine core decodes the request."""
-        _check(self.stop is None or isinstance(self.stop, list),
-               f"stop must be a string or a list of strings, got {_short(self.stop)}.")
-        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list),
-               f"stop_token_ids must be a list of ints, got {_short(self.stop_token_ids)}.")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "detokenize"):
-            _check(isinstance(getattr(self, name), bool),
-                   f"{name} must be a boolean, got {getattr(self, name)!r}.")
-        _check(self.structured_outputs is None
-               or isinstance(self.structured_outputs, StructuredOutputsParams),
-               "structured_outputs must be a StructuredOutputsParams.")
+        _check(
+            self.stop is None or isinstance(self.stop, list),
+            f"stop must be a string or a list of strings, got {_short(self.stop)}.",
+        )
+        _check(
+            self.stop_token_ids is None or isinstance(self.stop_token_ids, list),
+            f"stop_token_ids must be a list of ints, got {_short(self.stop_token_ids)}.",
+        )
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "detokenize",
+        ):
+            _check(
+                isinstance(getattr(self, name), bool),
+                f"{name} must be a boolean, got {getattr(self, name)!r}.",
+            )
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams.",
+        )
 
 
 def _token_id(key: object) -> int:
     try:
-        token_id = int(key) if isinstance(key, (int, str)) and not isinstance(key, bool) \
-            else None
+        token_id = int(key) if isinstance(key, (int, str)) and not isinstance(key, bool) else None
     except ValueError:
         token_id = None
-    _check(token_id is not None and 0 <= token_id < _INT64,
-           f"logit_bias keys must be token ids, got {_short(key)}.")
+    _check(
+        token_id is not None and 0 <= token_id < _INT64,
+        f"logit_bias keys must be token ids, got {_short(key)}.",
+    )
     return token_id
 
 
@@ -243,7 +289,7 @@ def _is_finite(value: object) -> bool:
         return False
     try:
         return math.isfinite(float(value))
-    except OverflowError:   # an int beyond the float range
+    except OverflowError:  # an int beyond the float range
         return False
 
 

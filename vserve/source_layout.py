@@ -27,15 +27,17 @@ class SourceTreeFinder(importlib.abc.MetaPathFinder):
             return None
         package = self.root / folder
         return importlib.util.spec_from_file_location(
-            fullname, package / "__init__.py", submodule_search_locations=[str(package)])
+            fullname, package / "__init__.py", submodule_search_locations=[str(package)]
+        )
 
 
 def install() -> None:
     """Put the finder first when this vserve is a checkout's `vserve/` folder (its root has
     pyproject.toml and the two folders); an installed wheel has `vserve/workers` itself."""
     root = Path(__file__).resolve().parent.parent
-    if not (root / "pyproject.toml").is_file() or \
-            not all((root / f / "__init__.py").is_file() for f in FOLDERS.values()):
+    if not (root / "pyproject.toml").is_file() or not all(
+        (root / f / "__init__.py").is_file() for f in FOLDERS.values()
+    ):
         return
     if not any(isinstance(f, SourceTreeFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, SourceTreeFinder(root))

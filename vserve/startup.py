@@ -43,7 +43,7 @@ def resident_bytes(pid: int | None = None) -> int:
         import psutil
 
         return int(psutil.Process(pid).memory_info().rss)
-    except Exception:   # no psutil, no such process
+    except Exception:  # no psutil, no such process
         return 0
 
 
@@ -61,7 +61,7 @@ def kv_resident_bytes(pid: int | None = None) -> int:
         with open(f"/proc/{pid}/smaps") as f:
             for line in f:
                 if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
-                    in_kv = f"/memfd:{KV_MAPPING_NAME}" in line   # a mapping's header
+                    in_kv = f"/memfd:{KV_MAPPING_NAME}" in line  # a mapping's header
                 elif in_kv and line.startswith("Rss:"):
                     total += int(line.split()[1]) * 1024
     except OSError:

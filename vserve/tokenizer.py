@@ -25,11 +25,15 @@ from vserve.cache_files import write_json_atomic
 logger = logging.getLogger("vserve")
 
 VERDICT_VERSION = 1
-NUM_LOADS = [0]   # tokenizers built by this process (tests count them)
-_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-          "chat_template.jinja", "added_tokens.json")
-_DROP = ("tokenizer_class", "backend", "auto_map", "is_local", "local_files_only",
-         "name_or_path")
+NUM_LOADS = [0]  # tokenizers built by this process (tests count them)
+_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+_DROP = ("tokenizer_class", "backend", "auto_map", "is_local", "local_files_only", "name_or_path")
 _CLASS_SETTINGS = ("padding_side", "truncation_side")
 
 
@@ -58,14 +62,15 @@ def _load_checked(folder: Path):
     except (OSError, ValueError):
         verdict = None
     if verdict is not None:
-        return _load_fast(folder, verdict["settings"]) if verdict["fast"] else _load_auto(
-            str(folder))
+        return (
+            _load_fast(folder, verdict["settings"]) if verdict["fast"] else _load_auto(str(folder))
+        )
     auto = _load_auto(str(folder))
     settings = {name: getattr(auto, name) for name in _CLASS_SETTINGS}
     try:
         fast = _load_fast(folder, settings)
         same = fingerprint(fast) == fingerprint(auto)
-    except Exception as e:   # the generic class cannot take these files: keep AutoTokenizer
+    except Exception as e:  # the generic class cannot take these files: keep AutoTokenizer
         logger.debug("fast tokenizer load of %s failed: %s", folder, e)
         same = False
     _write_verdict(verdict_file, {"fast": same, "settings": settings})
@@ -83,8 +88,9 @@ def _load_fast(folder: Path, settings: dict):
     template = folder / "chat_template.jinja"
     if template.is_file():
         kwargs["chat_template"] = template.read_text()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
-                                        name_or_path=str(folder), **kwargs)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), name_or_path=str(folder), **kwargs
+    )
     for name, value in settings.items():
         setattr(tokenizer, name, value)
     return tokenizer
@@ -94,11 +100,13 @@ def fingerprint(tokenizer) -> dict:
     """What makes two transformers fast tokenizers behave the same."""
     from transformers import PreTrainedTokenizerFast
 
-    own = sorted(name for klass in type(tokenizer).__mro__
-                 if issubclass(klass, PreTrainedTokenizerFast)
-                 and klass is not PreTrainedTokenizerFast
-                 for name, value in vars(klass).items()
-                 if callable(value) and not isinstance(value, type) and name != "__init__")
+    own = sorted(
+        name
+        for klass in type(tokenizer).__mro__
+        if issubclass(klass, PreTrainedTokenizerFast) and klass is not PreTrainedTokenizerFast
+        for name, value in vars(klass).items()
+        if callable(value) and not isinstance(value, type) and name != "__init__"
+    )
     return {
         "pipeline": tokenizer.backend_tokenizer.to_str(),
         "special": repr(tokenizer.special_tokens_map),
@@ -115,8 +123,12 @@ def _verdict_path(folder: Path) -> Path:
     import tokenizers
     import transformers
 
-    key = [str(folder.resolve()), transformers.__version__, tokenizers.__version__,
-           str(VERDICT_VERSION)]
+    key = [
+        str(folder.resolve()),
+        transformers.__version__,
+        tokenizers.__version__,
+        str(VERDICT_VERSION),
+    ]
     for name in _FILES:
         try:
             stat = (folder / name).stat()
@@ -131,7 +143,7 @@ def _verdict_path(folder: Path) -> Path:
 def _write_verdict(path: Path, verdict: dict) -> None:
     try:
         write_json_atomic(path, verdict)
-    except OSError as e:   # a read-only cache: check again next time
+    except OSError as e:  # a read-only cache: check again next time
         logger.debug("cannot record the tokenizer verdict in %s: %s", path, e)
 
 

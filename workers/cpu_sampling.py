@@ -24,28 +24,49 @@ def num_candidates(top_k: int, top_p: float, min_p: float, vocab: int, limit: in
     return min(top_k if top_k > 0 else limit, limit, vocab)
 
 
-def sample_with_kernel(kernel, logits: torch.Tensor, meta, limit: int, keep_top, pick,
-                       sample_filtered) -> torch.Tensor:
+def sample_with_kernel(
+    kernel, logits: torch.Tensor, meta, limit: int, keep_top, pick, sample_filtered
+) -> torch.Tensor:
     """Token ids [rows] for logits [rows, vocab] (bf16 or fp32, on the CPU); `keep_top`,
     `pick` and `sample_filtered` are the torch sampler's (one rule for both paths)."""
     rows, vocab = logits.shape
-    counts = [0 if t == 0.0 else num_candidates(k, p, m, vocab, limit)
-              for t, k, p, m in zip(meta.temperature, meta.top_k, meta.top_p, meta.min_p)]
-    u = [uniform_for(s, pos) if t > 0.0 else 0.0
-         for s, pos, t in zip(meta.seeds, meta.positions, meta.temperature)]
+    counts = [
+        0 if t == 0.0 else num_candidates(k, p, m, vocab, limit)
+        for t, k, p, m in zip(meta.temperature, meta.top_k, meta.top_p, meta.min_p)
+    ]
+    u = [
+        uniform_for(s, pos) if t > 0.0 else 0.0
+        for s, pos, t in zip(meta.seeds, meta.positions, meta.temperature)
+    ]
     u = torch.tensor(u, dtype=torch.float64)
     tokens, cand_ids, cand_p = kernel.sample(
-        logits, torch.tensor(meta.temperature, dtype=torch.float32), u,
-        torch.tensor(counts, dtype=torch.long))
+        logits,
+        torch.tensor(meta.temperature, dtype=torch.float32),
+        u,
+        torch.tensor(counts, dtype=torch.long),
+    )
     filtered = [i for i, c in enumerate(counts) if c > 0]
     if filtered:
-        _pick_filtered(tokens, cand_ids, cand_p, u, meta, filtered, counts, vocab, keep_top,
-                       pick, sample_filtered, logits)
+        _pick_filtered(
+            tokens,
+            cand_ids,
+            cand_p,
+            u,
+            meta,
+            filtered,
+            counts,
+            vocab,
+            keep_top,
+            pick,
+            sample_filtered,
+            logits,
+        )
     return tokens
 
 
-def _pick_filtered(tokens, cand_ids, cand_p, u, meta, rows, counts, vocab, keep_top, pick,
-                   sample_filtered, logits) -> None:
+def _pick_filtered(
+    tokens, cand_ids, cand_p, u, meta, rows, counts, vocab, keep_top, pick, sample_filtered, logits
+) -> None:
     idx = torch.tensor(rows)
     top_k = _column([k if k > 0 else vocab for k in meta.top_k], rows)
     kept = keep_top(cand_p[idx], top_k, _column(meta.top_p, rows), _column(meta.min_p, rows))
@@ -57,7 +78,7 @@ def _pick_filtered(tokens, cand_ids, cand_p, u, meta, rows, counts, vocab, keep_
     chosen = cand_ids[idx].gather(1, picked.unsqueeze(1)).squeeze(1)
     tokens[idx[fits]] = chosen[fits]
     rest = [r for r, ok in zip(rows, fits.tolist()) if not ok]
-    if rest:   # the torch sampler's own path: its candidates, else the full sort
+    if rest:  # the torch sampler's own path: its candidates, else the full sort
         ridx = torch.tensor(rest)
         scaled = logits[ridx].float() / _column(meta.temperature, rest)
         tokens[ridx] = sample_filtered(scaled, u[ridx], meta, rest)

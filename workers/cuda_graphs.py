@@ -38,12 +38,15 @@ from vserve.attention.base import AttentionMetadata
 logger = logging.getLogger("vserve.worker")
 
 
-def use_cuda_graphs(device: str, attention_backend: str, enforce_eager: bool,
-                    pp_size: int) -> bool:
+def use_cuda_graphs(device: str, attention_backend: str, enforce_eager: bool, pp_size: int) -> bool:
     """Graphs need CUDA and the graph-safe Triton backend (the torch backend builds per-step
     index tensors on the host); pipeline stages exchange hidden states eagerly."""
-    return (torch.device(device).type == "cuda" and attention_backend == "triton"
-            and not enforce_eager and pp_size == 1)
+    return (
+        torch.device(device).type == "cuda"
+        and attention_backend == "triton"
+        and not enforce_eager
+        and pp_size == 1
+    )
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -70,23 +73,29 @@ class DecodeBuffers:
     def __init__(self, max_size: int, max_blocks: int, device: torch.device) -> None:
         long = {"dtype": torch.int64, "device": device}
         int32 = {"dtype": torch.int32, "device": device}
-        self.input_ids = torch.zeros(max_size, **long)                       # [max_size]
-        self.positions = torch.zeros(max_size, **long)                       # [max_size]
-        self.slot_mapping = torch.full((max_size,), -1, **long)              # [max_size]
-        self.query_start_loc = torch.arange(max_size + 1, **int32)           # [max_size + 1]
-        self.seq_lens = torch.ones(max_size, **int32)                        # [max_size]
-        self.block_tables = torch.zeros(max_size, max_blocks, **int32)       # [max_size, mb]
-        self.num_live = 0      # rows [0, num_live) may hold a real batch; the rest are inert
+        self.input_ids = torch.zeros(max_size, **long)  # [max_size]
+        self.positions = torch.zeros(max_size, **long)  # [max_size]
+        self.slot_mapping = torch.full((max_size,), -1, **long)  # [max_size]
+        self.query_start_loc = torch.arange(max_size + 1, **int32)  # [max_size + 1]
+        self.seq_lens = torch.ones(max_size, **int32)  # [max_size]
+        self.block_tables = torch.zeros(max_size, max_blocks, **int32)  # [max_size, mb]
+        self.num_live = 0  # rows [0, num_live) may hold a real batch; the rest are inert
 
     def meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
         """Metadata over the first `size` rows, as a graph of that size captures it. Host
         fields are placeholders: a graph never reads the host, so max_query_len is 1."""
         return AttentionMetadata(
-            num_tokens=size, positions=self.positions[:size],
+            num_tokens=size,
+            positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[1] * size, max_query_len=1, max_seq_len=max_seq_len)
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[1] * size,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
 
     def load(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
         """Copy a decode batch into rows [0, n); make the rows the last batch left inert."""
@@ -99,26 +108,35 @@ class DecodeBuffers:
         # columns past num_blocks keep stale ids; seq_lens keeps attention from reading them
         self.block_tables[:n, :num_blocks].copy_(meta.block_tables)
         if self.num_live > n:
-            self.input_ids[n:self.num_live].zero_()
-            self.positions[n:self.num_live].zero_()
-            self.slot_mapping[n:self.num_live].fill_(-1)
-            self.seq_lens[n:self.num_live].fill_(1)
-            self.block_tables[n:self.num_live].zero_()
+            self.input_ids[n : self.num_live].zero_()
+            self.positions[n : self.num_live].zero_()
+            self.slot_mapping[n : self.num_live].fill_(-1)
+            self.seq_lens[n : self.num_live].fill_(1)
+            self.block_tables[n : self.num_live].zero_()
         self.num_live = n
 
 
 class DecodeGraphs:
     """The captured decode graphs of one model runner and their static buffers."""
 
-    def __init__(self, model, kv_caches: list, backend, windows: set, max_num_seqs: int,
-                 max_blocks: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list,
+        backend,
+        windows: set,
+        max_num_seqs: int,
+        max_blocks: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.windows, self.max_model_len, self.device = windows, max_model_len, device
         self.sizes = capture_sizes(max_num_seqs)
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.metas: dict[int, AttentionMetadata] = {}
-        self.outputs: dict[int, torch.Tensor] = {}     # size -> [size, hidden] static output
+        self.outputs: dict[int, torch.Tensor] = {}  # size -> [size, hidden] static output
         self.num_replays = 0
 
     @torch.inference_mode()
@@ -138,13 +156,17 @@ class DecodeGraphs:
                 self.outputs[size] = self._forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("Captured CUDA graphs for decode batch sizes %s in %.2f s.", self.sizes,
-                    time.perf_counter() - start)
+        logger.info(
+            "Captured CUDA graphs for decode batch sizes %s in %.2f s.",
+            self.sizes,
+            time.perf_counter() - start,
+        )
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = self.metas[size]
-        return self.model(self.buffers.input_ids[:size], meta.positions, self.kv_caches, meta,
-                          self.backend)
+        return self.model(
+            self.buffers.input_ids[:size], meta.positions, self.kv_caches, meta, self.backend
+        )
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return is_decode_batch(meta) and meta.num_reqs <= self.sizes[-1]

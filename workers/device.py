@@ -99,8 +99,8 @@ def tune_host_allocator() -> None:
     try:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
-        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)    # glibc's maximum
+        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # glibc's maximum
         libc.mallopt(m_trim_threshold, 1 << 30)
-        libc.mallopt(m_mmap_max, 0)                         # larger blocks: the heap too
+        libc.mallopt(m_mmap_max, 0)  # larger blocks: the heap too
     except (OSError, AttributeError):
         pass

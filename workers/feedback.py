@@ -36,25 +36,36 @@ class Feedback:
     """Ids sampled by one step, kept on the device until the host has them."""
 
     step_id: int
-    token_ids: torch.Tensor | None                 # [num_sampled] on the device
-    req_ids: list[str]                             # per id
-    rows: np.ndarray                               # [num_sampled] batch rows when pushed
-    epochs: np.ndarray                             # [num_sampled]
-    positions: np.ndarray                          # [num_sampled] where each id goes
-    layout_version: int                            # the batch's, when pushed
+    token_ids: torch.Tensor | None  # [num_sampled] on the device
+    req_ids: list[str]  # per id
+    rows: np.ndarray  # [num_sampled] batch rows when pushed
+    epochs: np.ndarray  # [num_sampled]
+    positions: np.ndarray  # [num_sampled] where each id goes
+    layout_version: int  # the batch's, when pushed
     host: HostCopy | None = None
-    wait_fn: Callable[[], object] | None = None   # PP: waits for the ids from the last stage
+    wait_fn: Callable[[], object] | None = None  # PP: waits for the ids from the last stage
 
     @classmethod
-    def of(cls, step_id: int, token_ids: torch.Tensor | None,
-           entries: list[tuple[str, int, int]],
-           wait_fn: Callable[[], object] | None = None) -> Feedback:
+    def of(
+        cls,
+        step_id: int,
+        token_ids: torch.Tensor | None,
+        entries: list[tuple[str, int, int]],
+        wait_fn: Callable[[], object] | None = None,
+    ) -> Feedback:
         """From (req_id, epoch, position) entries with no rows: planned and written back
         request by request."""
         req_ids, epochs, positions = zip(*entries) if entries else ((), (), ())
-        return cls(step_id, token_ids, list(req_ids), np.full(len(entries), -1, np.int64),
-                   np.array(epochs, np.int64), np.array(positions, np.int64), -1,
-                   wait_fn=wait_fn)
+        return cls(
+            step_id,
+            token_ids,
+            list(req_ids),
+            np.full(len(entries), -1, np.int64),
+            np.array(epochs, np.int64),
+            np.array(positions, np.int64),
+            -1,
+            wait_fn=wait_fn,
+        )
 
     @cached_property
     def entries(self) -> list[tuple[str, int, int]]:
@@ -102,12 +113,27 @@ class FeedbackQueue:
         """The entry a step reads on the device (after `settle`)."""
         return self.items[0] if self.items else None
 
-    def push(self, step_id: int, batch: InputBatch, rows: list[int], req_ids: list[str],
-             token_ids: torch.Tensor | None, wait_fn=None) -> Feedback:
+    def push(
+        self,
+        step_id: int,
+        batch: InputBatch,
+        rows: list[int],
+        req_ids: list[str],
+        token_ids: torch.Tensor | None,
+        wait_fn=None,
+    ) -> Feedback:
         """Rows just got a placeholder each for the id `token_ids[k]` (in row order)."""
         rows = np.asarray(rows, dtype=np.int64)
-        fb = Feedback(step_id, token_ids, list(req_ids), rows, batch.epochs[rows],
-                      batch.num_tokens[rows] - 1, batch.layout_version, wait_fn=wait_fn)
+        fb = Feedback(
+            step_id,
+            token_ids,
+            list(req_ids),
+            rows,
+            batch.epochs[rows],
+            batch.num_tokens[rows] - 1,
+            batch.layout_version,
+            wait_fn=wait_fn,
+        )
         self.items.append(fb)
         return fb
 
@@ -127,15 +153,19 @@ class FeedbackQueue:
                     break
         self._write_back(batch, keep)
 
-    def device_ids_at(self, keys: list[tuple[str, int, int]]
-                      ) -> tuple[list[int], torch.Tensor | None]:
+    def device_ids_at(
+        self, keys: list[tuple[str, int, int]]
+    ) -> tuple[list[int], torch.Tensor | None]:
         """Ids the host still lacks, for (req_id, epoch, position) keys: which keys (indices into
         `keys`) are pending here, and their ids [len(found)] gathered on the device, in that
         order. The host does not wait for the device."""
         found, parts = [], []
         for fb in self.items:
-            hits = [(k, fb.index[key[0]]) for k, key in enumerate(keys) if key[0] in fb.index
-                    and fb.entries[fb.index[key[0]]][1:] == key[1:]]
+            hits = [
+                (k, fb.index[key[0]])
+                for k, key in enumerate(keys)
+                if key[0] in fb.index and fb.entries[fb.index[key[0]]][1:] == key[1:]
+            ]
             if hits:
                 ids = fb.device_ids()
                 found += [k for k, _ in hits]
@@ -151,15 +181,21 @@ class FeedbackQueue:
             for (req_id, epoch, pos), token in zip(fb.entries, fb.host_ids().tolist()):
                 batch.write_token(req_id, epoch, pos, token)
 
-    def plan(self, batch: InputBatch, host: HostInputs, req_ids: list[str], rows: np.ndarray,
-             poison: bool = False) -> FeedbackPlan:
+    def plan(
+        self,
+        batch: InputBatch,
+        host: HostInputs,
+        req_ids: list[str],
+        rows: np.ndarray,
+        poison: bool = False,
+    ) -> FeedbackPlan:
         """Where the source entry's ids go; asserts that they cover every token the host lacks.
         `poison` (tests) writes garbage where the device ids will land."""
         source, plan = self.source, FeedbackPlan()
         computed, qsl = host.num_computed, host.query_start_loc
         if source is not None and source.rows_valid(batch):
             plan = _plan_rows(source, rows, computed, qsl)
-            source = None   # planned
+            source = None  # planned
         for i, req_id in enumerate(req_ids if source is not None else ()):
             j = source.index.get(req_id)
             if j is None:
@@ -176,8 +212,9 @@ class FeedbackQueue:
         return plan
 
 
-def _plan_rows(source: Feedback, rows: np.ndarray, computed: np.ndarray,
-               qsl: np.ndarray) -> FeedbackPlan:
+def _plan_rows(
+    source: Feedback, rows: np.ndarray, computed: np.ndarray, qsl: np.ndarray
+) -> FeedbackPlan:
     """`FeedbackQueue.plan` while the source's rows hold the same requests (same epochs) as
     when it was pushed: match them against the step's sorted `rows` in numpy."""
     if not len(rows) or not len(source.rows):
@@ -186,7 +223,8 @@ def _plan_rows(source: Feedback, rows: np.ndarray, computed: np.ndarray,
     offset = source.positions - computed[where]
     keep = (rows[where] == source.rows) & (offset >= 0) & (offset < qsl[where + 1] - qsl[where])
     src = np.flatnonzero(keep)
-    src = src[np.argsort(where[src], kind="stable")]   # in the step's row order
+    src = src[np.argsort(where[src], kind="stable")]  # in the step's row order
     i = where[src]
-    return FeedbackPlan(i.tolist(), src.tolist(), offset[src].tolist(),
-                        (qsl[i] + offset[src]).tolist())
+    return FeedbackPlan(
+        i.tolist(), src.tolist(), offset[src].tolist(), (qsl[i] + offset[src]).tolist()
+    )

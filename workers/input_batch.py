@@ -29,21 +29,24 @@ class RowState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 num_kv_groups: int = 1) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_kv_groups: int = 1
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.token_ids = np.full((max_num_reqs, max_model_len), -1, dtype=np.int64)
-        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)   # known + placeholders
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known + placeholders
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_tables = [np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-                             for _ in range(num_kv_groups)]
-        self.block_table = self.block_tables[0]   # the full-attention group's
+        self.block_tables = [
+            np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+            for _ in range(num_kv_groups)
+        ]
+        self.block_table = self.block_tables[0]  # the full-attention group's
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.epochs = np.zeros(max_num_reqs, dtype=np.int64)      # of each row's request
+        self.epochs = np.zeros(max_num_reqs, dtype=np.int64)  # of each row's request
         self.rows: list[RowState | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
-        self.num_rows = 0      # rows [0, num_rows) may be occupied (holes until condense)
-        self.layout_version = 0   # bumped whenever a row gets, loses or changes its request
+        self.num_rows = 0  # rows [0, num_rows) may be occupied (holes until condense)
+        self.layout_version = 0  # bumped whenever a row gets, loses or changes its request
 
     # -- membership ------------------------------------------------------------------------------
     def __contains__(self, req_id: str) -> bool:
@@ -58,8 +61,14 @@ class InputBatch:
         self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
-        self.rows[row] = RowState(new.req_id, new.epoch, new.num_prompt_tokens,
-                                  new.sampling_params, new.sampling_seed, new.stop_token_ids)
+        self.rows[row] = RowState(
+            new.req_id,
+            new.epoch,
+            new.num_prompt_tokens,
+            new.sampling_params,
+            new.sampling_seed,
+            new.stop_token_ids,
+        )
         self.epochs[row] = new.epoch
         self.layout_version += 1
         self.row_of[new.req_id] = row
@@ -103,7 +112,7 @@ class InputBatch:
         if block_ids[0]:
             start, n = self.num_blocks[row], len(block_ids[0])
             for table, ids in zip(self.block_tables, block_ids, strict=True):
-                table[row, start:start + n] = ids
+                table[row, start : start + n] = ids
             self.num_blocks[row] = start + n
 
     def append_placeholder(self, row: int) -> int:
@@ -121,7 +130,7 @@ class InputBatch:
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         """Ids already on the host (verified drafts): they take the next positions."""
         pos = int(self.num_tokens[row])
-        self.token_ids[row, pos:pos + len(token_ids)] = token_ids
+        self.token_ids[row, pos : pos + len(token_ids)] = token_ids
         self.num_tokens[row] = pos + len(token_ids)
 
     def write_token(self, req_id: str, epoch: int, position: int, token_id: int) -> None:
@@ -132,7 +141,7 @@ class InputBatch:
 
     def output_ids(self, row: int) -> list[int]:
         state = self.rows[row]
-        return self.token_ids[row, state.num_prompt_tokens:self.num_tokens[row]].tolist()
+        return self.token_ids[row, state.num_prompt_tokens : self.num_tokens[row]].tolist()
 
     def prompt_ids(self, row: int) -> list[int]:
-        return self.token_ids[row, :self.rows[row].num_prompt_tokens].tolist()
+        return self.token_ids[row, : self.rows[row].num_prompt_tokens].tolist()

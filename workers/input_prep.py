@@ -25,14 +25,14 @@ from vserve.workers.device import DeviceShim
 
 @dataclass
 class HostInputs:
-    query_start_loc: np.ndarray   # [num_reqs + 1] int64
-    num_computed: np.ndarray      # [num_reqs] int64, tokens in the KV cache before this step
-    positions: np.ndarray         # [num_tokens] int64
-    seq_lens: np.ndarray          # [num_reqs] int64, context length after this step
-    block_tables: np.ndarray      # [num_reqs, max_blocks] int32
-    host_tokens: np.ndarray       # [num_tokens] int64, -1 where the host lacks the id
+    query_start_loc: np.ndarray  # [num_reqs + 1] int64
+    num_computed: np.ndarray  # [num_reqs] int64, tokens in the KV cache before this step
+    positions: np.ndarray  # [num_tokens] int64
+    seq_lens: np.ndarray  # [num_reqs] int64, context length after this step
+    block_tables: np.ndarray  # [num_reqs, max_blocks] int32
+    host_tokens: np.ndarray  # [num_tokens] int64, -1 where the host lacks the id
     block_size: int
-    local_block_tables: np.ndarray | None = None   # [num_reqs, max_blocks] int32, the
+    local_block_tables: np.ndarray | None = None  # [num_reqs, max_blocks] int32, the
     #   sliding-window KV group's (dead entries point at its null block); None: one group
 
     @property
@@ -59,14 +59,14 @@ class FeedbackPlan:
 
 @dataclass
 class DeviceInputs:
-    input_ids: torch.Tensor        # [num_tokens] int64
-    positions: torch.Tensor        # [num_tokens] int64
-    slot_mapping: torch.Tensor     # [num_tokens] int64
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor         # [num_reqs] int32
-    block_tables: torch.Tensor     # [num_reqs, max_blocks] int32
-    local_slot_mapping: torch.Tensor | None = None   # [num_tokens] int64, sliding-window group
-    local_block_tables: torch.Tensor | None = None   # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    local_slot_mapping: torch.Tensor | None = None  # [num_tokens] int64, sliding-window group
+    local_block_tables: torch.Tensor | None = None  # [num_reqs, max_blocks] int32
 
 
 def new_feedback_stats() -> dict[str, int]:
@@ -81,27 +81,32 @@ class TorchInputPrep:
         self.shim = shim
         self.stats = new_feedback_stats()
 
-    def build(self, host: HostInputs, plan: FeedbackPlan,
-              prev: torch.Tensor | None) -> DeviceInputs:
+    def build(
+        self, host: HostInputs, plan: FeedbackPlan, prev: torch.Tensor | None
+    ) -> DeviceInputs:
         to = self.shim.to_device
         req_of = np.repeat(np.arange(host.num_reqs), np.diff(host.query_start_loc))
         local = host.local_block_tables
         return DeviceInputs(
-            self._input_ids(host.host_tokens, plan, prev), to(host.positions),
+            self._input_ids(host.host_tokens, plan, prev),
+            to(host.positions),
             to(_slots(host.block_tables, req_of, host.positions, host.block_size)),
-            to(host.query_start_loc.astype(np.int32)), to(host.seq_lens.astype(np.int32)),
+            to(host.query_start_loc.astype(np.int32)),
+            to(host.seq_lens.astype(np.int32)),
             to(host.block_tables),
             None if local is None else to(_slots(local, req_of, host.positions, host.block_size)),
-            None if local is None else to(local))
+            None if local is None else to(local),
+        )
 
-    def _input_ids(self, host_tokens: np.ndarray, plan: FeedbackPlan,
-                   prev: torch.Tensor | None) -> torch.Tensor:
+    def _input_ids(
+        self, host_tokens: np.ndarray, plan: FeedbackPlan, prev: torch.Tensor | None
+    ) -> torch.Tensor:
         input_ids = self.shim.to_device(host_tokens)
         n = len(plan.dest)
         if n == 0:
             return input_ids
         if plan.src == list(range(n)) and plan.dest == list(range(n)):
-            input_ids[:n] = prev[:n]                     # unchanged batch: one slice copy
+            input_ids[:n] = prev[:n]  # unchanged batch: one slice copy
             self.stats["slice"] += 1
         else:
             device = input_ids.device
@@ -124,36 +129,56 @@ class FusedInputPrep:
         # a valid pointer for steps without feedback (no row indexes it)
         self._no_prev = torch.zeros(1, dtype=torch.int64, device=shim.device)
 
-    def build(self, host: HostInputs, plan: FeedbackPlan,
-              prev: torch.Tensor | None) -> DeviceInputs:
+    def build(
+        self, host: HostInputs, plan: FeedbackPlan, prev: torch.Tensor | None
+    ) -> DeviceInputs:
         assert host.local_block_tables is None, "the Triton path has one KV group"
         num_reqs, num_tokens = host.num_reqs, len(host.host_tokens)
         prev_index = np.full(num_reqs, -1, dtype=np.int32)
         offsets = np.zeros(num_reqs, dtype=np.int32)
         prev_index[plan.rows] = plan.src
         offsets[plan.rows] = plan.offsets
-        ints = self.shim.to_device(np.concatenate([
-            host.query_start_loc.astype(np.int32), host.seq_lens.astype(np.int32), prev_index,
-            offsets, host.block_tables.reshape(-1)]))
+        ints = self.shim.to_device(
+            np.concatenate(
+                [
+                    host.query_start_loc.astype(np.int32),
+                    host.seq_lens.astype(np.int32),
+                    prev_index,
+                    offsets,
+                    host.block_tables.reshape(-1),
+                ]
+            )
+        )
         longs = self.shim.to_device(np.concatenate([host.host_tokens, host.num_computed]))
         qsl, seq_lens, prev_index_d, offsets_d, table = ints.split(
-            [num_reqs + 1, num_reqs, num_reqs, num_reqs, host.block_tables.size])
+            [num_reqs + 1, num_reqs, num_reqs, num_reqs, host.block_tables.size]
+        )
         block_tables = table.view(host.block_tables.shape)
         host_tokens, num_computed = longs.split([num_tokens, num_reqs])
         input_ids, positions, slots = self._kernel(
-            qsl, num_computed, block_tables, host.block_size, host_tokens,
-            self._no_prev if prev is None else prev, prev_index_d, offsets_d)
+            qsl,
+            num_computed,
+            block_tables,
+            host.block_size,
+            host_tokens,
+            self._no_prev if prev is None else prev,
+            prev_index_d,
+            offsets_d,
+        )
         if plan.rows:
             self.stats["fused"] += 1
             self.stats["rows"] += len(plan.rows)
         return DeviceInputs(input_ids, positions, slots, qsl, seq_lens, block_tables)
 
 
-def _slots(block_tables: np.ndarray, req_of: np.ndarray, positions: np.ndarray,
-           block_size: int) -> np.ndarray:
+def _slots(
+    block_tables: np.ndarray, req_of: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
     """Flat KV slot of each token: its request's block for the position, and the offset."""
-    return (block_tables[req_of, positions // block_size].astype(np.int64) * block_size
-            + positions % block_size)
+    return (
+        block_tables[req_of, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
 
 
 def make_input_prep(shim: DeviceShim) -> TorchInputPrep | FusedInputPrep:

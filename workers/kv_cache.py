@@ -53,12 +53,18 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         os.ftruncate(fd, nbytes)
         buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:
-        os.close(fd)   # the mapping keeps the memory
-    return torch.frombuffer(buf, dtype=dtype).view(shape)   # the tensor keeps `buf` alive
+        os.close(fd)  # the mapping keeps the memory
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
 
 
-def new_kv_tensor(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def new_kv_tensor(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """[2, num_blocks, block_size, num_kv_heads, head_dim], zeros (keys, then values)."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     if device.type == "cpu":
@@ -66,9 +72,15 @@ def new_kv_tensor(num_blocks: int, block_size: int, num_kv_heads: int, head_dim:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def num_blocks_for(bytes_per_block: int, budget_bytes: int, max_num_seqs: int,
-                   max_model_len: int, block_size: int, local_bytes_per_block: int = 0,
-                   local_cap: int = 0) -> int:
+def num_blocks_for(
+    bytes_per_block: int,
+    budget_bytes: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    local_bytes_per_block: int = 0,
+    local_cap: int = 0,
+) -> int:
     """Full-attention blocks that fit in `budget_bytes` beside min(blocks, local_cap)
     sliding-window blocks, at most what `max_num_seqs` full sequences use."""
     per_seq = -(-max_model_len // block_size)
@@ -86,8 +98,9 @@ def sliding_window_layers(specs, layers: range, sliding_window: int | None) -> s
     return {i for i in layers if specs[i].sliding_window is not None}
 
 
-def kv_bytes_per_block(specs, layers: range, local: set[int], block_size: int,
-                       dtype: torch.dtype) -> tuple[int, int]:
+def kv_bytes_per_block(
+    specs, layers: range, local: set[int], block_size: int, dtype: torch.dtype
+) -> tuple[int, int]:
     """Bytes of one block over the full-attention layers, and over the sliding-window ones."""
     sizes = [0, 0]
     for i in layers:
@@ -95,14 +108,22 @@ def kv_bytes_per_block(specs, layers: range, local: set[int], block_size: int,
     return sizes[0] * dtype.itemsize, sizes[1] * dtype.itemsize
 
 
-def allocate_kv_caches(specs, layers: range, local: set[int], num_blocks: int,
-                       num_local_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor | None]:
+def allocate_kv_caches(
+    specs,
+    layers: range,
+    local: set[int],
+    num_blocks: int,
+    num_local_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor | None]:
     """One tensor per layer of `layers` (None elsewhere); sliding-window layers get
     `num_local_blocks` + the null block."""
     caches: list[torch.Tensor | None] = [None] * len(specs)
     for i in layers:
         n = num_local_blocks + 1 if i in local else num_blocks
-        caches[i] = new_kv_tensor(n, block_size, specs[i].num_kv_heads, specs[i].head_dim,
-                                  dtype, device)
+        caches[i] = new_kv_tensor(
+            n, block_size, specs[i].num_kv_heads, specs[i].head_dim, dtype, device
+        )
     return caches

@@ -31,11 +31,11 @@ class Sample(msgspec.Struct, tag="sample", array_like=True):
     """Sampling of a deferred step, with the grammar bitmask known only now."""
 
     step_id: int
-    grammar_bitmask: np.ndarray | None = None   # int32 [rows, words]
+    grammar_bitmask: np.ndarray | None = None  # int32 [rows, words]
 
 
 class Place(msgspec.Struct, tag="place", array_like=True):
-    per_rank: dict[int, tuple[int, tuple[int, ...]]]   # rank -> (torch threads, CPUs)
+    per_rank: dict[int, tuple[int, tuple[int, ...]]]  # rank -> (torch threads, CPUs)
 
 
 class Load(msgspec.Struct, tag="load", array_like=True):

@@ -59,38 +59,46 @@ class RunnerConfig:
     attention_backend: str = "torch"
     pp_rank: int = 0
     pp_size: int = 1
-    layer_partition: tuple[int, ...] = ()   # decoder layers per stage; () = even split
+    layer_partition: tuple[int, ...] = ()  # decoder layers per stage; () = even split
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
-    sliding_window: int | None = None   # the sliding-window KV group's window (None: no group)
-    local_block_cap: int = 0            # most blocks that group holds
+    sliding_window: int | None = None  # the sliding-window KV group's window (None: no group)
+    local_block_cap: int = 0  # most blocks that group holds
 
     @staticmethod
     def of(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
         """What pipeline stage `pp_rank` needs of the engine's config."""
         m, c, s, d = config.model, config.cache, config.scheduler, config.device
         return RunnerConfig(
-            model_path=m.model, dtype=m.dtype, max_model_len=m.max_model_len,
-            max_num_seqs=s.max_num_seqs, block_size=c.block_size, device=d.device,
-            attention_backend=d.attention_backend, pp_rank=pp_rank,
+            model_path=m.model,
+            dtype=m.dtype,
+            max_model_len=m.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            block_size=c.block_size,
+            device=d.device,
+            attention_backend=d.attention_backend,
+            pp_rank=pp_rank,
             pp_size=config.parallel.pipeline_parallel_size,
             layer_partition=config.parallel.layer_partition,
             kv_cache_memory_bytes=c.kv_cache_memory_bytes,
             gpu_memory_utilization=c.gpu_memory_utilization,
-            num_gpu_blocks_override=c.num_gpu_blocks_override, enforce_eager=d.enforce_eager,
-            sliding_window=c.sliding_window, local_block_cap=config.local_block_cap)
+            num_gpu_blocks_override=c.num_gpu_blocks_override,
+            enforce_eager=d.enforce_eager,
+            sliding_window=c.sliding_window,
+            local_block_cap=config.local_block_cap,
+        )
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor | None                 # [num_tokens] (first stage)
+    input_ids: torch.Tensor | None  # [num_tokens] (first stage)
     meta: AttentionMetadata
-    logits_idx: torch.Tensor                       # [num_logits_rows]
-    layout: SampleLayout                           # which requests sample, where their logits are
-    prompt_lp: list[PromptSlice] = field(default_factory=list)   # last stage, when asked
-    prompt_lp_out: dict | None = None              # their results (RunnerOutput.prompt_logprobs)
+    logits_idx: torch.Tensor  # [num_logits_rows]
+    layout: SampleLayout  # which requests sample, where their logits are
+    prompt_lp: list[PromptSlice] = field(default_factory=list)  # last stage, when asked
+    prompt_lp_out: dict | None = None  # their results (RunnerOutput.prompt_logprobs)
 
 
 class AsyncStepOutput:
@@ -99,9 +107,17 @@ class AsyncStepOutput:
     host; plain rows' logprobs arrive through their own copy (`pending`: the PendingLogprobs,
     its rows' request ids and that copy)."""
 
-    def __init__(self, step_id, layout: SampleLayout | None, host: HostCopy | None,
-                 spec_ids: dict | None, logprobs: dict | None, timing, pending=None,
-                 prompt_logprobs: dict | None = None) -> None:
+    def __init__(
+        self,
+        step_id,
+        layout: SampleLayout | None,
+        host: HostCopy | None,
+        spec_ids: dict | None,
+        logprobs: dict | None,
+        timing,
+        pending=None,
+        prompt_logprobs: dict | None = None,
+    ) -> None:
         self.step_id, self.layout, self.host = step_id, layout, host
         self.spec_ids, self.logprobs, self.timing = spec_ids or {}, logprobs or {}, timing
         self.pending = pending
@@ -114,14 +130,16 @@ class AsyncStepOutput:
             out.req_ids = list(self.layout.req_ids)
             if self.spec_ids:
                 plain = iter(ids)
-                out.sampled_token_ids = [self.spec_ids[r] if r in self.spec_ids
-                                         else [next(plain)] for r in out.req_ids]
+                out.sampled_token_ids = [
+                    self.spec_ids[r] if r in self.spec_ids else [next(plain)] for r in out.req_ids
+                ]
             else:
                 out.sampled_token_ids = [[token] for token in ids]
             if self.pending is not None:
                 lp, req_ids, copy = self.pending
-                self.logprobs.update((r, d) for r, d in zip(req_ids, lp.resolve(copy.wait()))
-                                     if d is not None)
+                self.logprobs.update(
+                    (r, d) for r, d in zip(req_ids, lp.resolve(copy.wait())) if d is not None
+                )
             if self.logprobs:
                 out.logprobs = [self.logprobs.get(r) for r in out.req_ids]
         self.timing.ready = time.perf_counter()
@@ -135,43 +153,58 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.shim = DeviceShim(self.device)
         self.dtype = _DTYPES[config.dtype]
-        self.stage = (StageInfo.from_counts(config.layer_partition, config.pp_rank)
-                      if config.layer_partition else
-                      StageInfo.split(hf_config.num_hidden_layers, config.pp_size, config.pp_rank))
+        self.stage = (
+            StageInfo.from_counts(config.layer_partition, config.pp_rank)
+            if config.layer_partition
+            else StageInfo.split(hf_config.num_hidden_layers, config.pp_size, config.pp_rank)
+        )
         self.pp = pp_comm
         max_blocks = -(-config.max_model_len // config.block_size)
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, max_blocks,
-                                1 if config.sliding_window is None else 2)
+        self.batch = InputBatch(
+            config.max_num_seqs,
+            config.max_model_len,
+            max_blocks,
+            1 if config.sliding_window is None else 2,
+        )
         self.backend = get_attention_backend(config.attention_backend, config.block_size)
         self.step_sampler = StepSampler(self.batch, hf_config.vocab_size)
         # stage 0 of a pipeline: the last stage's ids of the pp newest steps may be pending
         self.feedback = FeedbackQueue(config.pp_size if self.stage.is_first else 1)
         self.step_sampler.feedback = self.feedback
-        self._deferred = None   # a step whose sampling waits for its grammar bitmask
+        self._deferred = None  # a step whose sampling waits for its grammar bitmask
         self.model = None
         self.kv_caches: list[torch.Tensor | None] = []
-        self.poison_feedback_slots = False   # tests: garbage in the host copy of fed-back ids
+        self.poison_feedback_slots = False  # tests: garbage in the host copy of fed-back ids
         self.input_prep = make_input_prep(self.shim)
         self.feedback_stats = self.input_prep.stats
         self.graphs: DecodeGraphs | None = None
-        self.prompt_lp_req_ids: set[str] = set()   # rows that asked for prompt logprobs
+        self.prompt_lp_req_ids: set[str] = set()  # rows that asked for prompt logprobs
 
     # -- set up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.model = load_model(self.config.model_path, self.hf_config, self.stage, self.dtype,
-                                self.device, self.config.max_model_len)
-        self.windows = {self.model.layer_specs[i].sliding_window
-                        for i in range(self.stage.start_layer, self.stage.end_layer)}
-        if hasattr(self.backend, "kernel"):   # bf16 CPU: fused decode attention
+        self.model = load_model(
+            self.config.model_path,
+            self.hf_config,
+            self.stage,
+            self.dtype,
+            self.device,
+            self.config.max_model_len,
+        )
+        self.windows = {
+            self.model.layer_specs[i].sliding_window
+            for i in range(self.stage.start_layer, self.stage.end_layer)
+        }
+        if hasattr(self.backend, "kernel"):  # bf16 CPU: fused decode attention
             self.backend.kernel = getattr(self.model, "kernel", None)
-        if self.stage.is_last:   # build the sampling kernel now, not on the first sampled step
+        if self.stage.is_last:  # build the sampling kernel now, not on the first sampled step
             self.step_sampler.sampler.kernel_for(self.device, self.dtype)
 
     def _kv_layers(self) -> tuple[range, set[int]]:
         """This stage's layers, and those of them in the sliding-window KV group."""
         layers = range(self.stage.start_layer, self.stage.end_layer)
-        return layers, sliding_window_layers(self.model.layer_specs, layers,
-                                             self.config.sliding_window)
+        return layers, sliding_window_layers(
+            self.model.layer_specs, layers, self.config.sliding_window
+        )
 
     def available_kv_bytes(self) -> int:
         if self.config.kv_cache_memory_bytes is not None:
@@ -180,7 +213,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             return max(0, int(total * self.config.gpu_memory_utilization) - used)
-        return DEFAULT_CPU_KV_CACHE_BYTES   # a ceiling: pages are committed as blocks fill
+        return DEFAULT_CPU_KV_CACHE_BYTES  # a ceiling: pages are committed as blocks fill
 
     def num_kv_blocks(self) -> int:
         """How many blocks this stage could hold (the engine takes the min over stages)."""
@@ -188,35 +221,57 @@ class ModelRunner:
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
         layers, local = self._kv_layers()
-        full_bytes, local_bytes = kv_bytes_per_block(self.model.layer_specs, layers, local,
-                                                     cfg.block_size, self.dtype)
-        return num_blocks_for(full_bytes, self.available_kv_bytes(), cfg.max_num_seqs,
-                              cfg.max_model_len, cfg.block_size, local_bytes, cfg.local_block_cap)
+        full_bytes, local_bytes = kv_bytes_per_block(
+            self.model.layer_specs, layers, local, cfg.block_size, self.dtype
+        )
+        return num_blocks_for(
+            full_bytes,
+            self.available_kv_bytes(),
+            cfg.max_num_seqs,
+            cfg.max_model_len,
+            cfg.block_size,
+            local_bytes,
+            cfg.local_block_cap,
+        )
 
     def init_kv_cache(self, num_blocks: int) -> None:
         layers, local = self._kv_layers()
-        self.local_null_block = min(num_blocks, self.config.local_block_cap)   # the extra one
-        self.kv_caches = allocate_kv_caches(self.model.layer_specs, layers, local, num_blocks,
-                                            self.local_null_block, self.config.block_size,
-                                            self.dtype, self.device)
+        self.local_null_block = min(num_blocks, self.config.local_block_cap)  # the extra one
+        self.kv_caches = allocate_kv_caches(
+            self.model.layer_specs,
+            layers,
+            local,
+            num_blocks,
+            self.local_null_block,
+            self.config.block_size,
+            self.dtype,
+            self.device,
+        )
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode CUDA graphs read the KV cache tensors, so they are captured after them."""
         cfg = self.config
-        if not use_cuda_graphs(cfg.device, cfg.attention_backend, cfg.enforce_eager,
-                               cfg.pp_size):
+        if not use_cuda_graphs(cfg.device, cfg.attention_backend, cfg.enforce_eager, cfg.pp_size):
             return None
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.windows,
-                              cfg.max_num_seqs, self.batch.block_table.shape[1],
-                              cfg.max_model_len, self.device)
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.backend,
+            self.windows,
+            cfg.max_num_seqs,
+            self.batch.block_table.shape[1],
+            cfg.max_model_len,
+            self.device,
+        )
         graphs.capture()
         return graphs
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput,
-                      defer_sampling: bool = False) -> AsyncStepOutput | None:
+    def execute_model(
+        self, so: SchedulerOutput, defer_sampling: bool = False
+    ) -> AsyncStepOutput | None:
         """Run one step. With `defer_sampling`, stop after the logits: `sample_tokens` takes
         over once the grammar bitmask is known (structured output under async scheduling)."""
         timing = StepTiming(recv=time.perf_counter())
@@ -224,9 +279,10 @@ class ModelRunner:
         if so.is_empty:
             return self._empty_output(so, timing)
         inputs = self._prepare_inputs(so)
-        first, spans = (inputs.input_ids, []) if self.stage.is_first else \
-            self.pp.recv_hidden(so, inputs)   # (with the earlier stages' forward spans)
-        timing.forward_start = time.perf_counter()   # (a later stage's wait for its input is
+        first, spans = (
+            (inputs.input_ids, []) if self.stage.is_first else self.pp.recv_hidden(so, inputs)
+        )  # (with the earlier stages' forward spans)
+        timing.forward_start = time.perf_counter()  # (a later stage's wait for its input is
         # not its forward: the report compares the bottleneck stage's work with the interval)
         hidden = self._forward(first, inputs.meta)
         timing.stage_forwards = spans
@@ -270,24 +326,36 @@ class ModelRunner:
         layout = inputs.layout
         result = self.step_sampler.sample(layout, logits, so.grammar_req_ids, bitmask)
         host = pending = None
-        if result.pending_logprobs is not None:   # copied beside the ids, read in get()
-            pending = (result.pending_logprobs, result.plain_req_ids,
-                       self.shim.host_copy(result.pending_logprobs.tensors))
+        if result.pending_logprobs is not None:  # copied beside the ids, read in get()
+            pending = (
+                result.pending_logprobs,
+                result.plain_req_ids,
+                self.shim.host_copy(result.pending_logprobs.tensors),
+            )
         if result.plain_ids is not None:
             plain = layout.plain
             rows = [layout.rows[i] for i in plain]
-            fb = self.feedback.push(so.step_id, self.batch, rows,
-                                    [layout.req_ids[i] for i in plain], result.plain_ids)
+            fb = self.feedback.push(
+                so.step_id, self.batch, rows, [layout.req_ids[i] for i in plain], result.plain_ids
+            )
             if self.pp is not None:
                 self.pp.send_sampled(so, result.plain_ids)
             host = fb.host = self.shim.host_copy([result.plain_ids])
-        for req_id, tokens in result.spec_ids.items():   # verified drafts: host rows now
+        for req_id, tokens in result.spec_ids.items():  # verified drafts: host rows now
             self.batch.append_tokens(self.batch.row_of[req_id], tokens)
         timing.forward_end = time.perf_counter()
-        if self.pp is not None:   # the last stage's own span (with its sampling)
+        if self.pp is not None:  # the last stage's own span (with its sampling)
             timing.stage_forwards.append((timing.forward_start, timing.forward_end))
-        return AsyncStepOutput(so.step_id, layout, host, result.spec_ids, result.logprobs,
-                               timing, pending, inputs.prompt_lp_out)
+        return AsyncStepOutput(
+            so.step_id,
+            layout,
+            host,
+            result.spec_ids,
+            result.logprobs,
+            timing,
+            pending,
+            inputs.prompt_lp_out,
+        )
 
     # -- batch state -----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -315,30 +383,43 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch = self.batch
         rows = np.array(sorted(batch.row_of[r] for r in so.num_scheduled_tokens), dtype=np.int64)
-        self.feedback.settle(batch, self._query_spans(so, rows)
-                             if self.feedback.max_pending > 1 else None)
+        self.feedback.settle(
+            batch, self._query_spans(so, rows) if self.feedback.max_pending > 1 else None
+        )
         req_ids = [batch.rows[r].req_id for r in rows.tolist()]
-        for req_id, drafts in so.spec_token_ids.items():   # drafts are host-known inputs
+        for req_id, drafts in so.spec_token_ids.items():  # drafts are host-known inputs
             row = batch.row_of[req_id]
             start = int(batch.num_computed[row]) + 1
-            batch.token_ids[row, start:start + len(drafts)] = drafts
+            batch.token_ids[row, start : start + len(drafts)] = drafts
         host = self._host_inputs(so, rows, req_ids)
         layout, logits_rows = self._sample_layout(so, rows, req_ids, host)
-        plan = (self.feedback.plan(batch, host, req_ids, rows, self.poison_feedback_slots)
-                if self.stage.is_first else FeedbackPlan())
+        plan = (
+            self.feedback.plan(batch, host, req_ids, rows, self.poison_feedback_slots)
+            if self.stage.is_first
+            else FeedbackPlan()
+        )
         prev = self.feedback.source.device_ids() if plan.rows else None
         dev = self.input_prep.build(host, plan, prev)
         batch.num_computed[rows] = host.seq_lens
-        batch.append_placeholders(np.array([layout.rows[i] for i in layout.plain],
-                                           dtype=np.int64))
+        batch.append_placeholders(np.array([layout.rows[i] for i in layout.plain], dtype=np.int64))
         meta = self._attention_metadata(host, dev)
         logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
-        prompt_lp = plan_prompt_logprobs(
-            batch, self.prompt_lp_req_ids, req_ids, rows, host.query_start_loc,
-            host.num_computed, host.seq_lens) if self.prompt_lp_req_ids and self.stage.is_last \
+        prompt_lp = (
+            plan_prompt_logprobs(
+                batch,
+                self.prompt_lp_req_ids,
+                req_ids,
+                rows,
+                host.query_start_loc,
+                host.num_computed,
+                host.seq_lens,
+            )
+            if self.prompt_lp_req_ids and self.stage.is_last
             else []
-        return StepInputs(dev.input_ids if self.stage.is_first else None, meta, logits_idx,
-                          layout, prompt_lp)
+        )
+        return StepInputs(
+            dev.input_ids if self.stage.is_first else None, meta, logits_idx, layout, prompt_lp
+        )
 
     def _query_spans(self, so, rows: np.ndarray) -> dict[str, tuple[int, int, int]]:
         """req_id -> (epoch, first, end) positions this step computes for it."""
@@ -346,8 +427,11 @@ class ModelRunner:
         for row in rows.tolist():
             state = batch.rows[row]
             first = int(batch.num_computed[row])
-            spans[state.req_id] = (state.epoch, first,
-                                   first + so.num_scheduled_tokens[state.req_id])
+            spans[state.req_id] = (
+                state.epoch,
+                first,
+                first + so.num_scheduled_tokens[state.req_id],
+            )
         return spans
 
     def _sample_layout(self, so, rows, req_ids, host: HostInputs):
@@ -362,8 +446,9 @@ class ModelRunner:
                 continue
             drafts = so.spec_token_ids.get(req_id, ())
             row = int(rows[i])
-            assert self.batch.num_tokens[row] + len(drafts) == host.seq_lens[i], \
+            assert self.batch.num_tokens[row] + len(drafts) == host.seq_lens[i], (
                 "worker lost track of " + req_id
+            )
             layout.req_ids.append(req_id)
             layout.rows.append(row)
             layout.logit_start.append(len(logits_rows))
@@ -380,42 +465,63 @@ class ModelRunner:
         picked = rows[keep]
         lost = np.flatnonzero(self.batch.num_tokens[picked] != host.seq_lens[keep])
         assert not len(lost), "worker lost track of " + req_ids[np.flatnonzero(keep)[lost[0]]]
-        layout = SampleLayout([r for r, k in zip(req_ids, keep.tolist()) if k],
-                              picked.tolist(), list(range(len(picked))))
+        layout = SampleLayout(
+            [r for r, k in zip(req_ids, keep.tolist()) if k],
+            picked.tolist(),
+            list(range(len(picked))),
+        )
         return layout, (host.query_start_loc[1:][keep] - 1).tolist()
 
-    def _host_inputs(self, so: SchedulerOutput, rows: np.ndarray,
-                     req_ids: list[str]) -> HostInputs:
+    def _host_inputs(self, so: SchedulerOutput, rows: np.ndarray, req_ids: list[str]) -> HostInputs:
         batch = self.batch
         num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(num_sched, out=qsl[1:])
         computed = batch.num_computed[rows]
         rows_rep = np.repeat(rows, num_sched)
-        positions = np.repeat(computed, num_sched) + (np.arange(int(qsl[-1]))
-                                                      - np.repeat(qsl[:-1], num_sched))
+        positions = np.repeat(computed, num_sched) + (
+            np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], num_sched)
+        )
         max_blocks = int(batch.num_blocks[rows].max()) if len(rows) else 0
         width = max(1, max_blocks)
         block_tables = np.ascontiguousarray(batch.block_table[rows, :width])
         local_tables = None
-        if self.config.sliding_window is not None:   # dead entries -> the null block
+        if self.config.sliding_window is not None:  # dead entries -> the null block
             local_tables = batch.block_tables[1][rows, :width]
-            dead = np.arange(width) < np.maximum(
-                0, (computed - self.config.sliding_window + 1) // self.config.block_size)[:, None]
+            dead = (
+                np.arange(width)
+                < np.maximum(
+                    0, (computed - self.config.sliding_window + 1) // self.config.block_size
+                )[:, None]
+            )
             local_tables[dead | (local_tables < 0)] = self.local_null_block
-        return HostInputs(qsl, computed, positions, computed + num_sched, block_tables,
-                          batch.token_ids[rows_rep, positions], self.config.block_size,
-                          local_tables)
+        return HostInputs(
+            qsl,
+            computed,
+            positions,
+            computed + num_sched,
+            block_tables,
+            batch.token_ids[rows_rep, positions],
+            self.config.block_size,
+            local_tables,
+        )
 
     def _attention_metadata(self, host: HostInputs, dev: DeviceInputs) -> AttentionMetadata:
         qsl, seq_lens = host.query_start_loc, host.seq_lens
         meta = AttentionMetadata(
-            num_tokens=len(host.positions), positions=dev.positions,
-            slot_mapping=dev.slot_mapping, query_start_loc=dev.query_start_loc,
-            seq_lens=dev.seq_lens, block_tables=dev.block_tables,
-            local_slot_mapping=dev.local_slot_mapping, local_block_tables=dev.local_block_tables,
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(np.diff(qsl).max()), max_seq_len=int(seq_lens.max()))
+            num_tokens=len(host.positions),
+            positions=dev.positions,
+            slot_mapping=dev.slot_mapping,
+            query_start_loc=dev.query_start_loc,
+            seq_lens=dev.seq_lens,
+            block_tables=dev.block_tables,
+            local_slot_mapping=dev.local_slot_mapping,
+            local_block_tables=dev.local_block_tables,
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(np.diff(qsl).max()),
+            max_seq_len=int(seq_lens.max()),
+        )
         fused = getattr(self.model, "fused", None)
         if fused is None or not fused.can_run(meta, self.backend):
             # (a fused decode step reads the paged cache itself: no gathers or masks to plan)
@@ -429,5 +535,11 @@ class ModelRunner:
         plain = layout.plain
         if self.stage.is_first and plain:
             buf, wait_fn = self.pp.recv_sampled(so, len(plain))
-            self.feedback.push(so.step_id, self.batch, [layout.rows[i] for i in plain],
-                               [layout.req_ids[i] for i in plain], buf, wait_fn)
+            self.feedback.push(
+                so.step_id,
+                self.batch,
+                [layout.rows[i] for i in plain],
+                [layout.req_ids[i] for i in plain],
+                buf,
+                wait_fn,
+            )

@@ -28,14 +28,23 @@ from vserve.envs import ENV
 
 
 class PPComm:
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
-                 device: torch.device, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        device: torch.device,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> None:
         self.rank, self.world_size = rank, world_size
         self.device, self.hidden_size, self.dtype = device, hidden_size, dtype
         timeout = datetime.timedelta(seconds=ENV.dist_timeout)
         self._listener, store = _make_store(rank, world_size, master_addr, master_port, timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
         self.chain = dist.new_group(backend="gloo")
         self.ctrl = dist.new_group(backend="gloo")
         self.reply = dist.new_group(backend="gloo")
@@ -59,8 +68,9 @@ class PPComm:
             data = buf.numpy().tobytes()
         if self.rank < self.last:
             self._isend(torch.tensor([len(data)], dtype=torch.int64), self.rank + 1, self.chain)
-            self._isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.rank + 1,
-                        self.chain)
+            self._isend(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), self.rank + 1, self.chain
+            )
         return data
 
     def min_over_ranks(self, value: int) -> int:
@@ -95,19 +105,20 @@ class PPComm:
         buf = torch.empty(num_bytes + 16 * self.rank, dtype=torch.uint8)
         dist.recv(buf, src=self.rank - 1, group=self.data)
         spans = buf[num_bytes:].clone().view(torch.float64).view(self.rank, 2)
-        return buf[:num_bytes].view(self.dtype).view(shape), \
-            [(start, end) for start, end in spans.tolist()]
+        return buf[:num_bytes].view(self.dtype).view(shape), [
+            (start, end) for start, end in spans.tolist()
+        ]
 
-    def send_hidden(self, so, hidden: torch.Tensor,
-                    spans: list[tuple[float, float]]) -> None:
+    def send_hidden(self, so, hidden: torch.Tensor, spans: list[tuple[float, float]]) -> None:
         """`spans`: the forward (start, end) of this stage and of every one before it."""
         spans_t = torch.tensor(spans, dtype=torch.float64).reshape(self.rank + 1, 2)
-        if self.device.type != "cpu":   # (the spans stay off the device: no copy to wait for)
+        if self.device.type != "cpu":  # (the spans stay off the device: no copy to wait for)
             self._isend(spans_t, self.rank + 1, self.chain)
             self._isend(hidden.contiguous(), self.rank + 1, self.data)
             return
-        packed = torch.cat([hidden.contiguous().view(-1).view(torch.uint8),
-                            spans_t.view(-1).view(torch.uint8)])
+        packed = torch.cat(
+            [hidden.contiguous().view(-1).view(torch.uint8), spans_t.view(-1).view(torch.uint8)]
+        )
         self._isend(packed, self.rank + 1, self.data)
 
     def send_sampled(self, so, token_ids: torch.Tensor) -> None:
@@ -145,6 +156,5 @@ def _make_store(rank: int, world_size: int, addr: str, port: int, timeout):
         return None, dist.TCPStore(addr, port, world_size, False, timeout)
     family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
     listener = socket.create_server((addr, port), family=family)
-    store = dist.TCPStore(addr, port, world_size, True, timeout,
-                          master_listen_fd=listener.fileno())
+    store = dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=listener.fileno())
     return listener, store

@@ -22,22 +22,27 @@ from vserve.core.outputs import LogprobsDelta
 from vserve.workers.input_batch import InputBatch
 from vserve.workers.sampler import _logprobs_torch
 
-_ROWS = 256   # logits rows per slice of a long chunk
+_ROWS = 256  # logits rows per slice of a long chunk
 
 
 @dataclass
 class PromptSlice:
     req_id: str
-    hidden_start: int          # hidden row of the query token at prompt position first - 1
-    first: int                 # prompt index of the first token predicted (>= 1)
-    target_ids: list[int]      # the prompt tokens predicted, first .. first + n - 1
-    num_top: int               # k
+    hidden_start: int  # hidden row of the query token at prompt position first - 1
+    first: int  # prompt index of the first token predicted (>= 1)
+    target_ids: list[int]  # the prompt tokens predicted, first .. first + n - 1
+    num_top: int  # k
 
 
-def plan_prompt_logprobs(batch: InputBatch, wanted: set[str], req_ids: list[str],
-                         rows: np.ndarray, query_start_loc: np.ndarray,
-                         num_computed: np.ndarray,
-                         seq_lens: np.ndarray) -> list[PromptSlice]:
+def plan_prompt_logprobs(
+    batch: InputBatch,
+    wanted: set[str],
+    req_ids: list[str],
+    rows: np.ndarray,
+    query_start_loc: np.ndarray,
+    num_computed: np.ndarray,
+    seq_lens: np.ndarray,
+) -> list[PromptSlice]:
     """The slices of this step for the requests in `wanted` (scheduled or not)."""
     slices = []
     for i, req_id in enumerate(req_ids):
@@ -45,24 +50,32 @@ def plan_prompt_logprobs(batch: InputBatch, wanted: set[str], req_ids: list[str]
             continue
         row, state = int(rows[i]), batch.rows[int(rows[i])]
         start = int(num_computed[i])
-        last = min(int(seq_lens[i]), state.num_prompt_tokens - 1)   # positions start..last-1
+        last = min(int(seq_lens[i]), state.num_prompt_tokens - 1)  # positions start..last-1
         if last <= start:
             continue
-        targets = batch.token_ids[row, start + 1:last + 1].tolist()
-        slices.append(PromptSlice(req_id, int(query_start_loc[i]), start + 1, targets,
-                                  state.sampling_params.prompt_logprobs))
+        targets = batch.token_ids[row, start + 1 : last + 1].tolist()
+        slices.append(
+            PromptSlice(
+                req_id,
+                int(query_start_loc[i]),
+                start + 1,
+                targets,
+                state.sampling_params.prompt_logprobs,
+            )
+        )
     return slices
 
 
-def compute_prompt_logprobs(model, hidden: torch.Tensor, slices: list[PromptSlice]
-                            ) -> dict[str, tuple[int, LogprobsDelta]]:
+def compute_prompt_logprobs(
+    model, hidden: torch.Tensor, slices: list[PromptSlice]
+) -> dict[str, tuple[int, LogprobsDelta]]:
     """hidden: [num_tokens, hidden] of the step -> req id -> (first, entries)."""
     out = {}
     for s in slices:
         delta = LogprobsDelta([], [], [])
         for a in range(0, len(s.target_ids), _ROWS):
-            targets = s.target_ids[a:a + _ROWS]
-            rows = hidden[s.hidden_start + a:s.hidden_start + a + len(targets)]
+            targets = s.target_ids[a : a + _ROWS]
+            rows = hidden[s.hidden_start + a : s.hidden_start + a + len(targets)]
             logits = model.compute_logits(rows).float()
             ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
             chosen, ranks, top_ids, top_vals = _logprobs_torch(logits, ids, s.num_top)

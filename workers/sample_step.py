@@ -31,9 +31,9 @@ from vserve.workers.spec_verify import logprobs_for, verify
 
 @dataclass
 class SampleLayout:
-    req_ids: list[str] = field(default_factory=list)       # every sampling request, in order
-    rows: list[int] = field(default_factory=list)          # their batch rows
-    logit_start: list[int] = field(default_factory=list)   # first logits row of each
+    req_ids: list[str] = field(default_factory=list)  # every sampling request, in order
+    rows: list[int] = field(default_factory=list)  # their batch rows
+    logit_start: list[int] = field(default_factory=list)  # first logits row of each
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -44,11 +44,11 @@ class SampleLayout:
 
 @dataclass
 class SampleResult:
-    plain_ids: torch.Tensor | None              # [num plain] on the device (fed back)
-    spec_ids: dict[str, list[int]]              # verified tokens, on the host
+    plain_ids: torch.Tensor | None  # [num plain] on the device (fed back)
+    spec_ids: dict[str, list[int]]  # verified tokens, on the host
     logprobs: dict[str, LogprobsDelta]
-    pending_logprobs: PendingLogprobs | None = None   # of the plain rows, still tensors
-    plain_req_ids: list[str] = field(default_factory=list)   # ... their rows' requests
+    pending_logprobs: PendingLogprobs | None = None  # of the plain rows, still tensors
+    plain_req_ids: list[str] = field(default_factory=list)  # ... their rows' requests
 
 
 class StepSampler:
@@ -56,18 +56,20 @@ class StepSampler:
         self.batch = batch
         self.vocab_size = vocab_size
         self.sampler = Sampler()
-        self.feedback = None   # set by the runner: its FeedbackQueue (ids not yet on the host)
+        self.feedback = None  # set by the runner: its FeedbackQueue (ids not yet on the host)
 
-    def sample(self, layout: SampleLayout, logits: torch.Tensor, grammar_req_ids: list[str],
-               bitmask) -> SampleResult:
+    def sample(
+        self, layout: SampleLayout, logits: torch.Tensor, grammar_req_ids: list[str], bitmask
+    ) -> SampleResult:
         plain = layout.plain
         result = SampleResult(None, {}, {})
         if plain:
             starts = [layout.logit_start[i] for i in plain]
             meta = self.metadata([layout.rows[i] for i in plain], logits.device)
-            self._grammar(meta, [layout.req_ids[i] for i in plain], grammar_req_ids, bitmask,
-                          logits.device)
-            if starts == list(range(len(logits))):   # no drafts in this step: no gather
+            self._grammar(
+                meta, [layout.req_ids[i] for i in plain], grammar_req_ids, bitmask, logits.device
+            )
+            if starts == list(range(len(logits))):  # no drafts in this step: no gather
                 plain_logits = logits
             else:
                 plain_logits = logits[upload(starts, logits.device)]
@@ -80,21 +82,28 @@ class StepSampler:
                 self._verify(layout, i, logits, result)
         return result
 
-    def _verify(self, layout: SampleLayout, i: int, logits: torch.Tensor,
-                result: SampleResult) -> None:
+    def _verify(
+        self, layout: SampleLayout, i: int, logits: torch.Tensor, result: SampleResult
+    ) -> None:
         req_id, row = layout.req_ids[i], layout.rows[i]
         drafts = layout.drafts[req_id]
         state = self.batch.rows[row]
-        raw = logits[layout.logit_start[i]:layout.logit_start[i] + len(drafts) + 1].float()
+        raw = logits[layout.logit_start[i] : layout.logit_start[i] + len(drafts) + 1].float()
         processed = apply_logit_bias(raw.clone(), state.sampling_params.logit_bias)
-        first = int(self.batch.num_tokens[row])          # index of the first token it yields
+        first = int(self.batch.num_tokens[row])  # index of the first token it yields
         tokens = verify(processed, drafts, state.sampling_params, state.sampling_seed, first)
         result.spec_ids[req_id] = tokens
         if state.sampling_params.logprobs is not None:
             result.logprobs[req_id] = logprobs_for(raw, tokens, state.sampling_params.logprobs)
 
-    def _grammar(self, meta: SamplingMetadata, req_ids: list[str], grammar_req_ids: list[str],
-                 bitmask, device) -> None:
+    def _grammar(
+        self,
+        meta: SamplingMetadata,
+        req_ids: list[str],
+        grammar_req_ids: list[str],
+        bitmask,
+        device,
+    ) -> None:
         if not grammar_req_ids or bitmask is None:
             return
         where = {r: k for k, r in enumerate(req_ids)}
@@ -116,14 +125,19 @@ class StepSampler:
             num_out = pos - s.num_prompt_tokens
             masked.append(s.stop_token_ids if num_out < s.sampling_params.min_tokens else None)
         meta = SamplingMetadata(
-            temperature=[p.temperature for p in params], top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
-            seeds=[s.sampling_seed for s in states], positions=positions,
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            seeds=[s.sampling_seed for s in states],
+            positions=positions,
             num_logprobs=[p.logprobs for p in params],
-            logit_bias=[p.logit_bias for p in params], masked_ids=masked,
+            logit_bias=[p.logit_bias for p in params],
+            masked_ids=masked,
             presence=[p.presence_penalty for p in params],
             frequency=[p.frequency_penalty for p in params],
-            repetition=[p.repetition_penalty for p in params])
+            repetition=[p.repetition_penalty for p in params],
+        )
         if meta.needs_penalties:
             meta.prompt_ids = [batch.prompt_ids(r) for r in rows]
             meta.output_ids, meta.pending_output = self._output_ids(rows, device)

@@ -33,17 +33,17 @@ class SamplingMetadata:
     top_p: list[float]
     min_p: list[float]
     seeds: list[int]
-    positions: list[int]                     # index of the token being sampled
+    positions: list[int]  # index of the token being sampled
     num_logprobs: list[int | None]
     logit_bias: list[dict[int, float] | None]
-    masked_ids: list[list[int] | None]       # stop ids hidden while output < min_tokens
+    masked_ids: list[list[int] | None]  # stop ids hidden while output < min_tokens
     presence: list[float]
     frequency: list[float]
     repetition: list[float]
-    prompt_ids: list[list[int]] | None = None   # only when some row has penalties
+    prompt_ids: list[list[int]] | None = None  # only when some row has penalties
     output_ids: list[list[int]] | None = None
-    grammar_rows: list[int] | None = None       # structured output: rows to mask ...
-    grammar_mask: torch.Tensor | None = None    # ... [len(grammar_rows), vocab] bool allowed
+    grammar_rows: list[int] | None = None  # structured output: rows to mask ...
+    grammar_mask: torch.Tensor | None = None  # ... [len(grammar_rows), vocab] bool allowed
     # output ids still on the device (the previous step's, not yet copied back), penalised
     # like `output_ids`: (rows [m], token ids [m]), both on the logits' device
     pending_output: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -54,17 +54,20 @@ class SamplingMetadata:
 
     @property
     def needs_penalties(self) -> bool:
-        return any(p != 0.0 for p in self.presence) or any(f != 0.0 for f in self.frequency) \
+        return (
+            any(p != 0.0 for p in self.presence)
+            or any(f != 0.0 for f in self.frequency)
             or any(r != 1.0 for r in self.repetition)
+        )
 
 
 @dataclass
 class PendingLogprobs:
     """One step's logprobs, still tensors (on the device) until the host resolves them."""
 
-    num_logprobs: list[int | None]           # per sampling row, as in SamplingMetadata
-    rows: list[int]                          # the rows that asked, in order
-    tensors: list[torch.Tensor]              # sampled [m], ranks [m], ids [m], then when k > 0
+    num_logprobs: list[int | None]  # per sampling row, as in SamplingMetadata
+    rows: list[int]  # the rows that asked, in order
+    tensors: list[torch.Tensor]  # sampled [m], ranks [m], ids [m], then when k > 0
     #                                          top ids [m, k], top logprobs [m, k]
 
     def resolve(self, host: list[torch.Tensor] | None = None) -> list[LogprobsDelta | None]:
@@ -83,7 +86,7 @@ class PendingLogprobs:
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor                  # [num_rows] int64, on the device
+    token_ids: torch.Tensor  # [num_rows] int64, on the device
     pending_logprobs: PendingLogprobs | None = None
 
     @property
@@ -103,16 +106,19 @@ class Sampler:
         """logits [rows, vocab] in the model's dtype (fp32 only where it is needed)."""
         wants_logprobs = any(n is not None for n in meta.num_logprobs)
         if meta.all_greedy and not _needs_processing(meta) and not wants_logprobs:
-            return SamplerOutput(fast_argmax(logits))   # no copy of a [rows, vocab] tensor
+            return SamplerOutput(fast_argmax(logits))  # no copy of a [rows, vocab] tensor
         work = logits
-        if _needs_processing(meta):   # an fp32 copy: bias, penalties and masks in fp32
+        if _needs_processing(meta):  # an fp32 copy: bias, penalties and masks in fp32
             work = self._process(logits.to(torch.float32, copy=True), meta)
         if meta.all_greedy:
             token_ids = fast_argmax(work)
         else:
             token_ids = self._sample(work, meta)
-        pending = _logprobs(logits, token_ids, meta.num_logprobs, self.kernel(logits)) \
-            if wants_logprobs else None
+        pending = (
+            _logprobs(logits, token_ids, meta.num_logprobs, self.kernel(logits))
+            if wants_logprobs
+            else None
+        )
         return SamplerOutput(token_ids, pending)
 
     def kernel(self, logits: torch.Tensor):
@@ -121,8 +127,11 @@ class Sampler:
 
     def kernel_for(self, device: torch.device, dtype: torch.dtype):
         """The kernel for logits on `device` in `dtype` (built on the first call), or None."""
-        if not self.use_kernel or device.type != "cpu" or \
-                dtype not in (torch.bfloat16, torch.float32):
+        if (
+            not self.use_kernel
+            or device.type != "cpu"
+            or dtype not in (torch.bfloat16, torch.float32)
+        ):
             return None
         return cpu_ops.load_sampler()
 
@@ -132,16 +141,18 @@ class Sampler:
         if meta.grammar_rows:
             rows = upload(meta.grammar_rows, device)
             logits[rows] = logits[rows].masked_fill(~meta.grammar_mask, float("-inf"))
-        biased = [(i, t, v) for i, bias in enumerate(meta.logit_bias) if bias
-                  for t, v in bias.items()]
-        if biased:   # (a request's ids are distinct: no row gets one id twice)
+        biased = [
+            (i, t, v) for i, bias in enumerate(meta.logit_bias) if bias for t, v in bias.items()
+        ]
+        if biased:  # (a request's ids are distinct: no row gets one id twice)
             rows, ids = (upload([b[k] for b in biased], device) for k in (0, 1))
             logits[rows, ids] += upload([b[2] for b in biased], device, torch.float32)
         masked = [(i, t) for i, ids in enumerate(meta.masked_ids) if ids for t in ids]
-        if masked:   # (a tensor value: a Python one is copied to the device blocking)
-            logits.index_put_((upload([m[0] for m in masked], device),
-                               upload([m[1] for m in masked], device)),
-                              torch.full((len(masked),), float("-inf"), device=device))
+        if masked:  # (a tensor value: a Python one is copied to the device blocking)
+            logits.index_put_(
+                (upload([m[0] for m in masked], device), upload([m[1] for m in masked], device)),
+                torch.full((len(masked),), float("-inf"), device=device),
+            )
         if meta.needs_penalties:
             _apply_penalties(logits, meta)
         return logits
@@ -150,8 +161,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         kernel = self.kernel(logits)
         if kernel is not None:
-            return sample_with_kernel(kernel, logits, meta, CANDIDATES, _keep_top, _pick,
-                                      _sample_filtered)
+            return sample_with_kernel(
+                kernel, logits, meta, CANDIDATES, _keep_top, _pick, _sample_filtered
+            )
         return self._sample_torch(logits.float(), meta)
 
     def _sample_torch(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -166,8 +178,11 @@ class Sampler:
             idx = upload(group, device)
             temps = upload([meta.temperature[i] for i in group], device)
             scaled = logits[idx] / temps.unsqueeze(1)
-            u = upload([uniform_for(meta.seeds[i], meta.positions[i]) for i in group], device,
-                       torch.float64)
+            u = upload(
+                [uniform_for(meta.seeds[i], meta.positions[i]) for i in group],
+                device,
+                torch.float64,
+            )
             if sort:
                 out[idx] = _sample_filtered(scaled, u, meta, group)
             else:
@@ -182,15 +197,19 @@ def fast_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     rows, vocab = logits.shape
     if vocab % chunk or vocab < 4 * chunk:
         return logits.argmax(dim=-1)
-    chunk_max = logits.view(rows, vocab // chunk, chunk).amax(dim=-1)   # [rows, chunks]
-    best = chunk_max.argmax(dim=-1)                                     # [rows]
+    chunk_max = logits.view(rows, vocab // chunk, chunk).amax(dim=-1)  # [rows, chunks]
+    best = chunk_max.argmax(dim=-1)  # [rows]
     starts = (best * chunk).unsqueeze(1) + torch.arange(chunk, device=logits.device)
     return best * chunk + logits.gather(1, starts).argmax(dim=-1)
 
 
 def _needs_processing(meta: SamplingMetadata) -> bool:
-    return any(meta.logit_bias) or any(meta.masked_ids) or meta.needs_penalties or \
-        bool(meta.grammar_rows)
+    return (
+        any(meta.logit_bias)
+        or any(meta.masked_ids)
+        or meta.needs_penalties
+        or bool(meta.grammar_rows)
+    )
 
 
 def unpack_bitmask(bitmask, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -204,12 +223,13 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float] | None) -> tor
     """logits [n, vocab]: the same bias on every row (in place)."""
     if bias:
         ids = torch.tensor(list(bias), device=logits.device)
-        logits[:, ids] += torch.tensor(list(bias.values()), device=logits.device,
-                                       dtype=logits.dtype)
+        logits[:, ids] += torch.tensor(
+            list(bias.values()), device=logits.device, dtype=logits.dtype
+        )
     return logits
 
 
-CANDIDATES = 1024   # filtered rows look at this many tokens before sorting the whole vocabulary
+CANDIDATES = 1024  # filtered rows look at this many tokens before sorting the whole vocabulary
 
 
 def filtered_probs(scaled: torch.Tensor, params) -> torch.Tensor:
@@ -224,8 +244,9 @@ def filtered_probs(scaled: torch.Tensor, params) -> torch.Tensor:
         return torch.full((n, 1), value, device=probs.device)
 
     out = torch.zeros_like(probs)
-    for rows, kept, ids, _ in _kept_tokens(probs, column(params.top_k or vocab),
-                                           column(params.top_p), column(params.min_p)):
+    for rows, kept, ids, _ in _kept_tokens(
+        probs, column(params.top_k or vocab), column(params.top_p), column(params.min_p)
+    ):
         out[rows] = out[rows].scatter(1, ids, kept)
     return out
 
@@ -235,7 +256,7 @@ def _keep_top(sorted_p: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
     Zeroes what top-k / top-p / min-p drop; the most likely token always stays."""
     ranks = torch.arange(sorted_p.shape[-1], device=sorted_p.device).unsqueeze(0)
     keep = ranks < top_k
-    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < top_p   # mass strictly before each token
+    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < top_p  # mass strictly before each token
     keep &= sorted_p >= min_p * sorted_p[:, :1]
     keep[:, 0] = True
     return torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
@@ -253,8 +274,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample_filtered(scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata,
-                     group: list[int]) -> torch.Tensor:
+def _sample_filtered(
+    scaled: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata, group: list[int]
+) -> torch.Tensor:
     device = scaled.device
     vocab = scaled.shape[-1]
 
@@ -316,8 +338,11 @@ def _pick(kept: torch.Tensor, u: torch.Tensor, num_kept: torch.Tensor) -> torch.
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    rows = [i for i in range(logits.shape[0]) if meta.repetition[i] != 1.0
-            or meta.presence[i] != 0.0 or meta.frequency[i] != 0.0]
+    rows = [
+        i
+        for i in range(logits.shape[0])
+        if meta.repetition[i] != 1.0 or meta.presence[i] != 0.0 or meta.frequency[i] != 0.0
+    ]
     counts, seen = _token_counts(logits, meta, rows)
     for k, i in enumerate(rows):
         rep, pres, freq = meta.repetition[i], meta.presence[i], meta.frequency[i]
@@ -328,8 +353,9 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
             row -= freq * counts[k] + pres * (counts[k] > 0).to(logits.dtype)
 
 
-def _token_counts(logits: torch.Tensor, meta: SamplingMetadata,
-                  rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_counts(
+    logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For the penalised `rows`: output token counts [len(rows), vocab] in the logits' dtype
     (host-known ids plus `pending_output`), and seen [len(rows), vocab] bool (prompt or
     output), built on the device by scatters: no shape depends on a device value."""
@@ -337,25 +363,32 @@ def _token_counts(logits: torch.Tensor, meta: SamplingMetadata,
     slot = {i: k for k, i in enumerate(rows)}
     out_flat = [slot[i] * vocab + t for i in rows for t in meta.output_ids[i]]
     size = len(rows) * vocab
-    flat = torch.zeros(size + 1, dtype=logits.dtype, device=device)   # + 1: a discard slot
-    flat.index_add_(0, upload(out_flat, device, torch.long),
-                    torch.ones(len(out_flat), dtype=logits.dtype, device=device))
-    if meta.pending_output is not None:   # rows without penalties count into the discard slot
+    flat = torch.zeros(size + 1, dtype=logits.dtype, device=device)  # + 1: a discard slot
+    flat.index_add_(
+        0,
+        upload(out_flat, device, torch.long),
+        torch.ones(len(out_flat), dtype=logits.dtype, device=device),
+    )
+    if meta.pending_output is not None:  # rows without penalties count into the discard slot
         pend_rows, pend_ids = meta.pending_output
         slots = upload([slot.get(i, -1) for i in range(logits.shape[0])], device)[pend_rows]
         where = torch.where(slots >= 0, slots * vocab + pend_ids, size)
         flat.index_add_(0, where, torch.ones(where.shape, dtype=logits.dtype, device=device))
     counts = flat[:size].view(len(rows), vocab)
     seen = counts > 0
-    prompt_flat = [slot[i] * vocab + t for i in rows if meta.repetition[i] != 1.0
-                   for t in meta.prompt_ids[i]]
-    seen.view(-1).index_put_((upload(prompt_flat, device, torch.long),),
-                             torch.ones(len(prompt_flat), dtype=torch.bool, device=device))
+    prompt_flat = [
+        slot[i] * vocab + t for i in rows if meta.repetition[i] != 1.0 for t in meta.prompt_ids[i]
+    ]
+    seen.view(-1).index_put_(
+        (upload(prompt_flat, device, torch.long),),
+        torch.ones(len(prompt_flat), dtype=torch.bool, device=device),
+    )
     return counts, seen
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None],
-              kernel=None) -> PendingLogprobs:
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None], kernel=None
+) -> PendingLogprobs:
     """From the raw logits (before any processing), for the rows that ask only: the fused
     kernel's one pass per fact where it runs, else log_softmax in fp32."""
     rows = [i for i, n in enumerate(num_logprobs) if n is not None]

@@ -20,8 +20,9 @@ from vserve.workers.sampler import filtered_probs, inverse_cdf
 _ACCEPT_STREAM = 0x5BD1E995
 
 
-def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed: int,
-           first_position: int) -> list[int]:
+def verify(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed: int, first_position: int
+) -> list[int]:
     """logits [k + 1, vocab] (processed: bias applied); returns the emitted token ids."""
     if params.greedy:
         targets = logits.argmax(dim=-1).tolist()
@@ -31,7 +32,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed
             if target != draft:
                 break
         return out
-    probs = filtered_probs(logits / params.temperature, params)          # [k + 1, vocab]
+    probs = filtered_probs(logits / params.temperature, params)  # [k + 1, vocab]
     for i, draft in enumerate(drafts):
         pos = first_position + i
         if uniform_for(seed ^ _ACCEPT_STREAM, pos) < probs[i, draft].item():
@@ -50,7 +51,7 @@ def _pick(probs: torch.Tensor, seed: int, position: int) -> int:
 
 def logprobs_for(raw: torch.Tensor, tokens: list[int], num: int) -> LogprobsDelta:
     """Raw logprobs of the emitted tokens (one per verified position), with the top-`num`."""
-    lp = raw[:len(tokens)].float().log_softmax(dim=-1)
+    lp = raw[: len(tokens)].float().log_softmax(dim=-1)
     idx = torch.tensor(tokens, device=raw.device)
     chosen = lp.gather(1, idx.unsqueeze(1)).squeeze(1)
     ranks = ((lp > chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()

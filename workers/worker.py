@@ -42,14 +42,14 @@ class Worker:
         with phase("KV cache", self.name):
             self.runner.init_kv_cache(num_blocks)
 
-    def execute_model(self, so: SchedulerOutput,
-                      defer_sampling: bool = False) -> AsyncStepOutput | None:
+    def execute_model(
+        self, so: SchedulerOutput, defer_sampling: bool = False
+    ) -> AsyncStepOutput | None:
         self._num_steps += 1
         if self._fail_at is not None and self._num_steps == self._fail_at:
-            while self._hang:   # a forward that never returns (watchdog tests)
+            while self._hang:  # a forward that never returns (watchdog tests)
                 time.sleep(3600)
-            raise RuntimeError(f"injected fault at step {self._num_steps} "
-                               "(VSERVE_FAULT_INJECT)")
+            raise RuntimeError(f"injected fault at step {self._num_steps} (VSERVE_FAULT_INJECT)")
         return self.runner.execute_model(so, defer_sampling)
 
     def sample_tokens(self, step_id: int, grammar_bitmask) -> AsyncStepOutput | None:

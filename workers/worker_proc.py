@@ -35,7 +35,7 @@ class RankSetup:
     master_addr: str
     master_port: int
     num_threads: int | None = None
-    cpus: tuple[int, ...] = ()      # CPUs for every thread of this rank; () = unpinned
+    cpus: tuple[int, ...] = ()  # CPUs for every thread of this rank; () = unpinned
 
 
 def worker_main(runner_config, setup: RankSetup, req_conn=None, resp_conn=None) -> None:
@@ -43,8 +43,9 @@ def worker_main(runner_config, setup: RankSetup, req_conn=None, resp_conn=None) 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end owns Ctrl-C and shuts us down
     parent = multiprocessing.parent_process()
     exit_with_parent(parent.pid if parent is not None else os.getppid())
-    logging.basicConfig(level=ENV.log_level,
-                        format=f"%(asctime)s worker{setup.rank} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=ENV.log_level, format=f"%(asctime)s worker{setup.rank} %(levelname)s %(message)s"
+    )
     try:
         loop = _RankLoop(runner_config, setup, req_conn, resp_conn)
     except BaseException:
@@ -81,10 +82,20 @@ class _RankLoop:
             from vserve.models.hf_config import load_hf_config
 
             hf = load_hf_config(runner_config.model_path)
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                     "float16": torch.float16}[runner_config.dtype]
-            self.pp = PPComm(self.rank, self.world, setup.master_addr, setup.master_port,
-                             torch.device(runner_config.device), hf.hidden_size, dtype)
+            dtype = {
+                "float32": torch.float32,
+                "bfloat16": torch.bfloat16,
+                "float16": torch.float16,
+            }[runner_config.dtype]
+            self.pp = PPComm(
+                self.rank,
+                self.world,
+                setup.master_addr,
+                setup.master_port,
+                torch.device(runner_config.device),
+                hf.hidden_size,
+                dtype,
+            )
         self.all_cpus = available_cpus()
         if setup.cpus:
             pin_process(os.getpid(), setup.cpus)
@@ -93,8 +104,9 @@ class _RankLoop:
         # of waking its reply thread (which waits for the GIL while the next step runs)
         self.inline_replies = self.world == 1 and runner_config.device == "cpu"
         self.replies: queue.Queue = queue.Queue()
-        self.reply_thread = threading.Thread(target=self._reply_loop, daemon=True,
-                                             name="vserve-reply")
+        self.reply_thread = threading.Thread(
+            target=self._reply_loop, daemon=True, name="vserve-reply"
+        )
         self.reply_thread.start()
 
     # -- main loop -------------------------------------------------------------------------------
@@ -103,9 +115,9 @@ class _RankLoop:
             try:
                 data = self._next_request()
             except (EOFError, OSError, RuntimeError):
-                return 0 if self.rank else 1   # engine core or rank 0 went away
+                return 0 if self.rank else 1  # engine core or rank 0 went away
             try:
-                msg = wire.decode_request(data)   # typed: another host may have sent it
+                msg = wire.decode_request(data)  # typed: another host may have sent it
                 if isinstance(msg, wire.Shutdown):
                     self._close()
                     return 0
@@ -125,7 +137,7 @@ class _RankLoop:
     def _handle(self, msg: wire.WorkerRequest) -> None:
         if isinstance(msg, wire.Execute):
             out = self.worker.execute_model(msg.so, msg.defer_sampling)
-            if not msg.defer_sampling:   # a deferred step replies after its Sample request
+            if not msg.defer_sampling:  # a deferred step replies after its Sample request
                 self._expect_reply(out)
         elif isinstance(msg, wire.Sample):
             self._expect_reply(self.worker.sample_tokens(msg.step_id, msg.grammar_bitmask))
@@ -145,7 +157,7 @@ class _RankLoop:
 
     def _place(self, per_rank: dict[int, tuple[int, tuple[int, ...]]]) -> None:
         """Threads and CPUs chosen by the engine's placement controller; () = any CPU."""
-        if self.rank not in per_rank:     # a stage on another host keeps its own placement
+        if self.rank not in per_rank:  # a stage on another host keeps its own placement
             return
         import torch
 
@@ -184,8 +196,7 @@ class _RankLoop:
                 else:
                     self.pp.send_reply(data)
             except BaseException:
-                logger.error("worker rank %d reply failed:\n%s", self.rank,
-                             traceback.format_exc())
+                logger.error("worker rank %d reply failed:\n%s", self.rank, traceback.format_exc())
                 if self.rank == 0:
                     self._send(wire.encode(wire.Error(traceback.format_exc())))
                 os._exit(1)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 NUM_PROMPTS, IN_LEN, OUT_LEN = 6, 24, 12
 
@@ -26,24 +26,45 @@ def model(tiny_model_dir):
 
 
 def _common(model):
-    return ["--model", model, "--dtype", "float32", "--max-model-len", "256",
-            "--num-prompts", str(NUM_PROMPTS), "--input-len", str(IN_LEN),
-            "--output-len", str(OUT_LEN)]
+    return [
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--input-len",
+        str(IN_LEN),
+        "--output-len",
+        str(OUT_LEN),
+    ]
 
 
 def test_throughput_vserve_json_trace_and_report(model, tmp_path):
     out_json, trace = tmp_path / "r.json", tmp_path / "trace.json"
-    stdout = _bench("throughput", *_common(model), "--output-json", str(out_json),
-                    "--trace", str(trace))
-    assert re.search(r"Throughput: [\d.]+ requests/s, [\d.]+ total tokens/s, "
-                     r"[\d.]+ output tokens/s", stdout)
+    stdout = _bench(
+        "throughput", *_common(model), "--output-json", str(out_json), "--trace", str(trace)
+    )
+    assert re.search(
+        r"Throughput: [\d.]+ requests/s, [\d.]+ total tokens/s, "
+        r"[\d.]+ output tokens/s",
+        stdout,
+    )
     assert f"Total num output tokens:  {NUM_PROMPTS * OUT_LEN}" in stdout
-    for label in ("Mean model forward time (ms):", "Mean step launch interval (ms):",
-                  "Forward slowdown under overlap:",
-                  "Overlap efficiency (calibrated fwd / interval):",
-                  "Host time hidden, net of the slowdown:", "under a forward (ms):",
-                  "Stretched fwd / interval (old, not a score):",
-                  "TPOT p50 (ms):", "TPOT p99 (ms):", "Steps without overlap:"):
+    for label in (
+        "Mean model forward time (ms):",
+        "Mean step launch interval (ms):",
+        "Forward slowdown under overlap:",
+        "Overlap efficiency (calibrated fwd / interval):",
+        "Host time hidden, net of the slowdown:",
+        "under a forward (ms):",
+        "Stretched fwd / interval (old, not a score):",
+        "TPOT p50 (ms):",
+        "TPOT p99 (ms):",
+        "Steps without overlap:",
+    ):
         assert label in stdout
     r = json.loads(out_json.read_text())
     assert r["num_requests"] == NUM_PROMPTS
@@ -65,7 +86,7 @@ def _check_trace(trace, overlap):
     forwards = [e for e in events if e["ph"] == "X" and e["name"] == "forward"]
     schedules = [e for e in events if e["ph"] == "X" and e["name"] == "schedule"]
     assert len(forwards) == len(schedules) == overlap["num_steps"]
-    assert len({e["args"]["step"] for e in forwards}) == len(forwards)   # one slice per step
+    assert len({e["args"]["step"] for e in forwards}) == len(forwards)  # one slice per step
     mean_fwd_ms = sum(e["dur"] for e in forwards) / len(forwards) / 1e3
     assert mean_fwd_ms == pytest.approx(overlap["mean_forward_ms"], rel=1e-6)
     sched_ms = sum(e["dur"] for e in schedules) / 1e3
@@ -75,35 +96,78 @@ def _check_trace(trace, overlap):
 
 def test_throughput_hf_backend(model, tmp_path):
     out_json = tmp_path / "hf.json"
-    stdout = _bench("throughput", *_common(model), "--backend", "hf", "--hf-max-batch-size",
-                    "4", "--output-json", str(out_json))
+    stdout = _bench(
+        "throughput",
+        *_common(model),
+        "--backend",
+        "hf",
+        "--hf-max-batch-size",
+        "4",
+        "--output-json",
+        str(out_json),
+    )
     assert "Throughput:" in stdout
     r = json.loads(out_json.read_text())
     assert r["backend"] == "hf" and r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
 
 
 def test_throughput_sync_reports_why_overlap_is_off(model):
-    stdout = _bench("throughput", *_common(model), "--no-async-scheduling",
-                    "--temperature", "0")
+    stdout = _bench("throughput", *_common(model), "--no-async-scheduling", "--temperature", "0")
     assert "async scheduling off: async_scheduling=False was requested" in stdout
 
 
 def test_prefix_repetition_dataset(model, tmp_path):
     out_json = tmp_path / "p.json"
-    _bench("throughput", "--model", model, "--dtype", "float32", "--max-model-len", "256",
-           "--dataset-name", "prefix-repetition", "--num-prompts", "8", "--prefix-len", "32",
-           "--num-prefixes", "2", "--input-len", "8", "--output-len", "4", "--output-json",
-           str(out_json))
+    _bench(
+        "throughput",
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--dataset-name",
+        "prefix-repetition",
+        "--num-prompts",
+        "8",
+        "--prefix-len",
+        "32",
+        "--num-prefixes",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--output-json",
+        str(out_json),
+    )
     r = json.loads(out_json.read_text())
     assert r["total_num_prompt_tokens"] == 8 * 40 and r["total_num_output_tokens"] == 32
 
 
 def test_latency(model, tmp_path):
     out_json = tmp_path / "lat.json"
-    stdout = _bench("latency", "--model", model, "--dtype", "float32", "--max-model-len",
-                    "256", "--batch-size", "3", "--input-len", "16", "--output-len", "8",
-                    "--num-iters-warmup", "1", "--num-iters", "3", "--output-json",
-                    str(out_json))
+    stdout = _bench(
+        "latency",
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--batch-size",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--num-iters-warmup",
+        "1",
+        "--num-iters",
+        "3",
+        "--output-json",
+        str(out_json),
+    )
     assert re.search(r"Avg latency: [\d.]+ seconds", stdout)
     for p in (10, 25, 50, 75, 90, 99):
         assert f"{p}% percentile latency:" in stdout
@@ -123,8 +187,15 @@ def test_throughput_compare_sync(model, tmp_path):
     """--compare-sync: the same workload sync, then async, in one process; the sync run
     calibrates the async run's overlap report and the JSON carries both and the ratio."""
     out_json = tmp_path / "cmp.json"
-    stdout = _bench("throughput", *_common(model), "--temperature", "0", "--compare-sync",
-                    "--output-json", str(out_json))
+    stdout = _bench(
+        "throughput",
+        *_common(model),
+        "--temperature",
+        "0",
+        "--compare-sync",
+        "--output-json",
+        str(out_json),
+    )
     assert stdout.count("Overlap report") == 2 and "Async speedup over sync:" in stdout
     r = json.loads(out_json.read_text())
     c = r["compare_sync"]
@@ -145,22 +216,47 @@ def test_throughput_compare_sync(model, tmp_path):
 
 def test_latency_compare_sync(model, tmp_path):
     out_json = tmp_path / "lat_cmp.json"
-    stdout = _bench("latency", "--model", model, "--dtype", "float32", "--max-model-len",
-                    "256", "--batch-size", "2", "--input-len", "16", "--output-len", "6",
-                    "--num-iters-warmup", "1", "--num-iters", "2", "--compare-sync",
-                    "--output-json", str(out_json))
+    stdout = _bench(
+        "latency",
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--batch-size",
+        "2",
+        "--input-len",
+        "16",
+        "--output-len",
+        "6",
+        "--num-iters-warmup",
+        "1",
+        "--num-iters",
+        "2",
+        "--compare-sync",
+        "--output-json",
+        str(out_json),
+    )
     assert "Async speedup over sync:" in stdout
     r = json.loads(out_json.read_text())
     c = r["compare_sync"]
     assert c["metric"] == "avg_latency" and r["async_scheduling"] is True
     assert c["sync_result"]["async_scheduling"] is False
-    assert c["async_speedup"] == pytest.approx(c["sync_result"]["avg_latency"]
-                                               / r["avg_latency"])
+    assert c["async_speedup"] == pytest.approx(c["sync_result"]["avg_latency"] / r["avg_latency"])
 
 
 def test_compare_sync_refuses_a_sync_only_run(model):
-    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", "throughput",
-           *_common(model), "--compare-sync", "--no-async-scheduling"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vserve.entrypoints.cli",
+        "bench",
+        "throughput",
+        *_common(model),
+        "--compare-sync",
+        "--no-async-scheduling",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--compare-sync runs both modes; drop --no-async-scheduling" in proc.stderr
@@ -178,7 +274,7 @@ def test_compare_sync_keeps_an_explicit_executor(model):
     assert dataclasses.replace(sync, async_scheduling=True) == async_
 
 
-SPEC_OUT_LEN = 48   # a draft needs an n-gram match before the last id too: long enough to repeat
+SPEC_OUT_LEN = 48  # a draft needs an n-gram match before the last id too: long enough to repeat
 
 
 @pytest.mark.parametrize("min_tokens", [0, SPEC_OUT_LEN])
@@ -187,9 +283,20 @@ def test_min_tokens_keeps_requests_from_drafting(model, tmp_path, min_tokens):
     draft, on prompts (a repeated run of tokens) where n-gram drafts are proposed otherwise."""
     out_json = tmp_path / "spec.json"
     common = [*_common(model)[:-1], str(SPEC_OUT_LEN)]
-    _bench("throughput", *common, "--dataset-name", "repetitive", "--temperature", "0",
-           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-           "--min-tokens", str(min_tokens), "--output-json", str(out_json))
+    _bench(
+        "throughput",
+        *common,
+        "--dataset-name",
+        "repetitive",
+        "--temperature",
+        "0",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--min-tokens",
+        str(min_tokens),
+        "--output-json",
+        str(out_json),
+    )
     r = json.loads(out_json.read_text())
     assert r["total_num_output_tokens"] == NUM_PROMPTS * SPEC_OUT_LEN
     assert (r.get("spec_num_drafts", 0) > 0) == (min_tokens == 0)

@@ -11,14 +11,25 @@ from vserve.bench.overlap import Coverage, overlap_report
 from vserve.engine.recorder import StepRecord
 
 F, S, C = 0.004, 0.001, 0.001
-N = 40            # steps per synthetic run
-TOKENS = 256      # decode steps of 256 sequences
+N = 40  # steps per synthetic run
+TOKENS = 256  # decode steps of 256 sequences
 
 
 def _record(step_id, sched, fwd, commit, interval, stages=(), tokens=TOKENS, reason=None):
-    r = StepRecord(step_id, tokens, tokens, 0, sched[0], sched[1], commit[0], commit[1],
-                   forward_start=fwd[0], forward_end=fwd[1], launch_interval=interval,
-                   no_overlap=reason)
+    r = StepRecord(
+        step_id,
+        tokens,
+        tokens,
+        0,
+        sched[0],
+        sched[1],
+        commit[0],
+        commit[1],
+        forward_start=fwd[0],
+        forward_end=fwd[1],
+        launch_interval=interval,
+        no_overlap=reason,
+    )
     r.stage_forwards = [tuple(s) for s in stages]
     return r
 
@@ -30,8 +41,9 @@ def sync_run(n=N, fwd=F, t0=0.0, first_id=0, reason="async scheduling off: test"
         launch = t + S
         interval = launch - last_launch if last_launch is not None else 0.0
         f = (launch, launch + fwd)
-        records.append(_record(first_id + i, (t, launch), f, (f[1], f[1] + C), interval,
-                               reason=reason))
+        records.append(
+            _record(first_id + i, (t, launch), f, (f[1], f[1] + C), interval, reason=reason)
+        )
         t, last_launch = f[1] + C, launch
     return records
 
@@ -44,7 +56,7 @@ def async_run(n=N, stretch=0.0):
     records = []
     for k in range(n):
         f = (k * fwd, (k + 1) * fwd)
-        sched_start = (k - 1) * fwd + C   # step 0: before anything runs
+        sched_start = (k - 1) * fwd + C  # step 0: before anything runs
         commit = ((k + 2) * fwd, (k + 2) * fwd + C) if k + 2 < n else (f[1], f[1] + C)
         interval = fwd if k else 0.0
         records.append(_record(k, (sched_start, sched_start + S), f, commit, interval))
@@ -108,8 +120,10 @@ def test_a_slower_run_never_scores_higher(stretch):
 
 def test_efficiency_falls_as_the_forward_stretches():
     sync_records = sync_run()
-    scores = [overlap_report(async_run(stretch=x), calibration=sync_records).overlap_efficiency
-              for x in (0.0, 0.0005, 0.001, 0.002, 0.004)]
+    scores = [
+        overlap_report(async_run(stretch=x), calibration=sync_records).overlap_efficiency
+        for x in (0.0, 0.0005, 0.001, 0.002, 0.004)
+    ]
     assert scores == sorted(scores, reverse=True) and len(set(scores)) == len(scores)
 
 
@@ -164,14 +178,20 @@ def test_intervals_across_idle_are_left_out():
 
 def _shift(r, ids, dt):
     r.step_id += ids
-    for name in ("schedule_start", "schedule_end", "commit_start", "commit_end",
-                 "forward_start", "forward_end"):
+    for name in (
+        "schedule_start",
+        "schedule_end",
+        "commit_start",
+        "commit_end",
+        "forward_start",
+        "forward_end",
+    ):
         setattr(r, name, getattr(r, name) + dt)
     return r
 
 
 # -- PP --------------------------------------------------------------------------------------------
-G = 0.003   # each stage's forward
+G = 0.003  # each stage's forward
 
 
 def pp_run(n=N, pipelined=True):
@@ -194,8 +214,16 @@ def pp_sync_run(n=N):
     for k in range(n):
         launch = t + S
         s0, s1 = (launch, launch + G), (launch + G, launch + 2 * G)
-        records.append(_record(k, (t, launch), s1, (s1[1], s1[1] + C),
-                               launch - last if last is not None else 0.0, stages=(s0, s1)))
+        records.append(
+            _record(
+                k,
+                (t, launch),
+                s1,
+                (s1[1], s1[1] + C),
+                launch - last if last is not None else 0.0,
+                stages=(s0, s1),
+            )
+        )
         t, last = s1[1] + C, launch
     return records
 
@@ -258,8 +286,7 @@ def spec_like_run(n=N):
         interval = launch - last_launch if last_launch is not None else 0.0
         f = (launch, launch + F)
         records.append(_record(step_id, (t, launch), f, (f[1], f[1] + C), interval))
-        empty = StepRecord(step_id + 1, 0, 0, 1, launch + 1e-5, launch + 2e-5,
-                           launch_interval=2e-5)
+        empty = StepRecord(step_id + 1, 0, 0, 1, launch + 1e-5, launch + 2e-5, launch_interval=2e-5)
         records.append(empty)
         t, last_launch, step_id = f[1] + C, empty.schedule_end, step_id + 2
     for r, nxt in zip(records, records[1:]):

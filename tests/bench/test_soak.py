@@ -17,32 +17,43 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from soak import histogram_p99, scrape  # noqa: E402
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 
 def test_histogram_p99_interpolates_inside_its_bucket():
     before = {"x_bucket{0.1}": 10, "x_bucket{0.2}": 10, "x_bucket{+Inf}": 10}
     after = {"x_bucket{0.1}": 100, "x_bucket{0.2}": 110, "x_bucket{+Inf}": 110}
-    p99, count = histogram_p99(before, after, "x")   # 100 new: 90 <= 0.1, 10 in (0.1, 0.2]
+    p99, count = histogram_p99(before, after, "x")  # 100 new: 90 <= 0.1, 10 in (0.1, 0.2]
     assert count == 100 and p99 == pytest.approx(0.19)
     assert histogram_p99(after, after, "x") == (None, 0)
 
 
 def test_scrape_keeps_bucket_edges_and_sums_labels():
-    text = ('# HELP x\nvserve:a{model_name="m"} 2.0\nvserve:h_bucket{le="0.5",model_name="m"} 3'
-            '\nvserve:r{reason="x"} 1\nvserve:r{reason="y"} 2\nother 5\n')
+    text = (
+        '# HELP x\nvserve:a{model_name="m"} 2.0\nvserve:h_bucket{le="0.5",model_name="m"} 3'
+        '\nvserve:r{reason="x"} 1\nvserve:r{reason="y"} 2\nother 5\n'
+    )
     assert scrape(text) == {"vserve:a": 2.0, "vserve:h_bucket{0.5}": 3.0, "vserve:r": 3.0}
 
 
 @pytest.mark.slow
 def test_soak_short_mode(tiny_model_dir, tmp_path):
     result = tmp_path / "soak.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--short",
-           "--model", tiny_model_dir("llama"), "--result", str(result), "--", *TINY_ARGS]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "soak.py"),
+        "--short",
+        "--model",
+        tiny_model_dir("llama"),
+        "--result",
+        str(result),
+        "--",
+        *TINY_ARGS,
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
-    except subprocess.TimeoutExpired as e:   # a hang is a failure, not a pass
+    except subprocess.TimeoutExpired as e:  # a hang is a failure, not a pass
         pytest.fail(f"soak did not finish in 420 s:\n{(e.stdout or b'')[-3000:]!r}")
     out = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, out
@@ -52,11 +63,17 @@ def test_soak_short_mode(tiny_model_dir, tmp_path):
     assert r["errors"] == {}, r["error_examples"]
     assert r["kv_cache_usage_end"] == 0
     assert r["served"] > 50, out
-    for kind in ("completion", "completion_stream", "chat", "chat_stream", "guided_choice",
-                 "json_schema"):
+    for kind in (
+        "completion",
+        "completion_stream",
+        "chat",
+        "chat_stream",
+        "guided_choice",
+        "json_schema",
+    ):
         assert r["served_by_kind"].get(kind, 0) > 0, (kind, r["served_by_kind"])
     assert r["chaos"].get("disconnect", 0) > 0 and r["chaos"].get("abort", 0) > 0, r["chaos"]
-    assert len(r["rss"]) >= 3, r["rss"]   # server, engine core, worker
+    assert len(r["rss"]) >= 3, r["rss"]  # server, engine core, worker
     assert all(r_["growth"] < 0.05 for r_ in r["rss"])
     assert r["windows"] and all(w["forward_steps"] > 0 for w in r["windows"]), r["windows"]
     assert r["server_exit_code"] == 0 and r["leftover_processes"] == []

@@ -11,8 +11,7 @@ from vserve.engine.recorder import StepRecorder
 
 def _record_steps(rec: StepRecorder, step_ids) -> None:
     for i in step_ids:
-        so = SimpleNamespace(step_id=i, total_num_scheduled_tokens=1,
-                             num_scheduled_tokens={"r": 1})
+        so = SimpleNamespace(step_id=i, total_num_scheduled_tokens=1, num_scheduled_tokens={"r": 1})
         rec.scheduled(so, float(i), i + 0.1, 0)
         out = SimpleNamespace(timing=StepTiming(i, i + 0.2, i + 0.7, i + 0.8))
         rec.committed(so, out, i + 0.9, i + 0.95)
@@ -24,7 +23,7 @@ def test_recorder_keeps_the_newest_records_after_max_records():
     recent = rec.drain_recent()
     assert [r.step_id for r in recent] == list(range(10, 20))
     assert [r.step_id for r in rec.take()] == list(range(10, 20))
-    _record_steps(rec, range(20, 25))   # still recording after a take
+    _record_steps(rec, range(20, 25))  # still recording after a take
     assert [r.step_id for r in rec.drain_recent()] == list(range(20, 25))
     assert [r.step_id for r in rec.take()] == list(range(20, 25))
 

@@ -27,9 +27,20 @@ ROOT = Path(__file__).resolve().parents[2]
 # folder -> the package it installs as
 FOLDERS = {"vserve": "vserve", "workers": "vserve.workers", "csrc_triton": "vserve.csrc_triton"}
 LAYERS = [
-    ("base", ["vserve.sampling_params", "vserve.outputs", "vserve.envs", "vserve.cache_files",
-              "vserve.proc_tree", "vserve.lifeline", "vserve.cpu_affinity", "vserve.tokenizer",
-              "vserve.startup"]),
+    (
+        "base",
+        [
+            "vserve.sampling_params",
+            "vserve.outputs",
+            "vserve.envs",
+            "vserve.cache_files",
+            "vserve.proc_tree",
+            "vserve.lifeline",
+            "vserve.cpu_affinity",
+            "vserve.tokenizer",
+            "vserve.startup",
+        ],
+    ),
     ("core", ["vserve.core", "vserve.config"]),
     ("models", ["vserve.models", "vserve.attention", "vserve.cpu_ops", "vserve.csrc_triton"]),
     ("workers", ["vserve.workers"]),
@@ -75,8 +86,11 @@ def _imports(path: Path, module: str) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {_module_name(p): _imports(p, _module_name(p))
-            for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))}
+    return {
+        _module_name(p): _imports(p, _module_name(p))
+        for folder in FOLDERS
+        for p in sorted((ROOT / folder).rglob("*.py"))
+    }
 
 
 GRAPH = _graph()
@@ -90,8 +104,12 @@ def test_every_module_has_a_layer():
 def test_no_top_level_workers_or_csrc_triton_imports():
     """`workers/` and `csrc_triton/` install as `vserve.workers` / `vserve.csrc_triton`: a
     bare `import workers` would load a second copy (or another distribution's package)."""
-    bad = sorted(f"{m} imports {i}" for m, imps in GRAPH.items() for i in imps
-                 if i.split(".")[0] in ("workers", "csrc_triton"))
+    bad = sorted(
+        f"{m} imports {i}"
+        for m, imps in GRAPH.items()
+        for i in imps
+        if i.split(".")[0] in ("workers", "csrc_triton")
+    )
     assert not bad, bad
 
 
@@ -102,16 +120,22 @@ def test_imports_go_downward_only():
             if target.split(".")[0] != "vserve" or target == "vserve":
                 continue
             if _rank(target) > _rank(module):
-                upward.append(f"{module} ({LAYERS[_rank(module)][0]}) imports {target} "
-                              f"({LAYERS[_rank(target)][0]})")
+                upward.append(
+                    f"{module} ({LAYERS[_rank(module)][0]}) imports {target} "
+                    f"({LAYERS[_rank(target)][0]})"
+                )
     assert not upward, "\n".join(sorted(upward))
 
 
 @pytest.mark.parametrize("prefix", TORCH_FREE)
 def test_core_imports_no_torch(prefix):
-    heavy = sorted(f"{m} imports {i}" for m, imps in GRAPH.items()
-                   if m == prefix or m.startswith(prefix + ".")
-                   for i in imps if i.split(".")[0] in ("torch", "triton", "transformers"))
+    heavy = sorted(
+        f"{m} imports {i}"
+        for m, imps in GRAPH.items()
+        if m == prefix or m.startswith(prefix + ".")
+        for i in imps
+        if i.split(".")[0] in ("torch", "triton", "transformers")
+    )
     assert not heavy, heavy
 
 
@@ -125,8 +149,11 @@ def test_the_check_sees_an_upward_import():
 def test_pyproject_installs_every_package_under_vserve():
     tomllib = pytest.importorskip("tomllib")
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {_module_name(p.parent / "__init__.py") for folder in FOLDERS
-               for p in (ROOT / folder).rglob("__init__.py")}
+    folders = {
+        _module_name(p.parent / "__init__.py")
+        for folder in FOLDERS
+        for p in (ROOT / folder).rglob("__init__.py")
+    }
     assert set(setup["packages"]) == folders
     assert setup["package-dir"] == {v: k for k, v in FOLDERS.items() if k != "vserve"}
 
@@ -137,13 +164,23 @@ def test_a_checkout_on_the_path_imports_its_own_workers(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
-            "if '__editable__' not in repr(f) and '__editable__' not in "
-            "getattr(f, '__module__', '')]; "
-            "import vserve.workers.messages as w, vserve.csrc_triton as c; "
-            "print(w.__file__); print(c.__file__)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    code = (
+        "import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+        "if '__editable__' not in repr(f) and '__editable__' not in "
+        "getattr(f, '__module__', '')]; "
+        "import vserve.workers.messages as w, vserve.csrc_triton as c; "
+        "print(w.__file__); print(c.__file__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(ROOT / "workers" / "messages.py"),
-                                  str(ROOT / "csrc_triton" / "__init__.py")]
+    assert out.stdout.split() == [
+        str(ROOT / "workers" / "messages.py"),
+        str(ROOT / "csrc_triton" / "__init__.py"),
+    ]

@@ -31,9 +31,9 @@ class CadenceSpy:
 
     def __init__(self, sched, runner: FakeRunner) -> None:
         self.sched, self.runner = sched, runner
-        self.last_sampled: dict[tuple[str, int], int] = {}   # (req, epoch) -> step id
-        self.gaps: list[int] = []                            # steps back, per fed-back row
-        self.decodes: list[int] = []                         # decode rows per step
+        self.last_sampled: dict[tuple[str, int], int] = {}  # (req, epoch) -> step id
+        self.gaps: list[int] = []  # steps back, per fed-back row
+        self.decodes: list[int] = []  # decode rows per step
         self.execute = runner.execute
         runner.execute = self
 
@@ -45,7 +45,7 @@ class CadenceSpy:
             req = self.sched.requests[req_id]
             key = (req_id, so.req_epochs[req_id])
             if req_id in before and before[req_id] + n > req.num_tokens:
-                self.gaps.append(so.step_id - self.last_sampled[key])   # fed back
+                self.gaps.append(so.step_id - self.last_sampled[key])  # fed back
             num_decodes += req_id in before and n == 1
         for req_id in so.sampling_req_ids:
             self.last_sampled[(req_id, so.req_epochs[req_id])] = so.step_id
@@ -67,11 +67,18 @@ def test_fed_back_tokens_are_pp_steps_old(pp, seed):
     reads a token sampled fewer than pp steps before, and every request finishes with the
     tokens of a plain run."""
     rng = random.Random(seed)
-    sched, driver, spy = _driver(pp, True, num_blocks=rng.choice([16, 40]),
-                                 max_num_seqs=rng.choice([4, 8]),
-                                 max_num_batched_tokens=rng.choice([16, 64]), max_model_len=40)
-    pending = [make_request(f"r{i}", random_prompt(rng, rng.randint(1, 14)),
-                            max_tokens=rng.randint(1, 12)) for i in range(16)]
+    sched, driver, spy = _driver(
+        pp,
+        True,
+        num_blocks=rng.choice([16, 40]),
+        max_num_seqs=rng.choice([4, 8]),
+        max_num_batched_tokens=rng.choice([16, 64]),
+        max_model_len=40,
+    )
+    pending = [
+        make_request(f"r{i}", random_prompt(rng, rng.randint(1, 14)), max_tokens=rng.randint(1, 12))
+        for i in range(16)
+    ]
     prompts = {r.request_id: list(r.prompt_token_ids) for r in pending}
     max_tokens = {r.request_id: r.max_tokens for r in pending}
     aborted = set()
@@ -92,8 +99,9 @@ def test_fed_back_tokens_are_pp_steps_old(pp, seed):
     assert spy.gaps and min(spy.gaps) >= pp
     for req_id, prompt in prompts.items():
         if req_id not in aborted:
-            assert driver.outputs[req_id] == expected_tokens(prompt, max_tokens[req_id],
-                                                             max_model_len=40), req_id
+            assert driver.outputs[req_id] == expected_tokens(
+                prompt, max_tokens[req_id], max_model_len=40
+            ), req_id
     assert sched.kv.pool.num_used_blocks == 0
 
 
@@ -106,8 +114,8 @@ def test_groups_take_turns_without_empty_steps(pp, async_on):
     for i in range(8):
         driver.add(make_request(f"r{i}", [i + 1, i + 2, i + 3], max_tokens=30))
     driver.run()
-    assert len(driver.runner.steps[0].num_scheduled_tokens) == 8   # one admission step
-    steady = spy.decodes[2 * pp:10 * pp]   # all eight still decoding (30 tokens each)
+    assert len(driver.runner.steps[0].num_scheduled_tokens) == 8  # one admission step
+    steady = spy.decodes[2 * pp : 10 * pp]  # all eight still decoding (30 tokens each)
     assert min(steady) >= 8 // pp and max(steady) <= -(-8 // pp), spy.decodes
     if async_on:
         assert min(spy.gaps) >= pp

@@ -14,9 +14,11 @@ from vserve import proc_tree
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 
 # a parent that starts one sleeping child and prints its pid
-PARENT = ("import subprocess, sys, time; "
-          "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-          "print(kid.pid, flush=True); time.sleep(60)")
+PARENT = (
+    "import subprocess, sys, time; "
+    "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    "print(kid.pid, flush=True); time.sleep(60)"
+)
 
 
 def test_children_descendants_and_running_state():
@@ -27,7 +29,7 @@ def test_children_descendants_and_running_state():
         assert proc_tree.children(parent.pid) == [kid]
         assert proc_tree.descendants(parent.pid) == [kid]
         mine = proc_tree.descendants(os.getpid())
-        assert mine.index(parent.pid) < mine.index(kid)   # nearest first
+        assert mine.index(parent.pid) < mine.index(kid)  # nearest first
         assert proc_tree.descendants(kid) == []
         assert b"time.sleep(60)" in proc_tree.cmdline(kid)
         assert proc_tree.is_running(parent.pid) and proc_tree.is_running(kid)
@@ -35,8 +37,8 @@ def test_children_descendants_and_running_state():
         deadline = time.monotonic() + 10
         while proc_tree.is_running(parent.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not proc_tree.is_running(parent.pid)   # a zombie until we reap it
-        assert kid not in proc_tree.children(parent.pid)   # re-parented
+        assert not proc_tree.is_running(parent.pid)  # a zombie until we reap it
+        assert kid not in proc_tree.children(parent.pid)  # re-parented
     finally:
         parent.kill()
         parent.wait()

@@ -158,17 +158,22 @@ def test_s7_max_model_len(depth):
 @pytest.mark.parametrize("seed", range(6))
 def test_s8_randomized_arrivals_preemption_chunking_aborts(depth, seed):
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=rng.choice([10, 16, 40]), block_size=4,
-                           max_num_seqs=rng.choice([2, 4, 8]),
-                           max_num_batched_tokens=rng.choice([5, 16, 64]),
-                           max_model_len=40, async_scheduling=depth > 1,
-                           prefix_caching=rng.random() < 0.7)
+    sched = make_scheduler(
+        num_blocks=rng.choice([10, 16, 40]),
+        block_size=4,
+        max_num_seqs=rng.choice([2, 4, 8]),
+        max_num_batched_tokens=rng.choice([5, 16, 64]),
+        max_model_len=40,
+        async_scheduling=depth > 1,
+        prefix_caching=rng.random() < 0.7,
+    )
     driver = Driver(sched, depth=depth)
     shared = random_prompt(rng, 12)
     pending = []
     for i in range(24):
         prompt = (shared[: rng.randint(0, 12)] if rng.random() < 0.5 else []) + random_prompt(
-            rng, rng.randint(1, 14))
+            rng, rng.randint(1, 14)
+        )
         pending.append(make_request(f"r{i}", prompt, max_tokens=rng.randint(1, 12)))
     aborted = set()
 
@@ -198,8 +203,9 @@ def test_s8_randomized_arrivals_preemption_chunking_aborts(depth, seed):
 def test_s9_preemption_with_steps_in_flight_matches_plain_run(depth):
     rng = random.Random(9)
     prompts = {f"r{i}": random_prompt(rng, rng.randint(6, 14)) for i in range(6)}
-    tight = make_scheduler(num_blocks=12, block_size=4, max_model_len=40,
-                           async_scheduling=depth > 1)
+    tight = make_scheduler(
+        num_blocks=12, block_size=4, max_model_len=40, async_scheduling=depth > 1
+    )
     driver = Driver(tight, depth=depth)
     _run_all(driver, [make_request(k, p, max_tokens=20) for k, p in prompts.items()])
     assert tight.num_preemptions > 0
@@ -218,8 +224,13 @@ def test_s14_chunked_prefill_placeholders():
         driver.step()
         if len(driver.runner.steps) > before and req.status == RequestStatus.RUNNING:
             so = driver.runner.steps[-1]
-            seen.append((so.num_scheduled_tokens.get("a"), "a" in so.sampling_req_ids,
-                         req.num_output_placeholders))
+            seen.append(
+                (
+                    so.num_scheduled_tokens.get("a"),
+                    "a" in so.sampling_req_ids,
+                    req.num_output_placeholders,
+                )
+            )
     # chunks of 8, 8, then the final 4 reserves one placeholder; decode follows next step
     assert seen[0] == (8, False, 0) and seen[1] == (8, False, 0)
     assert seen[2][:2] == (4, True)
@@ -303,8 +314,10 @@ def test_sync_pp_never_schedules_inflight_request():
     driver.run()
     inflight_max = 0
     for i, so in enumerate(driver.runner.steps[1:], 1):
-        inflight_max = max(inflight_max, len(set(so.num_scheduled_tokens)
-                                             & set(driver.runner.steps[i - 1].sampling_req_ids)))
+        inflight_max = max(
+            inflight_max,
+            len(set(so.num_scheduled_tokens) & set(driver.runner.steps[i - 1].sampling_req_ids)),
+        )
     assert inflight_max == 0
     assert driver.outputs["a"] == expected_tokens([1, 2, 3], 5)
 
@@ -328,7 +341,12 @@ def test_request_id_reuse_after_finish_is_not_confused_with_stale_output():
 def test_kv_too_small_for_waiting_request_waits_then_runs():
     sched = make_scheduler(num_blocks=6, block_size=4, max_model_len=24, async_scheduling=True)
     driver = Driver(sched, depth=2)
-    _run_all(driver, [make_request("a", list(range(16)), max_tokens=6),
-                      make_request("b", list(range(20, 36)), max_tokens=6)])
+    _run_all(
+        driver,
+        [
+            make_request("a", list(range(16)), max_tokens=6),
+            make_request("b", list(range(20, 36)), max_tokens=6),
+        ],
+    )
     assert driver.outputs["a"] == expected_tokens(list(range(16)), 6)
     assert driver.outputs["b"] == expected_tokens(list(range(20, 36)), 6)

@@ -27,7 +27,7 @@ class PagedKVRunner(FakeRunner):
         self.window, self.block_size = window, block_size
         self.tables: dict[str, tuple[list[int], list[int]]] = {}
         self.computed: dict[str, int] = {}
-        self.store: dict[tuple[int, int, int], tuple] = {}   # (group, block, offset) -> content
+        self.store: dict[tuple[int, int, int], tuple] = {}  # (group, block, offset) -> content
         self.num_reads = 0
 
     def execute(self, so):
@@ -37,13 +37,15 @@ class PagedKVRunner(FakeRunner):
             self.tables[new.req_id] = tuple(list(ids) for ids in new.block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
-        for req_id, ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                             cached.num_computed_tokens):
+        for req_id, ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
             for table, new_ids in zip(self.tables[req_id], ids, strict=True):
                 table.extend(new_ids)
             self.computed[req_id] = num_computed
-        tokens_before = {r: list(self.reqs[r].tokens) for r in so.num_scheduled_tokens
-                         if r in self.reqs}
+        tokens_before = {
+            r: list(self.reqs[r].tokens) for r in so.num_scheduled_tokens if r in self.reqs
+        }
         for new in so.scheduled_new_reqs:
             tokens_before[new.req_id] = list(new.token_ids)
         for req_id, n in so.num_scheduled_tokens.items():
@@ -58,32 +60,49 @@ class PagedKVRunner(FakeRunner):
 
     def _forward(self, req_id: str, tokens: list[int], first: int, n: int) -> None:
         for pos in range(first, first + n):
-            content = tuple(tokens[:pos + 1])
+            content = tuple(tokens[: pos + 1])
             for group in (0, 1):
                 self.store[self._slot(req_id, group, pos)] = content
         for pos in range(first, first + n):
-            for key in range(pos + 1):   # full attention: every key; local: the window
+            for key in range(pos + 1):  # full attention: every key; local: the window
                 groups = (0, 1) if key > pos - self.window else (0,)
                 for group in groups:
                     got = self.store.get(self._slot(req_id, group, key))
-                    assert got == tuple(tokens[:key + 1]), (req_id, group, pos, key)
+                    assert got == tuple(tokens[: key + 1]), (req_id, group, pos, key)
                     self.num_reads += 1
 
 
-def _scheduler(window, num_blocks, num_local, block_size=4, max_num_seqs=6, batched=24,
-               async_on=True, pp=1, prefix=True):
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
-                             max_model_len=160, async_scheduling=async_on,
-                             pipeline_parallel_size=pp)
+def _scheduler(
+    window,
+    num_blocks,
+    num_local,
+    block_size=4,
+    max_num_seqs=6,
+    batched=24,
+    async_on=True,
+    pp=1,
+    prefix=True,
+):
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=160,
+        async_scheduling=async_on,
+        pipeline_parallel_size=pp,
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix, window, num_local))
 
 
-MODES = {"sync": (False, 1, 1), "async": (True, 1, 2), "pp2-sync": (False, 2, 2),
-         "pp2-async": (True, 2, 3)}
+MODES = {
+    "sync": (False, 1, 1),
+    "async": (True, 1, 2),
+    "pp2-sync": (False, 2, 2),
+    "pp2-async": (True, 2, 3),
+}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("num_blocks", [400, 70])   # 70: preemption
+@pytest.mark.parametrize("num_blocks", [400, 70])  # 70: preemption
 def test_window_blocks_are_returned_with_steps_in_flight(mode, num_blocks):
     async_on, pp, depth = MODES[mode]
     window, bs = 8, 4
@@ -94,8 +113,11 @@ def test_window_blocks_are_returned_with_steps_in_flight(mode, num_blocks):
     driver = Driver(sched, runner, depth=depth)
     shared = random_prompt(rng, 30)
     for i in range(14):
-        prompt = shared + random_prompt(rng, rng.randrange(1, 30)) if i % 2 else \
-            random_prompt(rng, rng.randrange(5, 60))
+        prompt = (
+            shared + random_prompt(rng, rng.randrange(1, 30))
+            if i % 2
+            else random_prompt(rng, rng.randrange(5, 60))
+        )
         driver.add(make_request(f"r{i}", prompt, max_tokens=rng.randrange(10, 60)))
     local = sched.kv.local
     allocated = [0]
@@ -111,7 +133,7 @@ def test_window_blocks_are_returned_with_steps_in_flight(mode, num_blocks):
     def on_step(i, drv):
         peak[0] = max(peak[0], sched.kv.pool.num_used_blocks)
         peak[1] = max(peak[1], local.pool.num_used_blocks)
-        for req in sched.running:   # live window blocks: the window and this step's tokens
+        for req in sched.running:  # live window blocks: the window and this step's tokens
             entries = local.req_blocks[req.request_id]
             first = out_of_window(req.num_computed_tokens - 24, window, bs)
             assert all(b is None for b in entries[:first]), req.request_id
@@ -119,8 +141,8 @@ def test_window_blocks_are_returned_with_steps_in_flight(mode, num_blocks):
     driver.run(on_step=on_step)
     assert len(driver.finish) == 14 and runner.num_reads > 0
     assert sched.kv.pool.num_used_blocks == 0 and local.pool.num_used_blocks == 0
-    assert allocated[0] > num_local   # blocks were recycled while requests ran
-    assert peak[1] < peak[0] / 2      # the window group holds a fraction of the full one
+    assert allocated[0] > num_local  # blocks were recycled while requests ran
+    assert peak[1] < peak[0] / 2  # the window group holds a fraction of the full one
     if num_blocks == 70:
         assert sched.num_preemptions > 0
     else:
@@ -142,19 +164,20 @@ def test_prefix_hit_needs_the_window_before_it_cached():
     # the two blocks before position num_hit in the window group
     assert num_hit == 40 and len(hit.full) == 10
     assert hit.local[:8] == [None] * 8 and all(x is not None for x in hit.local[8:])
-    for block in hit.local[8:]:   # evict the window before the hit: a shorter hit, or none
+    for block in hit.local[8:]:  # evict the window before the hit: a shorter hit, or none
         kv.local.pool._evict(block)
     hit, num_hit = kv.get_computed_blocks(b)
     assert num_hit < 40
     driver.add(b)
-    driver.run()   # the fake worker checks every key b reads
+    driver.run()  # the fake worker checks every key b reads
     assert driver.finish["b"] == "length"
 
 
 # -- the real engine: tiny Gemma 3 (5 sliding-window layers, window 8, for 1 global) ----------
-ENGINE = dict(dtype="float32", max_model_len=160, block_size=4, max_num_batched_tokens=32,
-              max_num_seqs=4)
-ENGINE_MODES = {   # (PP=2 sync's cadence is covered by the fake-worker test above)
+ENGINE = dict(
+    dtype="float32", max_model_len=160, block_size=4, max_num_batched_tokens=32, max_num_seqs=4
+)
+ENGINE_MODES = {  # (PP=2 sync's cadence is covered by the fake-worker test above)
     "sync": dict(async_scheduling=False, distributed_executor_backend="uni"),
     "async": dict(async_scheduling=True, distributed_executor_backend="mp"),
     "pp2-async": dict(async_scheduling=True, pipeline_parallel_size=2),
@@ -166,8 +189,9 @@ def _gemma_run(model_dir, prompts, max_tokens, **mode):
     from vserve.engine.arg_utils import EngineArgs
     from vserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir, **ENGINE, **mode),
-                                        multiprocess=False)
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=model_dir, **ENGINE, **mode), multiprocess=False
+    )
     core = engine.client.core
     kv = core.scheduler.kv
     peak = [0, 0]
@@ -201,7 +225,7 @@ def gemma_reference(tiny_model_dir):
     from tests.support.hf_reference import PREFIX_PROMPTS, PROMPTS, hf_greedy
 
     model_dir = tiny_model_dir("gemma3", sliding_window=8)
-    prompts = PREFIX_PROMPTS[:2] + PROMPTS[:3]   # the second hits the first's blocks
+    prompts = PREFIX_PROMPTS[:2] + PROMPTS[:3]  # the second hits the first's blocks
     return model_dir, prompts, hf_greedy(model_dir, tuple(prompts), 40)
 
 
@@ -209,7 +233,7 @@ def gemma_reference(tiny_model_dir):
 def test_gemma3_window_freeing_is_token_identical(gemma_reference, mode):
     model_dir, prompts, expected = gemma_reference
     got, peak, kv = _gemma_run(model_dir, prompts, 40, **ENGINE_MODES[mode])
-    assert got == expected   # transformers' greedy tokens (so also sync PP=1's)
+    assert got == expected  # transformers' greedy tokens (so also sync PP=1's)
     assert kv.local.window == 8
-    assert peak[1] <= peak[0] // 2   # the window group holds a fraction of the full one
-    assert kv.num_hit_tokens > 0     # the shared-prefix prompts hit the cache
+    assert peak[1] <= peak[0] // 2  # the window group holds a fraction of the full one
+    assert kv.num_hit_tokens > 0  # the shared-prefix prompts hit the cache

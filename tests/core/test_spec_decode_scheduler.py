@@ -23,7 +23,7 @@ PERIOD = 6
 
 def test_propose_ngram():
     assert propose_ngram([1, 2, 3, 4, 1, 2], 1, 3, 2) == [3, 4]
-    assert propose_ngram([1, 2, 3, 9, 2, 3, 5, 2, 3], 2, 2, 3) == [5, 2, 3]   # most recent
+    assert propose_ngram([1, 2, 3, 9, 2, 3, 5, 2, 3], 2, 2, 3) == [5, 2, 3]  # most recent
     assert propose_ngram([5, 6, 7], 1, 3, 3) == []
     assert propose_ngram([7, 7], 1, 3, 0) == []
 
@@ -34,8 +34,8 @@ def _reference_ngram(tokens, min_n, max_n, k):
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         best = []
         for start in range(length - n - 1, -1, -1):
-            if k > 0 and tokens[start:start + n] == tokens[length - n:]:
-                follow = tokens[start + n:start + n + k]
+            if k > 0 and tokens[start : start + n] == tokens[length - n :]:
+                follow = tokens[start + n : start + n + k]
                 if len(follow) == k:
                     return follow
                 best = follow if len(follow) > len(best) else best
@@ -50,7 +50,7 @@ def test_propose_ngram_equals_the_plain_loop():
         vocab = rng.choice([2, 3, 20, 300, 2**31 - 1])
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
         if rng.random() < 0.3:
-            tokens = tokens[:len(tokens) // 2] * 2 + tokens[:rng.randint(0, 3)]
+            tokens = tokens[: len(tokens) // 2] * 2 + tokens[: rng.randint(0, 3)]
         lo = rng.randint(1, 4)
         hi, k = rng.randint(lo, 5), rng.randint(0, 5)
         assert propose_ngram(tokens, lo, hi, k) == _reference_ngram(tokens, lo, hi, k), tokens
@@ -68,8 +68,11 @@ def test_outputs_equal_plain_run_and_drafts_are_accepted(depth):
     for k, p in prompts.items():
         assert driver.outputs[k] == expected_tokens(p, 30, period=PERIOD), k
     stats = sched.spec_stats
-    drafts, draft_tokens, accepted = (stats.num_drafts, stats.num_draft_tokens,
-                                      stats.num_accepted_tokens)
+    drafts, draft_tokens, accepted = (
+        stats.num_drafts,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
     assert drafts > 0 and accepted > 0 and accepted <= draft_tokens
     steps_with_drafts = [so for so in driver.runner.steps if so.spec_token_ids]
     assert steps_with_drafts
@@ -77,8 +80,10 @@ def test_outputs_equal_plain_run_and_drafts_are_accepted(depth):
     inflight: dict[str, int] = {}
     for so in driver.runner.steps:
         for req_id in so.num_scheduled_tokens:
-            assert inflight.get(req_id, -10) < so.step_id - (depth - 1) or \
-                req_id not in driver.runner.steps[inflight[req_id] - 1].spec_token_ids
+            assert (
+                inflight.get(req_id, -10) < so.step_id - (depth - 1)
+                or req_id not in driver.runner.steps[inflight[req_id] - 1].spec_token_ids
+            )
         for req_id in so.spec_token_ids:
             inflight[req_id] = so.step_id
 
@@ -100,7 +105,7 @@ def test_max_tokens_is_exact_with_drafts():
 def test_rejected_drafts_roll_back_computed_and_placeholders():
     prompt = [1, 2, 3, 4, 5, 6] * 2
     sched = make_scheduler(spec=SPEC)
-    runner = FakeRunner(period=PERIOD)   # repeats, but departs now and then: rejections
+    runner = FakeRunner(period=PERIOD)  # repeats, but departs now and then: rejections
     driver = Driver(sched, runner, depth=2)
     driver.add(make_request("a", prompt, max_tokens=40))
     seen = False
@@ -109,21 +114,29 @@ def test_rejected_drafts_roll_back_computed_and_placeholders():
         req = sched.requests.get("a")
         if req is not None and not req.inflight_step_ids:
             assert req.num_output_placeholders == 0
-            assert req.num_computed_tokens == req.num_tokens - 1   # D == 1 after rollback
+            assert req.num_computed_tokens == req.num_tokens - 1  # D == 1 after rollback
             seen = True
     assert seen and driver.outputs["a"] == expected_tokens(prompt, 40, period=PERIOD)
     stats = sched.spec_stats
-    drafts, draft_tokens, accepted = (stats.num_drafts, stats.num_draft_tokens,
-                                      stats.num_accepted_tokens)
+    drafts, draft_tokens, accepted = (
+        stats.num_drafts,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
     assert drafts > 0 and draft_tokens > accepted
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_invariants_under_preemption_and_abort_with_drafts(seed):
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=14, block_size=4, max_num_seqs=4,
-                           max_num_batched_tokens=rng.choice([8, 32]), max_model_len=48,
-                           spec=SPEC)
+    sched = make_scheduler(
+        num_blocks=14,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=rng.choice([8, 32]),
+        max_model_len=48,
+        spec=SPEC,
+    )
     driver = Driver(sched, FakeRunner(period=PERIOD), depth=rng.choice([1, 2, 3]))
     prompts = {f"r{i}": random_prompt(rng, PERIOD) * rng.randint(1, 3) for i in range(8)}
     for k, p in prompts.items():
@@ -138,7 +151,7 @@ def test_invariants_under_preemption_and_abort_with_drafts(seed):
             sched.check_invariants()
 
     driver.run(on_step=on_step)
-    assert sched.num_preemptions > 0 or seed % 2   # most seeds preempt
+    assert sched.num_preemptions > 0 or seed % 2  # most seeds preempt
     for k, p in prompts.items():
         if k not in aborted:
             n = sched_max(driver, k)
@@ -184,10 +197,11 @@ def test_grammar_rejection_fails_only_that_request():
     sched = make_scheduler(async_scheduling=True)
     sched.structured = _Structured()
     driver = Driver(sched, depth=2)
-    req = make_request("g", [1, 2, 3], max_tokens=10,
-                       structured_outputs=StructuredOutputsParams(regex="a+"))
+    req = make_request(
+        "g", [1, 2, 3], max_tokens=10, structured_outputs=StructuredOutputsParams(regex="a+")
+    )
     compiled = Future()
-    compiled.set_result(3)   # the fake grammar accepts three tokens
+    compiled.set_result(3)  # the fake grammar accepts three tokens
     req.grammar_future = compiled
     driver.add(req)
     driver.add(make_request("free", [4, 5, 6], max_tokens=6))
@@ -209,7 +223,7 @@ def _no_draft_workload(kind: str, rng: random.Random):
         for p in prompts.values():
             seq = p + expected_tokens(p, 12)
             bigrams = list(zip(seq, seq[1:]))
-            assert len(set(bigrams)) == len(bigrams)   # the premise: no n-gram match at all
+            assert len(set(bigrams)) == len(bigrams)  # the premise: no n-gram match at all
         return [make_request(k, p, max_tokens=12) for k, p in prompts.items()]
     reqs = []
     for i in range(4):
@@ -228,14 +242,16 @@ def _steps(spec, kind, depth, period=None):
     return driver, [dict(so.num_scheduled_tokens) for so in driver.runner.steps]
 
 
-@pytest.mark.parametrize("kind, spec, depth, period", [
-    ("no-match", NO_MATCH, 2, None), ("static", SPEC, 2, 3), ("static", SPEC, 3, 3)])
+@pytest.mark.parametrize(
+    "kind, spec, depth, period",
+    [("no-match", NO_MATCH, 2, None), ("static", SPEC, 2, 3), ("static", SPEC, 3, 3)],
+)
 def test_requests_without_drafts_overlap_as_without_spec(kind, spec, depth, period):
     driver, steps = _steps(spec, kind, depth, period)
     plain_driver, plain_steps = _steps(None, kind, depth, period)
     sync_driver, _ = _steps(spec, kind, 1, period)
     assert driver.sched.spec_stats.num_drafts == 0
-    assert steps == plain_steps                    # the same steps, each request in the same
+    assert steps == plain_steps  # the same steps, each request in the same
     assert driver.outputs == plain_driver.outputs == sync_driver.outputs
     assert driver.sched.num_draft_waits == 0
 
@@ -247,14 +263,16 @@ def test_a_request_with_drafts_waits_only_for_its_own_previous_step(depth):
     driver = Driver(sched, FakeRunner(periods={"rep": PERIOD}), depth=depth)
     prompts = {"rep": random_prompt(rng, PERIOD) * 2}
     driver.add(make_request("rep", prompts["rep"], max_tokens=40))
-    for i in range(3):   # never draft (penalties): they must be in every step, as without spec
+    for i in range(3):  # never draft (penalties): they must be in every step, as without spec
         prompts[f"pen{i}"] = random_prompt(rng, PERIOD) * 2
-        driver.add(make_request(f"pen{i}", prompts[f"pen{i}"], max_tokens=30,
-                                repetition_penalty=1.1))
+        driver.add(
+            make_request(f"pen{i}", prompts[f"pen{i}"], max_tokens=30, repetition_penalty=1.1)
+        )
     driver.run()
     for k, p in prompts.items():
-        assert driver.outputs[k] == expected_tokens(p, 40 if k == "rep" else 30,
-                                                    period=PERIOD if k == "rep" else None)
+        assert driver.outputs[k] == expected_tokens(
+            p, 40 if k == "rep" else 30, period=PERIOD if k == "rep" else None
+        )
     assert sched.spec_stats.num_drafts > 0 and sched.spec_stats.num_accepted_tokens > 0
     steps = driver.runner.steps
     for req_id in prompts:
@@ -262,5 +280,5 @@ def test_a_request_with_drafts_waits_only_for_its_own_previous_step(depth):
         gaps = {b - a for a, b in zip(ids, ids[1:])}
         if req_id.startswith("pen"):
             assert gaps == {1}, (req_id, ids)
-        else:   # after a step with drafts it skips only the steps scheduled while in flight
+        else:  # after a step with drafts it skips only the steps scheduled while in flight
             assert max(gaps) <= depth, (req_id, ids)

@@ -32,8 +32,9 @@ def test_cache_root_honours_xdg(monkeypatch, tmp_path):
 
 
 def test_capital_of_france(llm):
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=11),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=11), use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids == REFERENCE_IDS
     assert out.outputs[0].text == " the capital of the country of France. It is the"
 
@@ -44,23 +45,30 @@ def test_greedy_equals_transformers(llm):
     folder = str(embedded_model_path())
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = llm.get_tokenizer()
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     for prompt, out in zip(PROMPTS, outs):
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)
-        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), prompt
 
 
 def test_shipped_chat_template(llm):
     tok = llm.get_tokenizer()
     rendered = tok.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        tokenize=False, add_generation_prompt=True)
-    assert rendered == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
-                        "<start_of_turn>model\n")
-    out = llm.chat([{"role": "user", "content": "Hi"}],
-                   SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    assert out.prompt_token_ids[:2] == [2, 105]   # <bos><start_of_turn>
-    assert 106 in llm.config.model.eos_token_ids   # <end_of_turn> stops a chat reply
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert rendered == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    )
+    out = llm.chat(
+        [{"role": "user", "content": "Hi"}],
+        SamplingParams(temperature=0, max_tokens=8),
+        use_tqdm=False,
+    )[0]
+    assert out.prompt_token_ids[:2] == [2, 105]  # <bos><start_of_turn>
+    assert 106 in llm.config.model.eos_token_ids  # <end_of_turn> stops a chat reply

@@ -12,7 +12,7 @@ from tests.support.proc_utils import descendants, kill, wait_dead, worker_pids
 from vserve import LLM, SamplingParams
 from vserve.engine.mp_client import EngineDeadError
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
 
@@ -93,7 +93,8 @@ def test_front_end_death_takes_the_engine_down(tiny_model_dir, tmp_path):
         "from vserve import LLM\n"
         f"llm = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256)\n"
         "print(llm.engine.client.engine.proc.pid, flush=True)\n"
-        "time.sleep(600)\n")
+        "time.sleep(600)\n"
+    )
     import subprocess
     import sys
 
@@ -120,7 +121,8 @@ def test_front_end_death_while_the_engine_is_stuck(tiny_model_dir, tmp_path):
         "while not (llm.engine.last_stats and llm.engine.last_stats.num_running_reqs):\n"
         "    time.sleep(0.05)\n"
         "print('running', flush=True)\n"
-        "time.sleep(600)\n")
+        "time.sleep(600)\n"
+    )
     import subprocess
     import sys
 
@@ -141,11 +143,16 @@ def test_front_end_death_while_the_engine_is_stuck(tiny_model_dir, tmp_path):
         for pid in tree:
             kill(pid, signal.SIGCONT)
             kill(pid, signal.SIGKILL)
-@pytest.mark.parametrize("frames", [
-    [bytes([0]), b"\xc1"],            # an ADD whose request id cannot be read
-    [bytes([1]), b"\x05"],            # an ABORT that is not a list of ids
-    [bytes([2]), b"\x90", b"extra"],  # a frame too many
-])
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [bytes([0]), b"\xc1"],  # an ADD whose request id cannot be read
+        [bytes([1]), b"\x05"],  # an ABORT that is not a list of ids
+        [bytes([2]), b"\x90", b"extra"],  # a frame too many
+    ],
+)
 def test_frame_without_a_request_is_fatal_and_reported(tiny_model_dir, frames):
     """Before: the input thread died silently and every later call hung. Now the engine
     core reports DEAD: pending and new requests get EngineDeadError within seconds."""
@@ -163,4 +170,3 @@ def test_frame_without_a_request_is_fatal_and_reported(tiny_model_dir, frames):
         llm.generate(["another"], LONG, use_tqdm=False)
     llm.shutdown()
     assert wait_dead(tree, timeout=10) == []
-

@@ -15,7 +15,7 @@ import pytest
 from tests.support.proc_utils import descendants, wait_dead
 from vserve import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -60,13 +60,13 @@ def test_leaving_a_with_block_shuts_the_engine_down(tiny_model_dir):
         llm.generate(["hello"], SHORT, use_tqdm=False)
         tree = _tree(llm)
     assert wait_dead(tree, timeout=30) == []
-    llm.shutdown()   # a second shutdown is harmless
+    llm.shutdown()  # a second shutdown is harmless
 
 
 def test_several_llms_in_a_row_leave_no_process(tiny_model_dir):
     trees = []
     for _ in range(3):
-        llm = _start(tiny_model_dir("llama"))   # replaces (and so collects) the previous one
+        llm = _start(tiny_model_dir("llama"))  # replaces (and so collects) the previous one
         llm.generate(["hello"], SHORT, use_tqdm=False)
         trees.append(_tree(llm))
         assert wait_dead([p for t in trees[:-1] for p in t], timeout=30) == []
@@ -87,12 +87,21 @@ def test_script_exit_prints_no_error_and_leaves_no_process(tiny_model_dir, tmp_p
         "for llm in (a, b):\n"
         "    llm.generate(['hi'], sp, use_tqdm=False)\n"
         "    pid = llm.engine.client.engine.proc.pid\n"
-        "    print(pid, flush=True)\n")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "VSERVE_LOG_LEVEL": "WARNING"})
+        "    print(pid, flush=True)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VSERVE_LOG_LEVEL": "WARNING"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    bad = [line for line in run.stderr.splitlines()
-           if any(word in line for word in ("ERROR", "Error", "Traceback", "dead", "leaked"))]
+    bad = [
+        line
+        for line in run.stderr.splitlines()
+        if any(word in line for word in ("ERROR", "Error", "Traceback", "dead", "leaked"))
+    ]
     assert bad == [], run.stderr[-3000:]
     engine_pids = [int(line) for line in run.stdout.split()]
     assert len(engine_pids) == 2

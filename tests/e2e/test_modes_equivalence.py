@@ -14,45 +14,63 @@ from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
 from vserve.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
-ENGINE = dict(dtype="float32", max_model_len=128, block_size=4, num_gpu_blocks_override=40,
-              max_num_batched_tokens=24, max_num_seqs=8)
+ENGINE = dict(
+    dtype="float32",
+    max_model_len=128,
+    block_size=4,
+    num_gpu_blocks_override=40,
+    max_num_batched_tokens=24,
+    max_num_seqs=8,
+)
 
 MODES = {
-    "sync-inproc": dict(multiprocess=False, async_scheduling=False,
-                        distributed_executor_backend="uni"),
-    "async-inproc": dict(multiprocess=False, async_scheduling=True,
-                         distributed_executor_backend="uni"),
-    "async-inproc-mpexec": dict(multiprocess=False, async_scheduling=True,
-                                distributed_executor_backend="mp"),
+    "sync-inproc": dict(
+        multiprocess=False, async_scheduling=False, distributed_executor_backend="uni"
+    ),
+    "async-inproc": dict(
+        multiprocess=False, async_scheduling=True, distributed_executor_backend="uni"
+    ),
+    "async-inproc-mpexec": dict(
+        multiprocess=False, async_scheduling=True, distributed_executor_backend="mp"
+    ),
     "async-mp": dict(multiprocess=True, async_scheduling=True),
-    "sync-mp": dict(multiprocess=True, async_scheduling=False,
-                    distributed_executor_backend="mp"),
+    "sync-mp": dict(multiprocess=True, async_scheduling=False, distributed_executor_backend="mp"),
     "pp2-async": dict(multiprocess=True, async_scheduling=True, pipeline_parallel_size=2),
     "pp2-sync": dict(multiprocess=True, async_scheduling=False, pipeline_parallel_size=2),
     "pp3-async": dict(multiprocess=True, async_scheduling=True, pipeline_parallel_size=3),
     "pp3-sync": dict(multiprocess=True, async_scheduling=False, pipeline_parallel_size=3),
 }
-PARTITION = {"pp3-sync": "0,3,1"}   # VSERVE_PP_LAYER_PARTITION per mode (default: by cost)
+PARTITION = {"pp3-sync": "0,3,1"}  # VSERVE_PP_LAYER_PARTITION per mode (default: by cost)
 
 
 def _workload():
     """(request id, prompt, params, wave); wave 1 arrives after the engine has started."""
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     items = []
-    prompts = PROMPTS + PREFIX_PROMPTS + [{"prompt_token_ids": [2] + list(range(30, 30 + n))}
-                                          for n in (3, 17, 40, 64)]
+    prompts = (
+        PROMPTS
+        + PREFIX_PROMPTS
+        + [{"prompt_token_ids": [2] + list(range(30, 30 + n))} for n in (3, 17, 40, 64)]
+    )
     for i, p in enumerate(prompts):
         items.append((f"g{i}", p, greedy, 0))
     for i, p in enumerate(prompts[:8]):
-        sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=100 + i, max_tokens=16,
-                            ignore_eos=True)
+        sp = SamplingParams(
+            temperature=0.9, top_p=0.9, top_k=40, seed=100 + i, max_tokens=16, ignore_eos=True
+        )
         items.append((f"s{i}", p, sp, i % 2))
     for i, p in enumerate(prompts[:6]):
         items.append((f"w{i}", p, greedy.clone(max_tokens=12 + i), 1))
-    items.append(("n2", PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=10,
-                                                   ignore_eos=True), 1))
+    items.append(
+        (
+            "n2",
+            PROMPTS[1],
+            SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True),
+            1,
+        )
+    )
     items.append(("stop", PROMPTS[3], greedy.clone(stop=["@@"], max_tokens=30), 0))
     items.append(("abort-a", PROMPTS[0], greedy.clone(max_tokens=100), 0))
     items.append(("abort-b", PROMPTS[2], greedy.clone(max_tokens=100), 1))
@@ -66,8 +84,11 @@ def _run(engine: LLMEngine):
         if wave == 0:
             engine.add_request(rid, prompt, sp)
     while engine.has_unfinished_requests() or not added_wave1:
-        if steps == 3 and not added_wave1 or (not engine.has_unfinished_requests()
-                                             and not added_wave1):
+        if (
+            steps == 3
+            and not added_wave1
+            or (not engine.has_unfinished_requests() and not added_wave1)
+        ):
             for rid, prompt, sp, wave in items:
                 if wave == 1:
                     engine.add_request(rid, prompt, sp)
@@ -76,8 +97,9 @@ def _run(engine: LLMEngine):
             engine.abort_request(["abort-a", "abort-b"])
         for out in engine.step():
             if out.finished:
-                results[out.request_id] = [(c.token_ids, c.text, c.finish_reason,
-                                            c.stop_reason) for c in out.outputs]
+                results[out.request_id] = [
+                    (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs
+                ]
         steps += 1
     return results, engine.last_stats
 
@@ -93,8 +115,9 @@ def reference(tiny_model_dir):
 def _engine(model_dir, mode):
     mode = dict(mode)
     multiprocess = mode.pop("multiprocess")
-    return LLMEngine.from_engine_args(EngineArgs(model=model_dir, **ENGINE, **mode),
-                                      multiprocess=multiprocess)
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=model_dir, **ENGINE, **mode), multiprocess=multiprocess
+    )
 
 
 def _check_stage_forwards(records, pp: int) -> None:
@@ -124,8 +147,9 @@ def test_reference_exercises_the_workload(reference):
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "sync-inproc"])
 def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatch):
     if mode in PARTITION:
-        monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV,
-                                                             pp_layer_partition=PARTITION[mode]))
+        monkeypatch.setattr(
+            envs, "ENV", dataclasses.replace(envs.ENV, pp_layer_partition=PARTITION[mode])
+        )
     engine = _engine(tiny_model_dir("qwen3"), MODES[mode])
     try:
         results, stats = _run(engine)
@@ -134,6 +158,6 @@ def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatc
         engine.shutdown()
     assert results == reference
     _check_stage_forwards(records, MODES[mode].get("pipeline_parallel_size", 1))
-    assert stats.num_preemptions > 0          # the small KV cache forced recomputation
+    assert stats.num_preemptions > 0  # the small KV cache forced recomputation
     assert stats.prefix_cache_hits > 0
     assert stats.kv_cache_usage == 0.0 and stats.num_running_reqs == 0

@@ -16,7 +16,7 @@ from tests.support.proc_utils import kill, wait_dead, worker_pids
 from vserve import LLM, SamplingParams
 from vserve.executor.multiproc import free_port
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -26,18 +26,40 @@ def test_two_hosts_equal_one(tiny_model_dir):
     single = make_llm(model, max_model_len=256)
     expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, PARAMS, use_tqdm=False)]
     port = free_port()
-    common = ["--model", model, "--dtype", "float32", "--max-model-len", "256",
-              "--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(port)]
-    node1 = subprocess.Popen([sys.executable, "-m", "vserve.entrypoints.cli", "worker",
-                              *common, "--node-rank", "1"])
+    common = [
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--pipeline-parallel-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "vserve.entrypoints.cli", "worker", *common, "--node-rank", "1"]
+    )
     try:
-        llm = LLM(model, dtype="float32", max_model_len=256, pipeline_parallel_size=2,
-                  nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        llm = LLM(
+            model,
+            dtype="float32",
+            max_model_len=256,
+            pipeline_parallel_size=2,
+            nnodes=2,
+            node_rank=0,
+            master_addr="127.0.0.1",
+            master_port=port,
+        )
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         llm.shutdown()
         assert got == expected
-        assert node1.wait(timeout=30) == 0      # node 1's stages exit with the engine
+        assert node1.wait(timeout=30) == 0  # node 1's stages exit with the engine
     finally:
         if node1.poll() is None:
             node1.kill()
@@ -49,21 +71,38 @@ def test_worker_host_stops_on_ctrl_c_and_sigterm(tiny_model_dir, sig):
     """`vserve worker` waiting for its engine stops, ranks included, on Ctrl-C (SIGINT to the
     terminal's process group) or SIGTERM; killed, its ranks leave with it. A hang fails the
     bounded wait."""
-    common = ["--model", tiny_model_dir("gemma3"), "--dtype", "float32", "--max-model-len",
-              "256", "--pipeline-parallel-size", "2", "--nnodes", "2", "--master-port",
-              str(free_port()), "--node-rank", "1"]
-    node1 = subprocess.Popen([sys.executable, "-m", "vserve.entrypoints.cli", "worker", *common],
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    common = [
+        "--model",
+        tiny_model_dir("gemma3"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--pipeline-parallel-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--node-rank",
+        "1",
+    ]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "vserve.entrypoints.cli", "worker", *common],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     ranks = []
     try:
-        for line in node1.stderr:   # the ranks are started once this is logged
+        for line in node1.stderr:  # the ranks are started once this is logged
             if "waiting for the engine" in line:
                 break
-        deadline = time.monotonic() + 30   # a spawned rank shows its own command line soon
+        deadline = time.monotonic() + 30  # a spawned rank shows its own command line soon
         while not (ranks := worker_pids(node1.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(ranks) == 1
-        _wait_ignoring_sigint(ranks[0])   # in worker_main, on its way to the rendezvous
+        _wait_ignoring_sigint(ranks[0])  # in worker_main, on its way to the rendezvous
         if sig == signal.SIGINT:
             os.killpg(node1.pid, sig)
         else:

@@ -11,7 +11,7 @@ from tests.support.engines import make_llm
 from tests.support.hf_reference import PROMPTS, SHARED_PREFIX
 from vserve import SamplingParams
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 TOP = 3
 SCENARIOS = {
@@ -21,12 +21,21 @@ SCENARIOS = {
     "prefix": dict(block_size=4),
     "prefix-async": dict(block_size=4, async_scheduling=True),
     "preempt": dict(block_size=4, num_gpu_blocks_override=24, max_model_len=96),
-    "preempt-async": dict(block_size=4, num_gpu_blocks_override=24, max_model_len=96,
-                          async_scheduling=True, max_num_batched_tokens=7),
+    "preempt-async": dict(
+        block_size=4,
+        num_gpu_blocks_override=24,
+        max_model_len=96,
+        async_scheduling=True,
+        max_num_batched_tokens=7,
+    ),
     # the last stage computes them; engine core and workers in their own processes
-    "pp2-async-chunked": dict(multiprocess=True, distributed_executor_backend="mp",
-                              pipeline_parallel_size=2, async_scheduling=True,
-                              max_num_batched_tokens=7),
+    "pp2-async-chunked": dict(
+        multiprocess=True,
+        distributed_executor_backend="mp",
+        pipeline_parallel_size=2,
+        async_scheduling=True,
+        max_num_batched_tokens=7,
+    ),
 }
 PREFIX_PROMPTS = [SHARED_PREFIX + s for s in ("Paris is", "1 2 3 4 5 6 7 8 9")]
 
@@ -83,14 +92,14 @@ def _run_scenario(llm, model_dir: str, scenario: str) -> None:
         llm.generate([PREFIX_PROMPTS[0]], plain, use_tqdm=False)
         hits = sched.kv.num_hit_tokens
         outs = llm.generate(PREFIX_PROMPTS, sp, use_tqdm=False)
-        assert sched.kv.num_hit_tokens == hits   # no hit may skip an asked-for position
+        assert sched.kv.num_hit_tokens == hits  # no hit may skip an asked-for position
         again = llm.generate([PREFIX_PROMPTS[1]], plain, use_tqdm=False)[0]
-        assert again.num_cached_tokens > 0       # what they computed is cached for others
+        assert again.num_cached_tokens > 0  # what they computed is cached for others
     else:
-        prompts = PROMPTS + ([PROMPTS[1] + PROMPTS[3]] if scenario.startswith("preempt")
-                             else [])
-        outs = llm.generate(prompts, [sp, plain] * (len(prompts) // 2)
-                            + [sp] * (len(prompts) % 2), use_tqdm=False)
+        prompts = PROMPTS + ([PROMPTS[1] + PROMPTS[3]] if scenario.startswith("preempt") else [])
+        outs = llm.generate(
+            prompts, [sp, plain] * (len(prompts) // 2) + [sp] * (len(prompts) % 2), use_tqdm=False
+        )
         for out, asked in zip(outs, [True, False] * len(prompts)):
             if not asked:
                 assert out.prompt_logprobs is None
@@ -106,19 +115,29 @@ def _run_scenario(llm, model_dir: str, scenario: str) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_prompt_logprobs_preempted_mid_prompt_are_not_repeated(tiny_model_dir,
-                                                              async_scheduling):
+def test_prompt_logprobs_preempted_mid_prompt_are_not_repeated(tiny_model_dir, async_scheduling):
     """The last admitted request is the victim: B (prompt logprobs, 41 tokens in chunks of at
     most 7) loses its blocks to A's decode after some of its chunks committed, and computes
     its prompt again; the entries that already arrived are not sent twice."""
     model_dir = tiny_model_dir("llama")
-    llm = make_llm(model_dir, max_model_len=56, block_size=4, num_gpu_blocks_override=14,
-                   max_num_batched_tokens=7, async_scheduling=async_scheduling)
+    llm = make_llm(
+        model_dir,
+        max_model_len=56,
+        block_size=4,
+        num_gpu_blocks_override=14,
+        max_num_batched_tokens=7,
+        async_scheduling=async_scheduling,
+    )
     a = {"prompt_token_ids": [2] + list(range(100, 108))}
     b = {"prompt_token_ids": [2] + list(range(30, 70))}
-    outs = llm.generate([a, b], [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                                 SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [a, b],
+        [
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2),
+        ],
+        use_tqdm=False,
+    )
     assert llm.engine.client.core.scheduler.num_preemptions > 0
     assert outs[0].prompt_logprobs is None
     _check(model_dir, outs[1], 2)
@@ -142,8 +161,9 @@ def test_prompt_logprobs_n2_streaming_once(tiny_model_dir):
     from vserve.engine.async_llm import AsyncLLM
 
     model_dir = tiny_model_dir("llama")
-    engine = AsyncLLM.from_engine_args(EngineArgs(
-        model=model_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=6))
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=model_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=6)
+    )
     sp = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=4, prompt_logprobs=2)
 
     async def run():

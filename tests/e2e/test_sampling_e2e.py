@@ -36,25 +36,25 @@ def test_seeded_sampling_reproducible_and_batch_independent(llm):
 
 
 def test_seeded_sampling_independent_of_chunking(tiny_model_dir):
-    sp = SamplingParams(temperature=1.0, seed=7, top_p=0.9, top_k=50, max_tokens=16,
-                        ignore_eos=True)
+    sp = SamplingParams(
+        temperature=1.0, seed=7, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True
+    )
     results = []
     for budget in (None, 5):
-        llm = make_llm(tiny_model_dir("llama"), max_model_len=256,
-                       max_num_batched_tokens=budget)
+        llm = make_llm(tiny_model_dir("llama"), max_model_len=256, max_num_batched_tokens=budget)
         results.append(_ids(_gen(llm, PROMPTS, sp)))
     assert results[0] == results[1]
 
 
 def test_unseeded_sampling_differs_between_requests(llm):
-    outs = _gen(llm, [PROMPTS[2]] * 4, SamplingParams(temperature=1.5, max_tokens=12,
-                                                       ignore_eos=True))
+    outs = _gen(
+        llm, [PROMPTS[2]] * 4, SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True)
+    )
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1
 
 
 def test_filters_that_leave_one_token_equal_greedy(llm):
-    greedy = _ids(_gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12,
-                                                     ignore_eos=True)))
+    greedy = _ids(_gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
     for extra in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
         sp = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, **extra)
         assert _ids(_gen(llm, PROMPTS, sp)) == greedy, extra
@@ -73,8 +73,7 @@ def test_temperature_sampling_follows_the_distribution(llm):
         counts[t] = counts.get(t, 0) + 1
     for token, entry in top.items():
         expected = math.exp(entry.logprob) * 400
-        assert abs(counts.get(token, 0) - expected) < 4 * math.sqrt(expected) + 3, (token,
-                                                                                     expected)
+        assert abs(counts.get(token, 0) - expected) < 4 * math.sqrt(expected) + 3, (token, expected)
 
 
 def test_logit_bias_forces_a_token(llm):
@@ -89,8 +88,9 @@ def test_min_tokens_masks_eos_and_stop_ids(llm):
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos
     assert eos not in out.token_ids[:5]
     assert out.finish_reason == "stop" and out.stop_reason is None
-    sp = SamplingParams(temperature=0, max_tokens=20, min_tokens=3, stop_token_ids=[77],
-                        logit_bias={77: 100})
+    sp = SamplingParams(
+        temperature=0, max_tokens=20, min_tokens=3, stop_token_ids=[77], logit_bias={77: 100}
+    )
     out = _gen(llm, PROMPTS[0], sp)[0].outputs[0]
     assert len(out.token_ids) == 4 and out.stop_reason == 77
 
@@ -104,8 +104,11 @@ def test_ignore_eos_keeps_going(llm):
 def test_penalties_change_output(llm):
     base = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = _ids(_gen(llm, PROMPTS, base))
-    for extra in (dict(repetition_penalty=5.0), dict(frequency_penalty=2.0),
-                  dict(presence_penalty=2.0)):
+    for extra in (
+        dict(repetition_penalty=5.0),
+        dict(frequency_penalty=2.0),
+        dict(presence_penalty=2.0),
+    ):
         got = _ids(_gen(llm, PROMPTS, base.clone(**extra)))
         assert got != plain, extra
     strong = _ids(_gen(llm, PROMPTS, base.clone(presence_penalty=2.0, repetition_penalty=50.0)))
@@ -172,8 +175,9 @@ def test_stop_string_truncates_and_reports(llm):
 
 
 def test_finish_reason_length(llm):
-    out = _gen(llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=3,
-                                               ignore_eos=True))[0].outputs[0]
+    out = _gen(llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[
+        0
+    ].outputs[0]
     assert out.finish_reason == "length" and out.stop_reason is None
     assert len(out.token_ids) == 3
 
@@ -187,8 +191,9 @@ def test_outputs_in_input_order_with_token_prompts(llm):
 
 
 def test_chat_applies_template(llm):
-    out = llm.chat([{"role": "user", "content": "hello"}],
-                   SamplingParams(temperature=0, max_tokens=3))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=3)
+    )[0]
     tok = llm.get_tokenizer()
     assert tok.decode(out.prompt_token_ids) == "<|user|>hello\n<|assistant|>"
 
@@ -199,7 +204,7 @@ def test_fast_argmax_equals_argmax_with_ties():
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randn(5, 4096 * 8, generator=gen).to(dtype)
-        logits[1, 100] = logits[1, 5000] = logits[1, 30000] = 50.0   # ties: first one wins
+        logits[1, 100] = logits[1, 5000] = logits[1, 30000] = 50.0  # ties: first one wins
         logits[2, -1] = 60.0
         assert torch.equal(fast_argmax(logits), logits.float().argmax(dim=-1))
         assert fast_argmax(logits)[1] == 100

@@ -15,8 +15,12 @@ from vserve.engine.llm_engine import LLMEngine
 from vserve.sampling_params import SamplingParams as SP
 from vserve.workers.spec_verify import verify
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 1}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
 
@@ -33,8 +37,7 @@ def reference(model):
 
 @pytest.mark.parametrize("async_on", [False, True])
 def test_greedy_equal_with_drafts_and_drafts_accepted(model, reference, async_on):
-    llm = make_llm(model, max_model_len=512, async_scheduling=async_on,
-                   speculative_config=SPEC)
+    llm = make_llm(model, max_model_len=512, async_scheduling=async_on, speculative_config=SPEC)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == reference
     stats = llm.engine.last_stats
@@ -43,10 +46,17 @@ def test_greedy_equal_with_drafts_and_drafts_accepted(model, reference, async_on
 
 
 def test_drafts_with_preemption_and_aborts(model, reference):
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=model, dtype="float32", max_model_len=128, block_size=4,
-        num_gpu_blocks_override=40, distributed_executor_backend="uni",
-        speculative_config=SPEC))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model,
+            dtype="float32",
+            max_model_len=128,
+            block_size=4,
+            num_gpu_blocks_override=40,
+            distributed_executor_backend="uni",
+            speculative_config=SPEC,
+        )
+    )
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, GREEDY)
     engine.add_request("gone", PROMPTS[0], GREEDY)
@@ -79,10 +89,8 @@ def test_seeded_sampling_with_drafts_equal_sync_and_async(model):
     sp = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
     outs = {}
     for async_on in (False, True):
-        llm = make_llm(model, max_model_len=512, async_scheduling=async_on,
-                       speculative_config=SPEC)
-        outs[async_on] = [o.outputs[0].token_ids
-                          for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        llm = make_llm(model, max_model_len=512, async_scheduling=async_on, speculative_config=SPEC)
+        outs[async_on] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
         assert llm.engine.client.core.scheduler.spec_stats.num_drafts > 0
         llm.shutdown()
     assert outs[False] == outs[True]
@@ -117,8 +125,8 @@ def test_greedy_verification_rule():
     for pos, tok in enumerate([1, 2, 3, 4]):
         logits[pos, tok] = 5.0
     params = SP(temperature=0)
-    assert verify(logits, [1, 2, 3], params, 0, 0) == [1, 2, 3, 4]     # all + bonus
-    assert verify(logits, [1, 0, 3], params, 0, 0) == [1, 2]           # first mismatch
+    assert verify(logits, [1, 2, 3], params, 0, 0) == [1, 2, 3, 4]  # all + bonus
+    assert verify(logits, [1, 0, 3], params, 0, 0) == [1, 2]  # first mismatch
     assert verify(logits, [4, 2, 3], params, 0, 0) == [1]
 
 

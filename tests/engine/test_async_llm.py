@@ -14,15 +14,16 @@ from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.mp_client import EngineDeadError
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 LONG = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
 
 
 def _engine(model_dir: str) -> AsyncLLM:
-    return AsyncLLM.from_engine_args(EngineArgs(model=model_dir, dtype="float32",
-                                                max_model_len=600))
+    return AsyncLLM.from_engine_args(
+        EngineArgs(model=model_dir, dtype="float32", max_model_len=600)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def engine(tiny_model_dir):
     llm = _engine(tiny_model_dir("llama"))
     yield llm, loop
     llm.shutdown()
-    loop.run_until_complete(asyncio.sleep(0.1))   # let the cancelled tasks finish
+    loop.run_until_complete(asyncio.sleep(0.1))  # let the cancelled tasks finish
     loop.close()
 
 
@@ -95,7 +96,7 @@ def test_id_reused_right_after_abort(engine):
     async def run():
         for _ in range(3):
             state = await llm.add_request("a prompt", LONG, "reused")
-            await _bounded(state.queue.get())            # it is running in the engine
+            await _bounded(state.queue.get())  # it is running in the engine
             llm.abort_nowait("reused")
             token_ids, finish = await _bounded(_collect(llm, "reused"))
             assert len(token_ids) == 4 and finish == "length"

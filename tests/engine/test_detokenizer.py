@@ -8,8 +8,10 @@ from vserve.engine.messages import EngineCoreOutput
 from vserve.engine.output_processor import OutputKind, OutputProcessor
 from vserve.sampling_params import SamplingParams
 
-TEXTS = ["héllo wörld, naïve café — 東京 🙂 and more 🙂🙂 東京東京",
-         "The quick brown fox 🦊 jumps ✈ over ünïcödé"]
+TEXTS = [
+    "héllo wörld, naïve café — 東京 🙂 and more 🙂🙂 東京東京",
+    "The quick brown fox 🦊 jumps ✈ over ünïcödé",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def _feed(tokenizer, text, chunk=1, **params):
     deltas = []
     stop = None
     for i in range(0, len(ids), chunk):
-        stop = detok.update(ids[i:i + chunk], False)
+        stop = detok.update(ids[i : i + chunk], False)
         deltas.append(detok.take_delta(stop is not None))
         if stop:
             break
@@ -61,8 +63,9 @@ def test_streamed_deltas_never_show_a_stop_prefix(tokenizer):
 
 def test_include_stop_str_and_earliest_stop_wins(tokenizer):
     text = "one two three four"
-    _, detok, _, stop = _feed(tokenizer, text, 1, stop=["four", "two"],
-                              include_stop_str_in_output=True)
+    _, detok, _, stop = _feed(
+        tokenizer, text, 1, stop=["four", "two"], include_stop_str_in_output=True
+    )
     assert stop == "two" and detok.output_text == "one two"
 
 
@@ -112,13 +115,13 @@ def test_byte_fallback_ids_the_rust_stream_refuses_still_decode():
     from vserve.models.resolve import embedded_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_path()))
-    rng = random.Random(2)   # seed 2 hits the refusal within 200 ids (9 of 50 seeds do)
+    rng = random.Random(2)  # seed 2 hits the refusal within 200 ids (9 of 50 seeds do)
     prompt = [rng.randrange(4096) for _ in range(5)]
     ids = [rng.randrange(4096) for _ in range(200)]
     detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
     for token_id in ids:
         detok.update([token_id], False)
-    assert detok._stream is None   # the stream refused, and the window decode took over
+    assert detok._stream is None  # the stream refused, and the window decode took over
     full = tokenizer.decode(ids, skip_special_tokens=True)
     # broken byte sequences render differently (U+FFFD, or a stray byte where the window
     # decode splits them); everything else, and all the text after the refusal, is the same

@@ -34,8 +34,9 @@ def _drain(core, max_calls=1000):
     raise AssertionError("engine did not drain")
 
 
-@pytest.mark.parametrize("async_on, pp, depth", [(False, 1, 1), (True, 1, 2), (True, 3, 4),
-                                                 (False, 2, 2)])
+@pytest.mark.parametrize(
+    "async_on, pp, depth", [(False, 1, 1), (True, 1, 2), (True, 3, 4), (False, 2, 2)]
+)
 def test_s18_depth_order_and_drain(async_on, pp, depth):
     core = _core(async_on, pp)
     assert core.depth == depth
@@ -45,7 +46,7 @@ def test_s18_depth_order_and_drain(async_on, pp, depth):
     outs = _drain(core)
     ex = core.executor
     assert ex.max_in_flight <= depth
-    assert ex.resolve_order == ex.launched           # committed in schedule order
+    assert ex.resolve_order == ex.launched  # committed in schedule order
     by_req = {}
     for o in outs:
         by_req.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -83,7 +84,7 @@ def test_s21_abort_while_step_in_flight_emits_nothing():
     aborted = []
 
     def abort_during_forward(future):
-        if not aborted:   # the abort arrives from the input thread while the step runs
+        if not aborted:  # the abort arrives from the input thread while the step runs
             core.abort_requests(["a"])
             aborted.append(future.so.step_id)
 
@@ -98,8 +99,7 @@ def test_s23_futures_resolve_fifo_from_mp_executor(tiny_model_dir):
     """Awaiting the 3rd future of the multiprocess executor resolves the 1st and 2nd first."""
     from tests.support.engines import make_llm
 
-    llm = make_llm(tiny_model_dir("llama"), distributed_executor_backend="mp",
-                   max_model_len=128)
+    llm = make_llm(tiny_model_dir("llama"), distributed_executor_backend="mp", max_model_len=128)
     core = llm.engine.client.core
     try:
         for i in range(3):
@@ -109,7 +109,7 @@ def test_s23_futures_resolve_fifo_from_mp_executor(tiny_model_dir):
         futures = [ex.execute_model(so) for so in sos]
         third = futures[2].result(timeout=30)
         assert third.step_id == sos[2].step_id
-        assert len(ex.replies) == 2                        # 1st and 2nd already read
+        assert len(ex.replies) == 2  # 1st and 2nd already read
         assert [f.result().step_id for f in futures[:2]] == [sos[0].step_id, sos[1].step_id]
         for so, f in zip(sos, futures):
             sched.update_from_output(so, f.result())
@@ -121,7 +121,7 @@ def test_s23_futures_resolve_fifo_from_mp_executor(tiny_model_dir):
 # -- structured output: the bitmask of a step waits for every older step of its requests --------
 def _grammar_core(depth, runner, async_on=True):
     core = _core(async_on, executor=FakeExecutor(runner=runner))
-    core.depth = depth   # the queue depth alone, whatever PP does with its steps
+    core.depth = depth  # the queue depth alone, whatever PP does with its steps
     core.structured = core.scheduler.structured = FakeStructured()
     return core
 
@@ -142,17 +142,18 @@ def test_grammar_bitmask_sees_every_earlier_token_at_any_depth(depth):
     core = _grammar_core(depth, runner, async_on=depth > 1)
     prompts = {"a": [1, 2, 3], "g0": [4, 5, 6], "g1": [7, 8], "g2": [9, 10, 11, 12]}
     core.add_request(core_request("a", prompts["a"], max_tokens=12))
-    outputs = core.step_fn() or []   # a's first step is in flight when the grammars arrive
+    outputs = core.step_fn() or []  # a's first step is in flight when the grammars arrive
     grammar = StructuredOutputsParams(regex="[a-z]+")
     for k in ("g0", "g1", "g2"):
         core.add_request(core_request(k, prompts[k], max_tokens=10, structured_outputs=grammar))
     outputs += _drain(core)
     ex = core.executor
-    assert _by_request(outputs) == {k: expected_tokens(p, 12 if k == "a" else 10)
-                                    for k, p in prompts.items()}
+    assert _by_request(outputs) == {
+        k: expected_tokens(p, 12 if k == "a" else 10) for k, p in prompts.items()
+    }
     assert runner.num_grammar_rows == 30
     assert ex.resolve_order == ex.launched and ex.max_in_flight <= depth
-    assert ex.masked_at_launch == []   # every bitmask was filled while its forward ran
+    assert ex.masked_at_launch == []  # every bitmask was filled while its forward ran
     records = core.recorder.take()
     waited = {r.step_id for r in records if r.no_overlap == GRAMMAR_WAIT}
     assert waited == {so.step_id for so in runner.steps if so.pending_grammar}
@@ -166,8 +167,9 @@ SPEC_WAIT = "speculative decoding: drafts need the previous step's tokens on the
 
 
 def _spec_run(async_on, spec, prompts, period=None, penalties=False):
-    core = _core(async_on, speculative=spec,
-                 executor=FakeExecutor(runner=FakeRunner(period=period)))
+    core = _core(
+        async_on, speculative=spec, executor=FakeExecutor(runner=FakeRunner(period=period))
+    )
     extra = {"repetition_penalty": 1.2} if penalties else {}
     for k, p in prompts.items():
         core.add_request(core_request(k, p, max_tokens=12, **extra))
@@ -181,13 +183,13 @@ def _spec_run(async_on, spec, prompts, period=None, penalties=False):
 def test_spec_configured_no_draft_workload_runs_as_without_spec(case):
     """With speculative_config set and no request able to draft, the engine runs the same
     steps with the same overlap as without it, and the same tokens as the sync run."""
-    if case == "no-match":   # random ids: no repeated 2-gram (checked), so no n-gram drafts
+    if case == "no-match":  # random ids: no repeated 2-gram (checked), so no n-gram drafts
         spec, period, penalties = NO_MATCH, None, False
         prompts = {f"r{i}": [(37 * i + 11 * j) % 997 for j in range(8)] for i in range(4)}
         for p in prompts.values():
             seq = p + expected_tokens(p, 12)
             assert len(set(zip(seq, seq[1:]))) == len(seq) - 1
-    else:                    # repetitive text (drafts would match), but penalties
+    else:  # repetitive text (drafts would match), but penalties
         spec, period, penalties = SpeculativeConfig(), 3, True
         prompts = {f"r{i}": [i + 1, i + 2, i + 3] * 3 for i in range(4)}
     outputs, steps, reasons, core = _spec_run(True, spec, prompts, period, penalties)
@@ -223,6 +225,8 @@ def test_first_step_of_a_new_wave_is_reported_after_idle():
     first = core.recorder.take()[0]
     assert first.num_tokens and first.no_overlap == "first step after idle"
     assert first.launch_interval == 0.0
+
+
 def test_eager_abort_spares_a_later_request_that_reuses_the_id():
     """Review B2: request x finished (say, on a stop string in the front end, which then
     sends ABORT x) and a new request x arrives at once. The eager abort was sent after ADD #1
@@ -230,15 +234,16 @@ def test_eager_abort_spares_a_later_request_that_reuses_the_id():
     core = _core(True)
     core.add_request(core_request("x", [1, 2, 3], max_tokens=3), 1)
     _drain(core)
-    core.abort_requests(["x"], 1)                      # the input thread, eagerly
-    core.scheduler.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)   # in order
+    core.abort_requests(["x"], 1)  # the input thread, eagerly
+    core.scheduler.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)  # in order
     core.add_request(core_request("x", [4, 5, 6], max_tokens=4), 2)
     outs = _drain(core)
-    assert [t for o in outs if o.request_id == "x" for t in o.new_token_ids] == \
-        expected_tokens([4, 5, 6], 4)
+    assert [t for o in outs if o.request_id == "x" for t in o.new_token_ids] == expected_tokens(
+        [4, 5, 6], 4
+    )
     assert outs[-1].finish_reason == "length"
     core.add_request(core_request("y", [7, 8, 9], max_tokens=50), 3)
     core.step_fn()
-    core.abort_requests(["y"], 3)                      # an abort after its ADD still applies
+    core.abort_requests(["y"], 3)  # an abort after its ADD still applies
     _drain(core)
     assert not core.scheduler.requests

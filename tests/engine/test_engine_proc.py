@@ -13,7 +13,7 @@ from tests.support.hf_reference import PROMPTS
 from vserve import LLM, SamplingParams, StructuredOutputsParams
 from vserve.engine.messages import EngineCoreRequest, RequestType
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -27,7 +27,7 @@ def llm(tiny_model_dir):
 
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0   # utime + stime, in clock ticks
+    return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in clock ticks
 
 
 def test_idle_engine_core_blocks_instead_of_spinning(llm):
@@ -36,7 +36,7 @@ def test_idle_engine_core_blocks_instead_of_spinning(llm):
     time.sleep(0.5)
     before = _cpu_seconds(pid)
     time.sleep(2.0)
-    assert _cpu_seconds(pid) - before < 0.3   # a spinning loop would burn ~2 s
+    assert _cpu_seconds(pid) - before < 0.3  # a spinning loop would burn ~2 s
 
 
 def test_stop_string_spanning_two_steps(llm):
@@ -47,9 +47,14 @@ def test_stop_string_spanning_two_steps(llm):
     found = None
     for i in range(3, len(ids) - 1):
         head = tok.decode(ids[:i], skip_special_tokens=True)
-        both = tok.decode(ids[:i + 1], skip_special_tokens=True)
-        if head and both.startswith(head) and len(both) > len(head) and \
-                "\ufffd" not in (head[-1], both[len(head)]) and full.text.startswith(head):
+        both = tok.decode(ids[: i + 1], skip_special_tokens=True)
+        if (
+            head
+            and both.startswith(head)
+            and len(both) > len(head)
+            and "\ufffd" not in (head[-1], both[len(head)])
+            and full.text.startswith(head)
+        ):
             stop = head[-1] + both[len(head)]
             if full.text.find(stop) == len(head) - 1:
                 found = (i, head, stop)
@@ -57,11 +62,11 @@ def test_stop_string_spanning_two_steps(llm):
     assert found, "the reference output has no usable token boundary"
     i, head, stop = found
     out = llm.generate(PROMPTS[1], GREEDY.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
-    assert out.text == full.text[:len(head) - 1]
+    assert out.text == full.text[: len(head) - 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert len(out.token_ids) >= i + 1                        # the stop lay across steps
-    assert out.token_ids == full.token_ids[:len(out.token_ids)]
-    deadline = time.monotonic() + 5   # the front end aborts it in the engine: blocks come back
+    assert len(out.token_ids) >= i + 1  # the stop lay across steps
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    deadline = time.monotonic() + 5  # the front end aborts it in the engine: blocks come back
     while True:
         stats = llm.engine.client.call_utility("stats")
         if stats["num_running_reqs"] == 0 or time.monotonic() > deadline:
@@ -102,13 +107,16 @@ def _still_serving(llm, pid: int) -> None:
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-@pytest.mark.parametrize("fields, match", [
-    # what an unchecked front end (or a params object changed after construction) sent
-    (["bad-type", [5, 6], {"top_p": "x"}, [2], 1], "Expected `float`"),
-    (["bad-range", [5, 6], {"top_p": 0.0}, [2], 1], "top_p"),
-    (["bad-grammar", [5, 6], {"structured_outputs": {"regex": 123}}, [2], 1], "regex"),
-    (["bad-shape", "not a list of ids"], "could not decode"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        # what an unchecked front end (or a params object changed after construction) sent
+        (["bad-type", [5, 6], {"top_p": "x"}, [2], 1], "Expected `float`"),
+        (["bad-range", [5, 6], {"top_p": 0.0}, [2], 1], "top_p"),
+        (["bad-grammar", [5, 6], {"structured_outputs": {"regex": 123}}, [2], 1], "regex"),
+        (["bad-shape", "not a list of ids"], "could not decode"),
+    ],
+)
 def test_undecodable_add_fails_only_its_request(llm, fields, match):
     """Before: the input thread died silently; every later request hung, /health said 200."""
     pid = llm.engine.client.engine.proc.pid
@@ -133,8 +141,9 @@ def test_duplicate_request_id_gets_an_error_output(llm):
 
 
 # -- no busy spin while grammars compile (review B4) ------------------------------------------
-CHOICE = SamplingParams(temperature=0, max_tokens=8,
-                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+CHOICE = SamplingParams(
+    temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+)
 
 
 def test_engine_core_blocks_while_only_grammars_compile(tiny_model_dir, monkeypatch):
@@ -153,8 +162,7 @@ def test_engine_core_blocks_while_only_grammars_compile(tiny_model_dir, monkeypa
 
 
 @pytest.mark.parametrize("async_on", [False, True])
-def test_inproc_engine_blocks_while_only_grammars_compile(tiny_model_dir, monkeypatch,
-                                                          async_on):
+def test_inproc_engine_blocks_while_only_grammars_compile(tiny_model_dir, monkeypatch, async_on):
     from tests.support.engines import make_llm
     from vserve.engine.structured_output import StructuredOutputManager
 

@@ -30,7 +30,7 @@ def test_clean_run_passes_the_idle_check(async_on):
         core.add_request(core_request(f"r{i}", list(range(1, 20 + i)), max_tokens=5))
     _drain(core)
     assert core.scheduler.kv.pool.num_used_blocks == 0
-    core.check_idle_invariants()   # explicitly too: idle and clean
+    core.check_idle_invariants()  # explicitly too: idle and clean
 
 
 @pytest.mark.parametrize("async_on", [False, True])
@@ -39,7 +39,7 @@ def test_leaked_block_trips_the_idle_check(async_on):
     core.add_request(core_request("a", [1, 2, 3, 4, 5], max_tokens=4))
     assert core.has_work()
     core.step_fn()
-    core.scheduler.kv.pool.get_new_blocks(1)   # held by no request: a leak
+    core.scheduler.kv.pool.get_new_blocks(1)  # held by no request: a leak
     with pytest.raises(RuntimeError, match="1 KV blocks in use at idle"):
         _drain(core)
 
@@ -51,6 +51,6 @@ def test_the_check_is_off_without_the_flag(monkeypatch):
     core.add_request(core_request("a", [1, 2, 3], max_tokens=2))
     core.step_fn()
     core.scheduler.kv.pool.get_new_blocks(1)
-    _drain(core)   # no check: the leak goes unnoticed, as in production
+    _drain(core)  # no check: the leak goes unnoticed, as in production
     with pytest.raises(RuntimeError, match="in use at idle"):
         core.check_idle_invariants()

@@ -14,8 +14,9 @@ from vserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vserve.sampling_params import SamplingParams
 
 
-def _out(index: int, text: str, ids: list[int], finish: str | None = None,
-         logprobs: bool = False) -> RequestOutput:
+def _out(
+    index: int, text: str, ids: list[int], finish: str | None = None, logprobs: bool = False
+) -> RequestOutput:
     lps = [{t: Logprob(-1.0)} for t in ids] if logprobs else None
     choice = CompletionOutput(index, text, ids, -float(len(ids)), lps, finish)
     return RequestOutput("r", "p", [1], [choice], finish is not None)
@@ -35,8 +36,12 @@ def test_deltas_merge_per_choice():
 
     merged = asyncio.run(run())
     first, second = merged.outputs
-    assert (first.index, first.text, first.token_ids, first.finish_reason) == \
-        (0, "abc", [1, 2, 3], "length")
+    assert (first.index, first.text, first.token_ids, first.finish_reason) == (
+        0,
+        "abc",
+        [1, 2, 3],
+        "length",
+    )
     assert [list(e) for e in first.logprobs] == [[1], [2], [3]]
     assert (second.index, second.text, second.token_ids) == (1, "x", [7])
     assert merged.finished
@@ -93,8 +98,19 @@ def test_batch_merge_is_bounded():
 
     async def run() -> tuple[int, list[str]]:
         ctx = ServerContext(_FakeEngine(), ["m"])
-        states = [RequestState(f"r{i}", None, [1], SamplingParams(), OutputKind.DELTA, {},
-                               0.0, queue=OutputCollector(OutputKind.DELTA)) for i in range(2)]
+        states = [
+            RequestState(
+                f"r{i}",
+                None,
+                [1],
+                SamplingParams(),
+                OutputKind.DELTA,
+                {},
+                0.0,
+                queue=OutputCollector(OutputKind.DELTA),
+            )
+            for i in range(2)
+        ]
         for s in states:
             s.queue.put_nowait(_out(0, "", []))
         merged = iterate(ctx, states)
@@ -105,7 +121,7 @@ def test_batch_merge_is_bounded():
             for s in states:
                 finish = "length" if step == num_steps - 1 else None
                 s.queue.put_nowait(_out(0, "t", [step], finish))
-            await asyncio.sleep(0)   # the merge's pumps run here
+            await asyncio.sleep(0)  # the merge's pumps run here
         num_items = 0
         async for index, out in merged:
             num_items += 1
@@ -124,14 +140,19 @@ def test_engine_request_pins_one_output(tiny_model_dir):
     from vserve.engine.async_llm import AsyncLLM
 
     async def run():
-        engine = AsyncLLM.from_engine_args(EngineArgs(
-            model=tiny_model_dir("llama"), dtype="float32", max_model_len=512,
-            num_gpu_blocks_override=256))
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(
+                model=tiny_model_dir("llama"),
+                dtype="float32",
+                max_model_len=512,
+                num_gpu_blocks_override=256,
+            )
+        )
         try:
             params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
             state = await engine.add_request({"prompt_token_ids": [2, 5, 6]}, params, "slow")
             pending = []
-            for _ in range(1200):   # up to 60 s
+            for _ in range(1200):  # up to 60 s
                 pending.append(state.queue.qsize())
                 if state.finished:
                     break

@@ -18,8 +18,11 @@ from vserve.executor.uniproc import UniProcExecutor
 
 
 def _protocol_methods(protocol) -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(fn) for name, fn in vars(protocol).items()
-            if callable(fn) and not name.startswith("_")}
+    return {
+        name: inspect.signature(fn)
+        for name, fn in vars(protocol).items()
+        if callable(fn) and not name.startswith("_")
+    }
 
 
 @pytest.mark.parametrize("cls", [UniProcExecutor, MultiprocExecutor, FakeExecutor])
@@ -28,20 +31,27 @@ def test_executors_implement_the_interface(cls):
     assert not getattr(cls, "__abstractmethods__", None), cls.__abstractmethods__
 
 
-@pytest.mark.parametrize("cls, protocol", [
-    (InprocClient, EngineCoreClient), (SyncMPClient, EngineCoreClient),
-    (AsyncMPClient, AsyncEngineCoreClient)])
+@pytest.mark.parametrize(
+    "cls, protocol",
+    [
+        (InprocClient, EngineCoreClient),
+        (SyncMPClient, EngineCoreClient),
+        (AsyncMPClient, AsyncEngineCoreClient),
+    ],
+)
 def test_clients_implement_their_protocol(cls, protocol):
     for name, expected in _protocol_methods(protocol).items():
         method = getattr(cls, name, None)
         assert method is not None, f"{cls.__name__} lacks {name}"
         got = inspect.signature(method)
-        assert inspect.iscoroutinefunction(method) == \
-            inspect.iscoroutinefunction(vars(protocol)[name]), name
+        assert inspect.iscoroutinefunction(method) == inspect.iscoroutinefunction(
+            vars(protocol)[name]
+        ), name
         # the protocol's parameters, by name and kind (a client may add keyword options)
         wanted = [(p.name, p.kind) for p in expected.parameters.values()]
-        assert [(p.name, p.kind) for p in got.parameters.values()][:len(wanted)] == wanted, \
+        assert [(p.name, p.kind) for p in got.parameters.values()][: len(wanted)] == wanted, (
             f"{cls.__name__}.{name}{got} does not match {expected}"
+        )
 
 
 def test_utilities_return_wire_shapes_in_process(tiny_model_dir):
@@ -55,7 +65,7 @@ def test_utilities_return_wire_shapes_in_process(tiny_model_dir):
         stats = client.call_utility("stats")
         assert isinstance(stats, dict) and stats["num_running_reqs"] == 0
         assert client.call_utility("ping") == "pong"
-        assert llm.engine.process_memory().keys() == {"frontend"}   # one process
+        assert llm.engine.process_memory().keys() == {"frontend"}  # one process
         records = llm.engine.take_step_records()
         assert records and all(r.step_id > 0 for r in records)
         with pytest.raises(ValueError, match="unknown utility"):

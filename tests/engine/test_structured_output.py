@@ -15,8 +15,11 @@ SCHEMA = {
     "properties": {
         "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
         "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]},
-                 "maxItems": 3},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "enum": ["a", "b", "c"]},
+            "maxItems": 3,
+        },
     },
     "required": ["answer", "count", "tags"],
     "additionalProperties": False,
@@ -34,13 +37,18 @@ def _validate(obj) -> None:
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     model = tiny_model_dir("llama")
-    return {mode: make_llm(model, max_model_len=256, async_scheduling=mode == "async")
-            for mode in ("sync", "async")}
+    return {
+        mode: make_llm(model, max_model_len=256, async_scheduling=mode == "async")
+        for mode in ("sync", "async")
+    }
 
 
 def _json_params(**kw):
-    return SamplingParams(max_tokens=80, structured_outputs=StructuredOutputsParams(
-        json=SCHEMA), **{"temperature": 0, **kw})
+    return SamplingParams(
+        max_tokens=80,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+        **{"temperature": 0, **kw},
+    )
 
 
 def test_json_schema_outputs_validate_sync_and_async_equal(engines):
@@ -86,16 +94,23 @@ def _deferred_steps(events: list[tuple[str, int]]) -> list[int]:
     """Steps launched before an older step committed and sampled only after that commit: the
     forward overlapped the older step, the grammar bitmask waited for its tokens."""
     at = {(kind, step): i for i, (kind, step) in enumerate(events)}
-    return [step for kind, step in events if kind == "launch" and any(
-        at[("launch", step)] < i < at[("sample", step)]
-        for i, (k, older) in enumerate(events) if k == "commit" and older < step)]
+    return [
+        step
+        for kind, step in events
+        if kind == "launch"
+        and any(
+            at[("launch", step)] < i < at[("sample", step)]
+            for i, (k, older) in enumerate(events)
+            if k == "commit" and older < step
+        )
+    ]
 
 
 def _fake_grammar_core():
     from tests.support.fakes import FakeExecutor, FakeRunner, FakeStructured, fake_engine_config
     from vserve.engine.core import EngineCore
 
-    runner = FakeRunner(check_grammar=True)   # raises on a bitmask filled too early
+    runner = FakeRunner(check_grammar=True)  # raises on a bitmask filled too early
     core = EngineCore(fake_engine_config(async_scheduling=True), FakeExecutor(runner=runner))
     core.structured = core.scheduler.structured = FakeStructured()
     return core
@@ -132,8 +147,11 @@ def test_async_defers_sampling_of_grammar_steps(request, engine):
             _validate(json.loads(out.outputs[0].text))
             num_tokens = len(out.outputs[0].token_ids)
     finally:
-        for obj, name in ((core.executor, "execute_model"), (core.executor, "sample_tokens"),
-                          (core, "_commit")):
+        for obj, name in (
+            (core.executor, "execute_model"),
+            (core.executor, "sample_tokens"),
+            (core, "_commit"),
+        ):
             vars(obj).pop(name, None)
     assert core.depth == 2 and num_tokens >= 8 and len(grammar_steps) >= num_tokens
     # all but the first (no token of its request is in flight before it)
@@ -142,20 +160,36 @@ def test_async_defers_sampling_of_grammar_steps(request, engine):
 
 def test_seeded_sampling_with_schema_validates(engines):
     for seed in range(4):
-        out = engines["async"].generate(PROMPTS[1], _json_params(temperature=1.0, seed=seed),
-                                        use_tqdm=False)[0]
+        out = engines["async"].generate(
+            PROMPTS[1], _json_params(temperature=1.0, seed=seed), use_tqdm=False
+        )[0]
         _validate(json.loads(out.outputs[0].text))
 
 
-BOUNDED = {"type": "object", "properties": {
-    "name": {"type": "string", "minLength": 1, "maxLength": 6},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}},
-    "required": ["name", "tags"], "additionalProperties": False}
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 6},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
 
 
-@pytest.mark.parametrize("text, ok", [
-    ('"ab"', True), ('"a\\nb"', True), ('"\\u0041"', True), ('"a\\""', True),
-    ('"a\x01"', False), ('"a\tb"', False), ('"a\nb"', False), ('"abcdefg"', False)])
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ('"ab"', True),
+        ('"a\\nb"', True),
+        ('"\\u0041"', True),
+        ('"a\\""', True),
+        ('"a\x01"', False),
+        ('"a\tb"', False),
+        ('"a\nb"', False),
+        ('"abcdefg"', False),
+    ],
+)
 def test_bounded_string_follows_json_string_rules(text, ok):
     """xgrammar writes minLength / maxLength strings with a class that lets raw control
     characters in and escapes out; the mended grammar takes JSON strings, an escape counting
@@ -171,11 +205,18 @@ def test_bounded_string_follows_json_string_rules(text, ok):
 def test_sampled_bounded_strings_are_valid_json(engines):
     """Temperature 1 over a random model picks control-character tokens whenever the grammar
     lets it: every output must parse and keep its lengths."""
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=80,
-                             structured_outputs=StructuredOutputsParams(json=BOUNDED))
-              for seed in range(12)]
-    outs = engines["async"].generate([PROMPTS[seed % len(PROMPTS)] for seed in range(12)],
-                                     params, use_tqdm=False)
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+            structured_outputs=StructuredOutputsParams(json=BOUNDED),
+        )
+        for seed in range(12)
+    ]
+    outs = engines["async"].generate(
+        [PROMPTS[seed % len(PROMPTS)] for seed in range(12)], params, use_tqdm=False
+    )
     for out in outs:
         obj = json.loads(out.outputs[0].text)
         assert 1 <= len(obj["name"]) <= 6 and all(len(t) <= 3 for t in obj["tags"])
@@ -185,23 +226,37 @@ def test_free_requests_unchanged_by_grammar_neighbours(engines):
     free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for llm in engines.values():
         alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, free, use_tqdm=False)]
-        mixed = llm.generate(PROMPTS + PROMPTS[:3], [free] * len(PROMPTS) + [_json_params()] * 3,
-                             use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in mixed[:len(PROMPTS)]] == alone
-        for out in mixed[len(PROMPTS):]:
+        mixed = llm.generate(
+            PROMPTS + PROMPTS[:3], [free] * len(PROMPTS) + [_json_params()] * 3, use_tqdm=False
+        )
+        assert [o.outputs[0].token_ids for o in mixed[: len(PROMPTS)]] == alone
+        for out in mixed[len(PROMPTS) :]:
             _validate(json.loads(out.outputs[0].text))
 
 
-@pytest.mark.parametrize("kind, value, check", [
-    ("regex", r"[a-z]{3,6}@[a-z]{2,4}\.(com|org)",
-     lambda t: __import__("re").fullmatch(r"[a-z]{3,6}@[a-z]{2,4}\.(com|org)", t)),
-    ("choice", ["red", "green", "blue"], lambda t: t in ("red", "green", "blue")),
-    ("grammar", 'root ::= "(" digit+ ")"\ndigit ::= [0-9]',
-     lambda t: __import__("re").fullmatch(r"\(\d+\)", t)),
-])
+@pytest.mark.parametrize(
+    "kind, value, check",
+    [
+        (
+            "regex",
+            r"[a-z]{3,6}@[a-z]{2,4}\.(com|org)",
+            lambda t: __import__("re").fullmatch(r"[a-z]{3,6}@[a-z]{2,4}\.(com|org)", t),
+        ),
+        ("choice", ["red", "green", "blue"], lambda t: t in ("red", "green", "blue")),
+        (
+            "grammar",
+            'root ::= "(" digit+ ")"\ndigit ::= [0-9]',
+            lambda t: __import__("re").fullmatch(r"\(\d+\)", t),
+        ),
+    ],
+)
 def test_regex_choice_grammar_json_object(engines, kind, value, check):
-    params = SamplingParams(temperature=0.8, seed=3, max_tokens=60,
-                            structured_outputs=StructuredOutputsParams(**{kind: value}))
+    params = SamplingParams(
+        temperature=0.8,
+        seed=3,
+        max_tokens=60,
+        structured_outputs=StructuredOutputsParams(**{kind: value}),
+    )
     for out in engines["async"].generate(PROMPTS[:3], params, use_tqdm=False):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0]
         assert check(out.outputs[0].text), out.outputs[0].text
@@ -210,24 +265,27 @@ def test_regex_choice_grammar_json_object(engines, kind, value, check):
 def test_json_object(engines):
     """Any JSON object: a random model may write endless keys, so only finished outputs are
     checked, and some must finish."""
-    params = SamplingParams(temperature=0, max_tokens=200,
-                            structured_outputs=StructuredOutputsParams(json_object=True))
+    params = SamplingParams(
+        temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json_object=True)
+    )
     outs = engines["async"].generate(PROMPTS, params, use_tqdm=False)
     done = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
     assert done
     assert all(isinstance(json.loads(c.text), dict) for c in done)
 
 
-@pytest.mark.parametrize("kind, value, match", [
-    ("grammar", 'root ::= "unterminated', "invalid grammar"),
-    ("regex", "[a-", "invalid regex"),
-    ("json", {"type": 5}, "invalid JSON schema"),
-    ("json", "[1, 2]", "invalid JSON schema"),
-])
+@pytest.mark.parametrize(
+    "kind, value, match",
+    [
+        ("grammar", 'root ::= "unterminated', "invalid grammar"),
+        ("regex", "[a-", "invalid regex"),
+        ("json", {"type": 5}, "invalid JSON schema"),
+        ("json", "[1, 2]", "invalid JSON schema"),
+    ],
+)
 def test_invalid_grammar_raises_before_the_engine(engines, kind, value, match):
     llm = engines["async"]
-    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
-        **{kind: value}))
+    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(**{kind: value}))
     with pytest.raises(ValueError, match=match):
         llm.generate([PROMPTS[0], PROMPTS[1]], bad, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -237,8 +295,9 @@ def test_bad_grammar_fails_its_request_only(engines, monkeypatch):
     """A grammar the up-front parse lets through but the engine cannot compile."""
     monkeypatch.setattr("vserve.engine.processor.check_grammar", lambda params: None)
     llm = engines["async"]
-    bad = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(
-        grammar='root ::= "unterminated'))
+    bad = SamplingParams(
+        max_tokens=5, structured_outputs=StructuredOutputsParams(grammar='root ::= "unterminated')
+    )
     good = SamplingParams(temperature=0, max_tokens=5)
     outs = llm.generate([PROMPTS[0], PROMPTS[1]], [bad, good], use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error"
@@ -253,18 +312,20 @@ def test_ignore_eos_with_a_grammar_stops_when_the_grammar_ends(engines, mode):
     and the next mask fill raised in the busy loop (the engine died). A finished grammar now
     finishes its request, whatever ignore_eos says."""
     llm = engines[mode]
-    choice = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    choice = SamplingParams(
+        temperature=0,
+        max_tokens=16,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
     schema = _json_params(ignore_eos=True)
-    outs = llm.generate(PROMPTS[:2] + PROMPTS[:2], [choice] * 2 + [schema] * 2,
-                        use_tqdm=False)
+    outs = llm.generate(PROMPTS[:2] + PROMPTS[:2], [choice] * 2 + [schema] * 2, use_tqdm=False)
     for out in outs[:2]:
         assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in ("yes", "no")
     for out in outs[2:]:
         assert out.outputs[0].finish_reason == "stop"
         _validate(json.loads(out.outputs[0].text))
-    after = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5),
-                         use_tqdm=False)
+    after = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert len(after[0].outputs[0].token_ids) == 5
 
 
@@ -312,15 +373,16 @@ def test_grammar_exception_fails_only_its_request(where, depth):
     sched.structured = _FailingStructured()
     schedule = sched.schedule
 
-    def schedule_and_fill():   # as the engine does (the fake grammar has no real state)
+    def schedule_and_fill():  # as the engine does (the fake grammar has no real state)
         so = schedule()
         sched.fill_grammar_bitmask(so)
         return so
 
     sched.schedule = schedule_and_fill
     driver = Driver(sched, depth=depth)
-    req = make_request("g", [1, 2, 3], max_tokens=10,
-                       structured_outputs=StructuredOutputsParams(regex="a+"))
+    req = make_request(
+        "g", [1, 2, 3], max_tokens=10, structured_outputs=StructuredOutputsParams(regex="a+")
+    )
     req.grammar_future = Future()
     req.grammar_future.set_result(where)
     driver.add(req)
@@ -338,14 +400,17 @@ def test_structured_params_validation():
         StructuredOutputsParams(json="{not json")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(regex=123), "regex must be a string"),
-    (dict(grammar={"a": 1}), "grammar must be a string"),
-    (dict(choice="abc"), "choice must be a list"),
-    (dict(choice=[1, 2]), "choice must be a list of non-empty strings"),
-    (dict(json=5), "json must be a string or an object"),
-    (dict(json_object=0), "json_object must be a boolean"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(regex=123), "regex must be a string"),
+        (dict(grammar={"a": 1}), "grammar must be a string"),
+        (dict(choice="abc"), "choice must be a list"),
+        (dict(choice=[1, 2]), "choice must be a list of non-empty strings"),
+        (dict(json=5), "json must be a string or an object"),
+        (dict(json_object=0), "json_object must be a boolean"),
+    ],
+)
 def test_structured_params_types(kwargs, match):
     """Wrong types raise at once (msgspec checks none in __init__; before, they reached the
     engine core and killed its input thread)."""
@@ -363,9 +428,18 @@ def test_structured_outputs_request_keeps_json_on_the_wire():
 
     from vserve.entrypoints.openai.protocol import CompletionRequest
 
-    proc = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c",
-                           "import vserve.entrypoints.openai.protocol"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error::UserWarning",
+            "-c",
+            "import vserve.entrypoints.openai.protocol",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     req = CompletionRequest(model="m", prompt="x", structured_outputs={"json": SCHEMA})
     assert req.structured_params() == StructuredOutputsParams(json=SCHEMA)

@@ -13,16 +13,18 @@ from vserve import SamplingParams, StructuredOutputsParams
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
 
-ENGINE = dict(dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=16,
-              max_num_seqs=8)
+ENGINE = dict(
+    dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=8
+)
 
 
 def _run(model, **mode):
     """A free request starts first; grammar requests arrive while its steps are in flight
     (their prompts chunked by the small token budget)."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **ENGINE, **mode))
-    grammar = SamplingParams(temperature=0, max_tokens=80,
-                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    grammar = SamplingParams(
+        temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     results = {}
     try:
@@ -43,10 +45,11 @@ def _run(model, **mode):
 
 @pytest.mark.slow
 def test_pp3_async_grammar_equals_sync_pp1(tiny_model_dir):
-    model = tiny_model_dir("llama")   # 4 layers: stages of 2, 1 and 1
+    model = tiny_model_dir("llama")  # 4 layers: stages of 2, 1 and 1
     reference = _run(model, async_scheduling=False, distributed_executor_backend="uni")
-    got = _run(model, async_scheduling=True, pipeline_parallel_size=3,
-               distributed_executor_backend="mp")
+    got = _run(
+        model, async_scheduling=True, pipeline_parallel_size=3, distributed_executor_backend="mp"
+    )
     assert set(got) == set(reference) == {"free"} | {f"g{i}" for i in range(1, len(PROMPTS))}
     for req_id, comp in got.items():
         assert comp.token_ids == reference[req_id].token_ids, req_id

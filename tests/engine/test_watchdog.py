@@ -14,7 +14,7 @@ from vserve import LLM, SamplingParams
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.mp_client import EngineDeadError
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
 WATCHDOG_S = 3
@@ -25,8 +25,14 @@ def _model(tiny_model_dir) -> str:
 
 
 def _start(model_dir, **kwargs):
-    return LLM(model_dir, dtype="float32", max_model_len=4096, max_num_seqs=4,
-               watchdog_timeout=WATCHDOG_S, **kwargs)
+    return LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=4096,
+        max_num_seqs=4,
+        watchdog_timeout=WATCHDOG_S,
+        **kwargs,
+    )
 
 
 def _generate_in_thread(llm, prompts, params=LONG):
@@ -62,11 +68,14 @@ def _expect_dead(thread, box, match: str) -> None:
     assert match in str(error), str(error)
 
 
-@pytest.mark.parametrize("target, pp, match", [
-    ("worker", 1, "got no reply from the workers"),      # the engine core's step deadline
-    ("worker", 2, "got no reply from the workers"),      # rank 0 then waits in a collective
-    ("engine core", 1, "engine core did not answer"),    # the front end's ping
-])
+@pytest.mark.parametrize(
+    "target, pp, match",
+    [
+        ("worker", 1, "got no reply from the workers"),  # the engine core's step deadline
+        ("worker", 2, "got no reply from the workers"),  # rank 0 then waits in a collective
+        ("engine core", 1, "engine core did not answer"),  # the front end's ping
+    ],
+)
 def test_stopped_process_is_declared_dead(tiny_model_dir, target, pp, match):
     llm = _start(_model(tiny_model_dir), pipeline_parallel_size=pp)
     engine_pid = llm.engine.client.engine.proc.pid
@@ -81,7 +90,7 @@ def test_stopped_process_is_declared_dead(tiny_model_dir, target, pp, match):
         _expect_dead(thread, box, match)
         # the whole tree is gone before any shutdown call: the engine cleaned up after itself
         assert wait_dead(tree, timeout=15) == []
-        with pytest.raises(EngineDeadError):   # and it stays dead
+        with pytest.raises(EngineDeadError):  # and it stays dead
             llm.generate(["again"], LONG, use_tqdm=False)
     finally:
         for pid in tree:
@@ -91,10 +100,11 @@ def test_stopped_process_is_declared_dead(tiny_model_dir, target, pp, match):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("backend, match", [("mp", "got no reply from the workers"),
-                                            ("uni", "engine core did not answer")])
-def test_forward_that_never_returns_is_declared_dead(tiny_model_dir, monkeypatch, backend,
-                                                     match):
+@pytest.mark.parametrize(
+    "backend, match",
+    [("mp", "got no reply from the workers"), ("uni", "engine core did not answer")],
+)
+def test_forward_that_never_returns_is_declared_dead(tiny_model_dir, monkeypatch, backend, match):
     """mp: the engine core's step deadline; uni (the forward runs in the engine core itself):
     the front end's unanswered ping."""
     monkeypatch.setenv("VSERVE_FAULT_INJECT", "execute_model_hang:5")
@@ -141,8 +151,7 @@ def test_watchdog_timeout_is_validated(tiny_model_dir, value):
 def test_watchdog_timeout_reaches_the_config(tiny_model_dir):
     cfg = EngineArgs(model=_model(tiny_model_dir), watchdog_timeout=7).create_engine_config()
     assert cfg.watchdog_timeout == 7.0
-    assert EngineArgs(model=_model(tiny_model_dir)).create_engine_config().watchdog_timeout \
-        == 300.0
+    assert EngineArgs(model=_model(tiny_model_dir)).create_engine_config().watchdog_timeout == 300.0
 
 
 def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
@@ -159,7 +168,7 @@ def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
 
     clock = [0.0]
     monkeypatch.setattr(multiproc, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    ex = object.__new__(MultiprocExecutor)   # the reply path only: no worker processes
+    ex = object.__new__(MultiprocExecutor)  # the reply path only: no worker processes
     ex.procs, ex.replies, ex.watchdog_timeout = [], {}, 20.0
     ex._sent_at, ex._last_reply_at, ex._closing = {1: 0.0, 2: 0.0, 3: 0.0}, 0.0, False
     ex.resp_r, resp_w = mp.Pipe(duplex=False)
@@ -169,11 +178,11 @@ def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
         resp_w.send_bytes(wire.encode(wire.Out(RunnerOutput(step_id))))
 
     reply(1)
-    clock[0] = 12.0   # step 1 ran 0.6 x the timeout
+    clock[0] = 12.0  # step 1 ran 0.6 x the timeout
     assert ex._reply_for(1, None).step_id == 1
-    clock[0] = 24.0   # step 2 (sent at 0) has run 12 since step 1 replied
+    clock[0] = 24.0  # step 2 (sent at 0) has run 12 since step 1 replied
     threading.Thread(target=reply, args=(2, 0.2), daemon=True).start()
     assert ex._reply_for(2, None).step_id == 2
-    clock[0] = 44.0   # step 3: 20 since step 2 replied, and no reply
+    clock[0] = 44.0  # step 3: 20 since step 2 replied, and no reply
     with pytest.raises(WorkerError, match="got no reply from the workers in 20.0 s"):
         ex._reply_for(3, None)

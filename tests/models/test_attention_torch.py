@@ -8,12 +8,12 @@ from vserve.attention import get_attention_backend
 from vserve.attention.base import AttentionLayerSpec
 
 SHAPES = [  # (q_lens, ctx_lens)
-    ([1, 1, 1], [5, 17, 33]),                 # decode only
-    ([7, 1, 12, 1], [7, 9, 40, 1]),           # mixed prefill chunks and decodes
-    ([16], [16]),                             # one prefill at a block boundary
-    ([3, 5], [19, 64]),                       # chunks with context
-    ([6, 6], [6, 6]),                         # one direct group holds the whole step
-    ([5], [21]),                              # one context chunk holds the whole step
+    ([1, 1, 1], [5, 17, 33]),  # decode only
+    ([7, 1, 12, 1], [7, 9, 40, 1]),  # mixed prefill chunks and decodes
+    ([16], [16]),  # one prefill at a block boundary
+    ([3, 5], [19, 64]),  # chunks with context
+    ([6, 6], [6, 6]),  # one direct group holds the whole step
+    ([5], [21]),  # one context chunk holds the whole step
 ]
 
 
@@ -23,7 +23,7 @@ SHAPES = [  # (q_lens, ctx_lens)
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_paged_equals_dense(q_lens, ctx_lens, heads, window, softcap):
     num_heads, num_kv = heads
-    spec = AttentionLayerSpec(num_heads, num_kv, 16, 16 ** -0.5, window, softcap)
+    spec = AttentionLayerSpec(num_heads, num_kv, 16, 16**-0.5, window, softcap)
     case = make_case(q_lens, ctx_lens, num_heads, num_kv, 16, block_size=4)
     backend = get_attention_backend("torch", block_size=4)
     case.meta.backend_data = backend.prepare(case.meta, {window})
@@ -34,7 +34,7 @@ def test_paged_equals_dense(q_lens, ctx_lens, heads, window, softcap):
 def test_kv_write_lands_in_slots():
     case = make_case([3, 1], [3, 6], 2, 2, 8, block_size=4)
     backend = get_attention_backend("torch", block_size=4)
-    spec = AttentionLayerSpec(2, 2, 8, 8 ** -0.5)
+    spec = AttentionLayerSpec(2, 2, 8, 8**-0.5)
     case.meta.backend_data = backend.prepare(case.meta, {None})
     backend.forward(spec, case.query, case.key, case.value, case.kv_cache, case.meta)
     flat = case.kv_cache[0].view(-1, 2, 8)

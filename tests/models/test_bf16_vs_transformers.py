@@ -21,12 +21,16 @@ import torch
 from tests.support.engines import greedy_with_logprobs, make_llm
 from vserve.config import cpu_has_bf16
 
-pytestmark = pytest.mark.skipif(not cpu_has_bf16(),
-                                reason="no bf16 instructions: dtype=auto resolves to float32")
+pytestmark = pytest.mark.skipif(
+    not cpu_has_bf16(), reason="no bf16 instructions: dtype=auto resolves to float32"
+)
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [8] * 20, list(range(30, 60))]
-TOLERANCE = {   # kind: (max, median) |logprob difference|
-    "llama": (0.5, 0.06), "mistral": (0.5, 0.06), "qwen2": (0.5, 0.06), "qwen3": (0.17, 0.045),
+TOLERANCE = {  # kind: (max, median) |logprob difference|
+    "llama": (0.5, 0.06),
+    "mistral": (0.5, 0.06),
+    "qwen2": (0.5, 0.06),
+    "qwen3": (0.17, 0.045),
     "gemma3": (0.025, 0.008),
 }
 EMBEDDED_TOLERANCE = (0.33, 0.07)
@@ -38,7 +42,7 @@ def transformers_logprobs(model_dir: str, prompt: list[int], output: list[int]) 
     model = _hf_model(model_dir)
     ids = torch.tensor([prompt + output[:-1]])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:]
+        logits = model(ids).logits[0, len(prompt) - 1 :]
     return logits.float().log_softmax(dim=-1)
 
 
@@ -51,20 +55,20 @@ def _hf_model(model_dir: str):
     if model_dir not in _MODELS:
         _MODELS.clear()
         _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16).eval()
+            model_dir, dtype=torch.bfloat16
+        ).eval()
     return _MODELS[model_dir]
 
 
-def logprob_differences(llm, model_dir: str, prompts: list[list[int]],
-                        max_tokens: int) -> tuple[float, float]:
+def logprob_differences(
+    llm, model_dir: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, float]:
     """max and median |vserve - transformers| over the sampled and top-3 tokens' logprobs."""
     diffs = []
-    for prompt, (output, logprobs) in zip(prompts, greedy_with_logprobs(llm, prompts,
-                                                                         max_tokens)):
+    for prompt, (output, logprobs) in zip(prompts, greedy_with_logprobs(llm, prompts, max_tokens)):
         ref = transformers_logprobs(model_dir, prompt, output)
         for position, entries in enumerate(logprobs):
-            diffs += [abs(value - ref[position, token].item())
-                      for token, value in entries.items()]
+            diffs += [abs(value - ref[position, token].item()) for token, value in entries.items()]
     diffs.sort()
     return diffs[-1], diffs[len(diffs) // 2]
 
@@ -97,8 +101,7 @@ def test_embedded_model_bf16_logprobs_match_transformers_bf16():
     try:
         assert _resolved_dtype(llm) == "bfloat16"
         tok = llm.get_tokenizer()
-        prompts = [tok("The capital of France is").input_ids,
-                   tok("def fibonacci(n):").input_ids]
+        prompts = [tok("The capital of France is").input_ids, tok("def fibonacci(n):").input_ids]
         measured = logprob_differences(llm, str(embedded_model_path()), prompts, 16)
     finally:
         llm.shutdown()

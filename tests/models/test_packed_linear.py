@@ -13,12 +13,13 @@ from vserve.models.stage import FusedLinear
 
 needs_packing = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.bfloat16),
-    reason="this CPU has no native bf16 (packing is off there, F.linear runs)")
+    reason="this CPU has no native bf16 (packing is off there, F.linear runs)",
+)
 
 
 def test_packing_only_for_bf16_on_the_cpu():
     cpu = torch.device("cpu")
-    assert not can_pack(cpu, torch.float32)      # fp32 runs MKL: must equal transformers
+    assert not can_pack(cpu, torch.float32)  # fp32 runs MKL: must equal transformers
     assert not can_pack(cpu, torch.float16)
     assert not can_pack(torch.device("cuda"), torch.bfloat16)
 
@@ -34,7 +35,7 @@ def test_packed_linear_is_bitwise_f_linear(shape, bias):
     for rows in (0, 1, 3, 8, 65, 300):
         x = torch.randn(rows, in_f, dtype=torch.bfloat16)
         assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)), rows
-    strided = torch.randn(5, 2 * in_f, dtype=torch.bfloat16)[:, :in_f]   # a split's view
+    strided = torch.randn(5, 2 * in_f, dtype=torch.bfloat16)[:, :in_f]  # a split's view
     assert torch.equal(packed(strided), F.linear(strided, linear.weight, linear.bias))
 
 
@@ -53,8 +54,10 @@ def test_pack_linears_replaces_every_linear_and_keeps_shard_sizes():
 
 def _greedy(model_dir, prompts):
     llm = make_llm(model_dir, dtype="bfloat16", max_model_len=128)
-    packed = any(isinstance(m, PackedLinear)
-                 for m in llm.engine.client.core.executor.worker.runner.model.modules())
+    packed = any(
+        isinstance(m, PackedLinear)
+        for m in llm.engine.client.core.executor.worker.runner.model.modules()
+    )
     result = greedy_with_logprobs(llm, prompts, max_tokens=12)
     llm.shutdown()
     return packed, result
@@ -63,10 +66,10 @@ def _greedy(model_dir, prompts):
 @needs_packing
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_packed_model_generates_bitwise_the_same(kind, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(loader.cpu_ops, "load", lambda: None)   # packing alone (kernels: their
-    prompts = [[5, 17, 99, 3, 42, 7], [8] * 20, list(range(30, 60))]   # own tests)
+    monkeypatch.setattr(loader.cpu_ops, "load", lambda: None)  # packing alone (kernels: their
+    prompts = [[5, 17, 99, 3, 42, 7], [8] * 20, list(range(30, 60))]  # own tests)
     packed, with_packing = _greedy(tiny_model_dir(kind), prompts)
     monkeypatch.setattr(loader, "can_pack", lambda device, dtype: False)
     unpacked, without = _greedy(tiny_model_dir(kind), prompts)
     assert packed and not unpacked
-    assert with_packing == without   # token ids and every top-3 logprob, exactly
+    assert with_packing == without  # token ids and every top-3 logprob, exactly

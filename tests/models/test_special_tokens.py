@@ -20,12 +20,31 @@ from vserve.models.gguf_tokens import (
 )
 
 NORMAL, BYTE = 1, 6
-VOCAB = [("<pad>", CONTROL), ("<eos>", CONTROL), ("<bos>", CONTROL), ("<unk>", UNKNOWN),
-         ("[multimodal]", USER_DEFINED), ("<start_of_turn>", CONTROL), ("\n", USER_DEFINED),
-         ("<table>", USER_DEFINED), ("<0x0A>", BYTE), ("▁the", NORMAL), ("<unused0>", UNUSED),
-         ("<start_of_image>", USER_DEFINED), ("<end_of_image>", USER_DEFINED)]
-SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<unused0>",
-           "<start_of_image>", "<end_of_image>"]
+VOCAB = [
+    ("<pad>", CONTROL),
+    ("<eos>", CONTROL),
+    ("<bos>", CONTROL),
+    ("<unk>", UNKNOWN),
+    ("[multimodal]", USER_DEFINED),
+    ("<start_of_turn>", CONTROL),
+    ("\n", USER_DEFINED),
+    ("<table>", USER_DEFINED),
+    ("<0x0A>", BYTE),
+    ("▁the", NORMAL),
+    ("<unused0>", UNUSED),
+    ("<start_of_image>", USER_DEFINED),
+    ("<end_of_image>", USER_DEFINED),
+]
+SPECIAL = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<unused0>",
+    "<start_of_image>",
+    "<end_of_image>",
+]
 
 
 def test_special_from_token_types():
@@ -49,8 +68,17 @@ def test_read_from_gguf_metadata(tmp_path):
 
 
 # the embedded model: these are special in Gemma 3's reference tokenizer
-EMBEDDED_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>",
-                    "<end_of_turn>", "<start_of_image>", "<end_of_image>"]
+EMBEDDED_SPECIAL = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+]
 EMBEDDED_TEXT = ["\n", "<table>", "▁Hello"]
 
 
@@ -69,10 +97,22 @@ def test_embedded_special_tokens_are_skipped(embedded_tokenizer):
     assert None not in ids.values(), ids
     for token in EMBEDDED_SPECIAL:
         assert added[ids[token]].special, f"{token} is not special"
-    for token in ("\n", "<table>"):   # USER_DEFINED text stays text
+    for token in ("\n", "<table>"):  # USER_DEFINED text stays text
         assert not added[ids[token]].special, token
-    seq = [ids[t] for t in ["<bos>", "<start_of_turn>", "▁Hello", "<start_of_image>",
-                            "<end_of_image>", "<table>", "\n", "<end_of_turn>", "<eos>"]]
+    seq = [
+        ids[t]
+        for t in [
+            "<bos>",
+            "<start_of_turn>",
+            "▁Hello",
+            "<start_of_image>",
+            "<end_of_image>",
+            "<table>",
+            "\n",
+            "<end_of_turn>",
+            "<eos>",
+        ]
+    ]
     assert tok.decode(seq, skip_special_tokens=True) == " Hello<table>\n"
     kept = tok.decode(seq, skip_special_tokens=False)
     assert "<start_of_image>" in kept and "<end_of_turn>" in kept

@@ -17,8 +17,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and type(triton.language.zeros).__name__ == "JITFunction":
-    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; its kernels "
-                       "cannot run on this CPU-only machine in this process")
+    raise RuntimeError(
+        "triton was imported before TRITON_INTERPRET=1 was set; its kernels "
+        "cannot run on this CPU-only machine in this process"
+    )
 
 from tests.support.attention_reference import make_case, reference_output  # noqa: E402
 from vserve.attention import get_attention_backend  # noqa: E402
@@ -32,13 +34,13 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 SHAPES = [  # (q_lens, ctx_lens) with block_size 4
-    ([1, 1, 1], [5, 8, 9]),                      # decode only; 8 ends a block, 9 is one past
-    ([7, 1, 0, 12, 1], [7, 9, 3, 20, 1]),        # mixed, an empty row, a 1-token context
-    ([8], [8]),                                  # one prefill exactly filling two blocks
-    ([3, 18, 1], [40, 18, 33]),                  # several query tiles and key tiles
+    ([1, 1, 1], [5, 8, 9]),  # decode only; 8 ends a block, 9 is one past
+    ([7, 1, 0, 12, 1], [7, 9, 3, 20, 1]),  # mixed, an empty row, a 1-token context
+    ([8], [8]),  # one prefill exactly filling two blocks
+    ([3, 18, 1], [40, 18, 33]),  # several query tiles and key tiles
 ]
-HEADS = [(4, 4), (8, 2), (8, 1)]                 # GQA ratios 1, 4 and 8
-MASKS = [(None, None), (5, None), (None, 20.0), (3, 10.0)]   # (sliding_window, softcap)
+HEADS = [(4, 4), (8, 2), (8, 1)]  # GQA ratios 1, 4 and 8
+MASKS = [(None, None), (5, None), (None, 20.0), (3, 10.0)]  # (sliding_window, softcap)
 
 
 def _case(q_lens, ctx_lens, heads, head_dim=16, block_size=4, dtype=torch.float32, seed=0):
@@ -47,18 +49,26 @@ def _case(q_lens, ctx_lens, heads, head_dim=16, block_size=4, dtype=torch.float3
     for field in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
         setattr(meta, field, getattr(meta, field).to(DEVICE))
     case.query, case.key, case.value, case.kv_cache = (
-        t.to(DEVICE) for t in (case.query, case.key, case.value, case.kv_cache))
+        t.to(DEVICE) for t in (case.query, case.key, case.value, case.kv_cache)
+    )
     return case
 
 
 def _attend(fn, case, spec):
     m = case.meta
-    return fn(case.query, case.kv_cache, m.query_start_loc, m.seq_lens, m.block_tables, spec,
-              max_query_len=m.max_query_len)
+    return fn(
+        case.query,
+        case.kv_cache,
+        m.query_start_loc,
+        m.seq_lens,
+        m.block_tables,
+        spec,
+        max_query_len=m.max_query_len,
+    )
 
 
 def _spec(heads, head_dim=16, window=None, softcap=None):
-    return AttentionLayerSpec(heads[0], heads[1], head_dim, head_dim ** -0.5, window, softcap)
+    return AttentionLayerSpec(heads[0], heads[1], head_dim, head_dim**-0.5, window, softcap)
 
 
 # -- kv write --------------------------------------------------------------------------------
@@ -66,8 +76,8 @@ def _spec(heads, head_dim=16, window=None, softcap=None):
 def test_kv_write_matches_reference_and_skips_padding(dtype):
     gen = torch.Generator().manual_seed(1)
     fused = torch.randn(6, 3, 2, 16, generator=gen).to(dtype).to(DEVICE)
-    key, value = fused[:, 1], fused[:, 2]        # strided views, as split from a fused qkv
-    slots = torch.tensor([5, 0, -1, 11, 12, -1], device=DEVICE)   # 11|12 straddle a block
+    key, value = fused[:, 1], fused[:, 2]  # strided views, as split from a fused qkv
+    slots = torch.tensor([5, 0, -1, 11, 12, -1], device=DEVICE)  # 11|12 straddle a block
     cache = torch.randn(2, 5, 4, 2, 16, generator=gen).to(dtype).to(DEVICE)
     expected = cache.clone()
     kv_write(key, value, cache, slots)
@@ -87,8 +97,9 @@ def test_paged_attention_fp32(q_lens, ctx_lens, heads, window, softcap):
     spec = _spec(heads, window=window, softcap=softcap)
     out = _attend(paged_attention, case, spec)
     tol = TOL[torch.float32]
-    torch.testing.assert_close(out, _attend(paged_attention_reference, case, spec),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        out, _attend(paged_attention_reference, case, spec), atol=tol, rtol=tol
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -99,8 +110,9 @@ def test_paged_attention_half_types(dtype, heads):
     spec = _spec(heads, window=6, softcap=20.0)
     out = _attend(paged_attention, case, spec)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, _attend(paged_attention_reference, case, spec),
-                               atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(
+        out, _attend(paged_attention_reference, case, spec), atol=TOL[dtype], rtol=TOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("head_dim, block_size", [(24, 8), (32, 8)])
@@ -108,9 +120,12 @@ def test_paged_attention_other_head_dims_and_block_size(head_dim, block_size):
     case = _case([5, 1, 1], [13, 16, 17], (4, 2), head_dim, block_size, seed=3)
     kv_write_reference(case.key, case.value, case.kv_cache, case.meta.slot_mapping)
     spec = _spec((4, 2), head_dim, window=9)
-    torch.testing.assert_close(_attend(paged_attention, case, spec),
-                               _attend(paged_attention_reference, case, spec),
-                               atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    torch.testing.assert_close(
+        _attend(paged_attention, case, spec),
+        _attend(paged_attention_reference, case, spec),
+        atol=TOL[torch.float32],
+        rtol=TOL[torch.float32],
+    )
 
 
 @pytest.mark.parametrize("window, softcap", MASKS)
@@ -120,8 +135,12 @@ def test_reference_equals_dense_attention(window, softcap):
     case = _case([7, 1, 12, 1], [7, 9, 20, 1], (8, 2), seed=4)
     kv_write_reference(case.key, case.value, case.kv_cache, case.meta.slot_mapping)
     spec = _spec((8, 2), window=window, softcap=softcap)
-    torch.testing.assert_close(_attend(paged_attention_reference, case, spec).cpu(),
-                               reference_output(case, spec), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _attend(paged_attention_reference, case, spec).cpu(),
+        reference_output(case, spec),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 # -- backend ---------------------------------------------------------------------------------
@@ -165,12 +184,15 @@ def test_prepare_inputs_without_feedback_rebuilds_metadata():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("prev_index", [[0, 1, -1, 2], [2, 0, -1, 1]])   # identity, reordered
+@pytest.mark.parametrize("prev_index", [[0, 1, -1, 2], [2, 0, -1, 1]])  # identity, reordered
 def test_prepare_inputs_feedback_and_padding(prev_index):
     qsl = torch.tensor([0, 1, 4, 6, 7], dtype=torch.int32, device=DEVICE)
     computed = torch.tensor([9, 0, 3, 15], device=DEVICE)
-    table = torch.tensor([[3, 7, 1, 0, 0], [4, 0, 0, 0, 0], [9, 2, 0, 0, 0], [5, 6, 8, 10, 11]],
-                         dtype=torch.int32, device=DEVICE)
+    table = torch.tensor(
+        [[3, 7, 1, 0, 0], [4, 0, 0, 0, 0], [9, 2, 0, 0, 0], [5, 6, 8, 10, 11]],
+        dtype=torch.int32,
+        device=DEVICE,
+    )
     host = torch.tensor([-1, 11, 12, -1, 20, 21, -1, 99, 99], device=DEVICE)  # 2 pad tokens
     prev = torch.tensor([501, 502, 503], device=DEVICE)
     index = torch.tensor(prev_index, dtype=torch.int32, device=DEVICE)
@@ -196,9 +218,10 @@ def _big_case(dtype, heads, head_dim, seed):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype, heads, head_dim", [(torch.bfloat16, (32, 8), 128),
-                                                     (torch.float16, (16, 16), 64),
-                                                     (torch.float32, (8, 1), 96)])
+@pytest.mark.parametrize(
+    "dtype, heads, head_dim",
+    [(torch.bfloat16, (32, 8), 128), (torch.float16, (16, 16), 64), (torch.float32, (8, 1), 96)],
+)
 @pytest.mark.parametrize("window, softcap", [(None, None), (512, 50.0)])
 def test_gpu_paged_attention_large(dtype, heads, head_dim, window, softcap):
     case, _, _ = _big_case(dtype, heads, head_dim, seed=5)
@@ -207,9 +230,12 @@ def test_gpu_paged_attention_large(dtype, heads, head_dim, window, softcap):
     kv_write_reference(case.key, case.value, expected_cache, case.meta.slot_mapping)
     assert torch.equal(case.kv_cache, expected_cache)
     spec = _spec(heads, head_dim, window, softcap)
-    torch.testing.assert_close(_attend(paged_attention, case, spec),
-                               _attend(paged_attention_reference, case, spec),
-                               atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(
+        _attend(paged_attention, case, spec),
+        _attend(paged_attention_reference, case, spec),
+        atol=TOL[dtype],
+        rtol=TOL[dtype],
+    )
 
 
 @pytest.mark.gpu
@@ -227,10 +253,18 @@ def test_gpu_backend_and_prepare_inputs_large():
     prev = torch.randint(0, 32000, (num_reqs,), device=DEVICE)
     index = torch.randperm(num_reqs, device=DEVICE).int()
     index[::3] = -1
-    args = (meta.query_start_loc, computed, meta.block_tables, 16, host, prev, index,
-            torch.zeros_like(index))
+    args = (
+        meta.query_start_loc,
+        computed,
+        meta.block_tables,
+        16,
+        host,
+        prev,
+        index,
+        torch.zeros_like(index),
+    )
     ids, positions, slots = prepare_inputs(*args)
-    assert torch.equal(positions[:meta.num_tokens], meta.positions)
-    assert torch.equal(slots[:meta.num_tokens], meta.slot_mapping)
+    assert torch.equal(positions[: meta.num_tokens], meta.positions)
+    assert torch.equal(slots[: meta.num_tokens], meta.slot_mapping)
     for got, want in zip((ids, positions, slots), prepare_inputs_reference(*args)):
         assert torch.equal(got, want)

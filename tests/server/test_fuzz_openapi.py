@@ -20,7 +20,7 @@ from schemathesis.generation import GenerationMode
 
 from tests.support.openai_server import TINY_ARGS, children_of, serving
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 NUM_CASES = {GenerationMode.POSITIVE: 200, GenerationMode.NEGATIVE: 100}
 MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 4}
@@ -28,8 +28,18 @@ MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 4}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with serving([tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "64",
-                 "--max-num-seqs", "32", "--request-timeout", "30"]) as srv:
+    with serving(
+        [
+            tiny_model_dir("llama"),
+            *TINY_ARGS,
+            "--max-model-len",
+            "64",
+            "--max-num-seqs",
+            "32",
+            "--request-timeout",
+            "30",
+        ]
+    ) as srv:
         yield srv
 
 
@@ -49,8 +59,7 @@ def test_documented_bodies(server):
     """Every POST route documents its JSON body, as a schema the fuzzer can generate from."""
     document = httpx.get(server.url + "/openapi.json").json()
     posts = {path: ops["post"] for path, ops in document["paths"].items() if "post" in ops}
-    assert set(posts) >= {"/v1/completions", "/v1/chat/completions", "/tokenize",
-                          "/detokenize"}
+    assert set(posts) >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
     for path, op in posts.items():
         if path == "/ping":
             continue
@@ -61,8 +70,9 @@ def test_documented_bodies(server):
 
 
 def test_fuzz_no_server_errors(server):
-    schema = schemathesis.openapi.from_dict(_bounded(httpx.get(server.url +
-                                                               "/openapi.json").json()))
+    schema = schemathesis.openapi.from_dict(
+        _bounded(httpx.get(server.url + "/openapi.json").json())
+    )
     failures: list[str] = []
     statuses: Counter = Counter()
     num_cases = 0
@@ -78,21 +88,30 @@ def test_fuzz_no_server_errors(server):
         statuses[case.method, case.path, r.status_code] += 1
         streamed_500 = r.status_code == 200 and '"code": 500' in r.text
         if r.status_code >= 500 or streamed_500:
-            failures.append(f"{case.method} {case.path} {case.body!r:.300} -> "
-                            f"{r.status_code} {r.text[:300]}")
+            failures.append(
+                f"{case.method} {case.path} {case.body!r:.300} -> {r.status_code} {r.text[:300]}"
+            )
 
     for mode, num in NUM_CASES.items():
-        run = settings(max_examples=num, deadline=None, database=None, phases=[Phase.generate],
-                       suppress_health_check=list(HealthCheck))(
-            given(case=schema.as_strategy(generation_mode=mode))(one))
+        run = settings(
+            max_examples=num,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )(given(case=schema.as_strategy(generation_mode=mode))(one))
         run()
     print(f"{num_cases} cases:", dict(sorted(statuses.items())))
     assert num_cases >= 250, num_cases
-    assert not failures, f"{len(failures)} of {num_cases} cases failed:\n" + \
-        "\n".join(failures[:10])
+    assert not failures, f"{len(failures)} of {num_cases} cases failed:\n" + "\n".join(
+        failures[:10]
+    )
     # the same engine process, still serving
     assert children_of(server.pid) == server.engine_pids
     assert httpx.get(server.url + "/health").status_code == 200
-    r = httpx.post(server.url + "/v1/completions", timeout=30,
-                   json={"prompt": "The quick brown fox", "max_tokens": 3, "ignore_eos": True})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        timeout=30,
+        json={"prompt": "The quick brown fox", "max_tokens": 3, "ignore_eos": True},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

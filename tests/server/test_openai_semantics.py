@@ -24,7 +24,7 @@ from tests.support.openai_server import TINY_ARGS, offline_app, serving
 MODEL = "tiny"
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]
-EOS = 1   # the tiny models' </s>
+EOS = 1  # the tiny models' </s>
 
 
 # -- the reference's objects, as checkers ------------------------------------------------------
@@ -48,8 +48,9 @@ class Type(Spec):
     def check(self, value, path):
         if value is None and self.nullable:
             return []
-        ok = isinstance(value, self.types) and not (isinstance(value, bool)
-                                                     and bool not in self.types)
+        ok = isinstance(value, self.types) and not (
+            isinstance(value, bool) and bool not in self.types
+        )
         return [] if ok else [f"{path}: {value!r} is not {self.types}"]
 
 
@@ -79,8 +80,11 @@ class ListOf(Spec):
     def check(self, value, path):
         if not isinstance(value, list):
             return [f"{path}: {value!r} is not a list"]
-        errors = [] if self.length in (None, len(value)) else \
-            [f"{path}: {len(value)} items, expected {self.length}"]
+        errors = (
+            []
+            if self.length in (None, len(value))
+            else [f"{path}: {len(value)} items, expected {self.length}"]
+        )
         for i, item in enumerate(value):
             errors += check(item, self.item, f"{path}[{i}]")
         return errors
@@ -101,8 +105,11 @@ class DictOf(Spec):
     def check(self, value, path):
         if not isinstance(value, dict):
             return [f"{path}: {value!r} is not an object"]
-        return [f"{path}[{k!r}]" for k, v in value.items()
-                if not isinstance(k, self.key) or not isinstance(v, self.value)]
+        return [
+            f"{path}[{k!r}]"
+            for k, v in value.items()
+            if not isinstance(k, self.key) or not isinstance(v, self.value)
+        ]
 
 
 def check(value, spec, path: str = "$") -> list[str]:
@@ -120,51 +127,95 @@ def check(value, spec, path: str = "$") -> list[str]:
 
 STR, INT, FLOAT = Type(str), Type(int), Type(float, int)
 FINISH = Type(str, nullable=True)
-STOP_REASON = Type(int, str, nullable=True)   # vLLM: the stop string or token id, else null
-USAGE = {"prompt_tokens": INT, "completion_tokens": INT, "total_tokens": INT,
-         "prompt_tokens_details": Is(None)}
-COMPLETION_LOGPROBS = {"tokens": ListOf(STR), "token_logprobs": ListOf(FLOAT),
-                       "top_logprobs": ListOf(DictOf(str, float)), "text_offset": ListOf(INT)}
+STOP_REASON = Type(int, str, nullable=True)  # vLLM: the stop string or token id, else null
+USAGE = {
+    "prompt_tokens": INT,
+    "completion_tokens": INT,
+    "total_tokens": INT,
+    "prompt_tokens_details": Is(None),
+}
+COMPLETION_LOGPROBS = {
+    "tokens": ListOf(STR),
+    "token_logprobs": ListOf(FLOAT),
+    "top_logprobs": ListOf(DictOf(str, float)),
+    "text_offset": ListOf(INT),
+}
 # vLLM sends prompt_logprobs: null on every completion choice unless they were asked for
-COMPLETION_CHOICE = {"index": INT, "text": STR, "logprobs": Nullable(COMPLETION_LOGPROBS),
-                     "finish_reason": FINISH, "stop_reason": STOP_REASON,
-                     "prompt_logprobs": Is(None)}
+COMPLETION_CHOICE = {
+    "index": INT,
+    "text": STR,
+    "logprobs": Nullable(COMPLETION_LOGPROBS),
+    "finish_reason": FINISH,
+    "stop_reason": STOP_REASON,
+    "prompt_logprobs": Is(None),
+}
 
 
 def completion(num_choices: int = 1) -> dict:
-    return {"id": Prefix("cmpl-"), "object": Is("text_completion"), "created": Seconds(),
-            "model": Is(MODEL), "system_fingerprint": Is(None),
-            "choices": ListOf(COMPLETION_CHOICE, num_choices), "usage": USAGE}
+    return {
+        "id": Prefix("cmpl-"),
+        "object": Is("text_completion"),
+        "created": Seconds(),
+        "model": Is(MODEL),
+        "system_fingerprint": Is(None),
+        "choices": ListOf(COMPLETION_CHOICE, num_choices),
+        "usage": USAGE,
+    }
 
 
 def completion_chunk(num_choices: int | None = 1, usage=False) -> dict:
-    spec = {"id": Prefix("cmpl-"), "object": Is("text_completion"), "created": Seconds(),
-            "model": Is(MODEL), "system_fingerprint": Is(None),
-            "choices": ListOf(COMPLETION_CHOICE, num_choices)}
+    spec = {
+        "id": Prefix("cmpl-"),
+        "object": Is("text_completion"),
+        "created": Seconds(),
+        "model": Is(MODEL),
+        "system_fingerprint": Is(None),
+        "choices": ListOf(COMPLETION_CHOICE, num_choices),
+    }
     return {**spec, "usage": USAGE} if usage else spec
 
 
 TOP_LOGPROB = {"token": STR, "logprob": FLOAT, "bytes": ListOf(INT)}
 CHAT_LOGPROBS = {"content": ListOf({**TOP_LOGPROB, "top_logprobs": ListOf(TOP_LOGPROB)})}
 # vLLM sends tool_calls: [] on a message without calls (OpenAI omits it; both clients accept it)
-CHAT_MESSAGE = {"role": Is("assistant"), "content": STR, "refusal": Is(None),
-                "tool_calls": Is([])}
-CHAT_CHOICE = {"index": INT, "message": CHAT_MESSAGE, "logprobs": Nullable(CHAT_LOGPROBS),
-               "finish_reason": FINISH, "stop_reason": STOP_REASON}
+CHAT_MESSAGE = {"role": Is("assistant"), "content": STR, "refusal": Is(None), "tool_calls": Is([])}
+CHAT_CHOICE = {
+    "index": INT,
+    "message": CHAT_MESSAGE,
+    "logprobs": Nullable(CHAT_LOGPROBS),
+    "finish_reason": FINISH,
+    "stop_reason": STOP_REASON,
+}
 
 
 def chat(num_choices: int = 1) -> dict:
-    return {"id": Prefix("chatcmpl-"), "object": Is("chat.completion"), "created": Seconds(),
-            "model": Is(MODEL), "system_fingerprint": Is(None),
-            "choices": ListOf(CHAT_CHOICE, num_choices), "usage": USAGE}
+    return {
+        "id": Prefix("chatcmpl-"),
+        "object": Is("chat.completion"),
+        "created": Seconds(),
+        "model": Is(MODEL),
+        "system_fingerprint": Is(None),
+        "choices": ListOf(CHAT_CHOICE, num_choices),
+        "usage": USAGE,
+    }
 
 
 def chat_chunk(delta: dict, num_choices: int | None = 1, usage=False) -> dict:
-    choice = {"index": INT, "delta": delta, "logprobs": Nullable(CHAT_LOGPROBS),
-              "finish_reason": FINISH, "stop_reason": STOP_REASON}
-    spec = {"id": Prefix("chatcmpl-"), "object": Is("chat.completion.chunk"),
-            "created": Seconds(), "model": Is(MODEL), "system_fingerprint": Is(None),
-            "choices": ListOf(choice, num_choices)}
+    choice = {
+        "index": INT,
+        "delta": delta,
+        "logprobs": Nullable(CHAT_LOGPROBS),
+        "finish_reason": FINISH,
+        "stop_reason": STOP_REASON,
+    }
+    spec = {
+        "id": Prefix("chatcmpl-"),
+        "object": Is("chat.completion.chunk"),
+        "created": Seconds(),
+        "model": Is(MODEL),
+        "system_fingerprint": Is(None),
+        "choices": ListOf(choice, num_choices),
+    }
     return {**spec, "usage": USAGE} if usage else spec
 
 
@@ -180,15 +231,22 @@ def assert_matches(value, spec) -> None:
 # -- the server ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with serving([tiny_model_dir("llama"), *TINY_ARGS, "--served-model-name", MODEL,
-                  "--max-model-len", "256"]) as srv:
+    with serving(
+        [
+            tiny_model_dir("llama"),
+            *TINY_ARGS,
+            "--served-model-name",
+            MODEL,
+            "--max-model-len",
+            "256",
+        ]
+    ) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def post(server, path: str, body: dict) -> dict:
@@ -199,14 +257,13 @@ def post(server, path: str, body: dict) -> dict:
 
 def stream(server, path: str, body: dict) -> list[dict]:
     """The events of a streamed response, parsed; ends with [DONE]."""
-    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
-                      timeout=60) as r:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines), lines
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
@@ -214,8 +271,11 @@ TYPED = {"model": MODEL, "temperature": 0, "max_tokens": 6, "extra_body": {"igno
 
 
 def test_completion_object(server, client):
-    body = post(server, "/v1/completions", {**GREEDY, "prompt": PROMPT, "n": 2,
-                                            "temperature": 1.0, "seed": 0})
+    body = post(
+        server,
+        "/v1/completions",
+        {**GREEDY, "prompt": PROMPT, "n": 2, "temperature": 1.0, "seed": 0},
+    )
     assert_matches(body, completion(2))
     assert [c["index"] for c in body["choices"]] == [0, 1]
     usage = body["usage"]
@@ -243,12 +303,13 @@ def test_chat_object(server, client):
 def test_completion_stream(server, client):
     request = {**GREEDY, "prompt": PROMPT}
     whole = post(server, "/v1/completions", request)
-    chunks = stream(server, "/v1/completions",
-                    {**request, "stream_options": {"include_usage": True}})
+    chunks = stream(
+        server, "/v1/completions", {**request, "stream_options": {"include_usage": True}}
+    )
     *content, last = chunks
     for chunk in content:
         assert_matches(chunk, completion_chunk())
-    assert_matches(last, completion_chunk(0, usage=True))   # usage only: no choices
+    assert_matches(last, completion_chunk(0, usage=True))  # usage only: no choices
     assert last["usage"] == whole["usage"]
     assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
     assert "".join(c["choices"][0]["text"] for c in content) == whole["choices"][0]["text"]
@@ -256,23 +317,30 @@ def test_completion_stream(server, client):
     assert all(c["choices"][0]["finish_reason"] is None for c in content[:-1])
     # without include_usage no chunk has usage; with continuous_usage_stats every one does
     assert all("usage" not in c for c in stream(server, "/v1/completions", request))
-    running = stream(server, "/v1/completions", {**request, "stream_options": {
-        "include_usage": True, "continuous_usage_stats": True}})
+    running = stream(
+        server,
+        "/v1/completions",
+        {**request, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
     for chunk in running[:-1]:
         assert_matches(chunk, completion_chunk(usage=True))
     # the client parses every chunk, the usage-only one too
-    parsed = list(client.completions.create(prompt=PROMPT, stream=True,
-                                            stream_options={"include_usage": True},
-                                            **TYPED))
-    assert parsed[-1].choices == [] and parsed[-1].usage.total_tokens == \
-        whole["usage"]["total_tokens"]
+    parsed = list(
+        client.completions.create(
+            prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **TYPED
+        )
+    )
+    assert (
+        parsed[-1].choices == [] and parsed[-1].usage.total_tokens == whole["usage"]["total_tokens"]
+    )
 
 
 def test_chat_stream(server, client):
     request = {**GREEDY, "messages": MESSAGES}
     whole = post(server, "/v1/chat/completions", request)
-    chunks = stream(server, "/v1/chat/completions",
-                    {**request, "stream_options": {"include_usage": True}})
+    chunks = stream(
+        server, "/v1/chat/completions", {**request, "stream_options": {"include_usage": True}}
+    )
     first, *content, last = chunks
     assert_matches(first, chat_chunk(ROLE_DELTA))
     for chunk in content:
@@ -283,8 +351,11 @@ def test_chat_stream(server, client):
     text = "".join(c["choices"][0]["delta"]["content"] for c in content)
     assert text == whole["choices"][0]["message"]["content"]
     assert content[-1]["choices"][0]["finish_reason"] == "length"
-    parsed = list(client.chat.completions.create(
-        messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **TYPED))
+    parsed = list(
+        client.chat.completions.create(
+            messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **TYPED
+        )
+    )
     assert parsed[0].choices[0].delta.role == "assistant"
     assert parsed[-1].choices == [] and parsed[-1].usage.completion_tokens == 6
 
@@ -298,9 +369,9 @@ def test_completion_logprobs(server, client):
     assert lp["text_offset"][0] == 0
     for i in range(num):
         top = lp["top_logprobs"][i]
-        assert 2 <= len(top) <= 3   # the top 2, and the sampled token (vLLM's legacy format)
+        assert 2 <= len(top) <= 3  # the top 2, and the sampled token (vLLM's legacy format)
         assert lp["tokens"][i] in top and lp["token_logprobs"][i] == top[lp["tokens"][i]]
-        assert lp["token_logprobs"][i] == max(top.values())   # greedy
+        assert lp["token_logprobs"][i] == max(top.values())  # greedy
         if i:
             assert lp["text_offset"][i] == lp["text_offset"][i - 1] + len(lp["tokens"][i - 1])
     typed = client.completions.create(prompt=PROMPT, logprobs=2, **TYPED)
@@ -312,8 +383,11 @@ def test_completion_logprobs(server, client):
 
 
 def test_chat_logprobs(server, client):
-    body = post(server, "/v1/chat/completions", {**GREEDY, "messages": MESSAGES,
-                                                  "logprobs": True, "top_logprobs": 3})
+    body = post(
+        server,
+        "/v1/chat/completions",
+        {**GREEDY, "messages": MESSAGES, "logprobs": True, "top_logprobs": 3},
+    )
     assert_matches(body, chat())
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == body["usage"]["completion_tokens"]
@@ -325,16 +399,19 @@ def test_chat_logprobs(server, client):
         for item in (entry, *tops):
             assert item["bytes"] == list(item["token"].encode("utf-8"))
     # logprobs without top_logprobs: no alternatives; no logprobs: null
-    plain = post(server, "/v1/chat/completions", {**GREEDY, "messages": MESSAGES,
-                                                   "logprobs": True})
+    plain = post(server, "/v1/chat/completions", {**GREEDY, "messages": MESSAGES, "logprobs": True})
     assert all(e["top_logprobs"] == [] for e in plain["choices"][0]["logprobs"]["content"])
     none = post(server, "/v1/chat/completions", {**GREEDY, "messages": MESSAGES})
     assert none["choices"][0]["logprobs"] is None
-    typed = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3,
-                                           **TYPED)
+    typed = client.chat.completions.create(
+        messages=MESSAGES, logprobs=True, top_logprobs=3, **TYPED
+    )
     assert typed.choices[0].logprobs.content[0].top_logprobs[0].bytes == content[0]["bytes"]
-    chunks = stream(server, "/v1/chat/completions", {**GREEDY, "messages": MESSAGES,
-                                                     "logprobs": True, "top_logprobs": 3})
+    chunks = stream(
+        server,
+        "/v1/chat/completions",
+        {**GREEDY, "messages": MESSAGES, "logprobs": True, "top_logprobs": 3},
+    )
     streamed = sum((c["choices"][0]["logprobs"]["content"] for c in chunks[1:]), [])
     assert streamed == content
 
@@ -342,17 +419,23 @@ def test_chat_logprobs(server, client):
 def _greedy_ids(server, path: str, extra: dict) -> tuple[list[int | None], str]:
     """The greedy output's token ids (None for a token whose text does not round-trip) and
     text."""
-    body = post(server, path, {**GREEDY, **extra, "max_tokens": 12, "logprobs": 0}
-                if path == "/v1/completions" else
-                {**GREEDY, **extra, "max_tokens": 12, "logprobs": True})
+    body = post(
+        server,
+        path,
+        {**GREEDY, **extra, "max_tokens": 12, "logprobs": 0}
+        if path == "/v1/completions"
+        else {**GREEDY, **extra, "max_tokens": 12, "logprobs": True},
+    )
     choice = body["choices"][0]
     if path == "/v1/completions":
         tokens, text = choice["logprobs"]["tokens"], choice["text"]
     else:
         tokens = [e["token"] for e in choice["logprobs"]["content"]]
         text = choice["message"]["content"]
-    ids = [post(server, "/tokenize", {"prompt": t, "add_special_tokens": False})["tokens"]
-           for t in tokens]
+    ids = [
+        post(server, "/tokenize", {"prompt": t, "add_special_tokens": False})["tokens"]
+        for t in tokens
+    ]
     return [i[0] if len(i) == 1 else None for i in ids], text
 
 
@@ -361,17 +444,26 @@ def _finish_cases(server, path: str, extra: dict) -> list[tuple]:
     values (a stop token counts as generated; its text is left out)."""
     ids, text = _greedy_ids(server, path, extra)
     # a stop string: two characters that first appear at some position p >= 1
-    p = next(p for p in range(1, len(text) - 1)
-             if text[p:p + 2].strip() and text.find(text[p:p + 2]) == p)
-    stop = text[p:p + 2]
+    p = next(
+        p
+        for p in range(1, len(text) - 1)
+        if text[p : p + 2].strip() and text.find(text[p : p + 2]) == p
+    )
+    stop = text[p : p + 2]
     # a stop token: the first later id that did not appear before (and round-trips)
     k = next(k for k in range(1, len(ids)) if ids[k] is not None and ids[k] not in ids[:k])
-    return [("length", {"max_tokens": 4}, "length", None, 4),
-            ("stop string", {"max_tokens": 12, "stop": [stop]}, "stop", stop, None),
-            ("stop token", {"max_tokens": 12, "stop_token_ids": [ids[k]]}, "stop", ids[k],
-             k + 1),
-            ("eos", {"max_tokens": 12, "ignore_eos": False, "logit_bias": {str(EOS): 100}},
-             "stop", None, 1)]
+    return [
+        ("length", {"max_tokens": 4}, "length", None, 4),
+        ("stop string", {"max_tokens": 12, "stop": [stop]}, "stop", stop, None),
+        ("stop token", {"max_tokens": 12, "stop_token_ids": [ids[k]]}, "stop", ids[k], k + 1),
+        (
+            "eos",
+            {"max_tokens": 12, "ignore_eos": False, "logit_bias": {str(EOS): 100}},
+            "stop",
+            None,
+            1,
+        ),
+    ]
 
 
 def _text(choice: dict) -> str:
@@ -379,8 +471,10 @@ def _text(choice: dict) -> str:
 
 
 def test_finish_and_stop_reasons(server):
-    for path, extra in (("/v1/completions", {"prompt": PROMPT}),
-                        ("/v1/chat/completions", {"messages": MESSAGES})):
+    for path, extra in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+    ):
         for name, fields, finish, stop_reason, num in _finish_cases(server, path, extra):
             request = {**GREEDY, **extra, **fields}
             body = post(server, path, request)
@@ -405,20 +499,39 @@ def _error(response: httpx.Response, status: int, kind: str, param: str | None) 
     assert response.status_code == status, response.text
     body = response.json()
     assert_matches(body, ERROR)
-    assert (body["error"]["type"], body["error"]["param"], body["error"]["code"]) == \
-        (kind, param, status), body
+    assert (body["error"]["type"], body["error"]["param"], body["error"]["code"]) == (
+        kind,
+        param,
+        status,
+    ), body
 
 
 def test_errors_from_the_engine_side(server, client):
     url = server.url
-    _error(httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "temperature": -1}),
-           400, "BadRequestError", "temperature")
-    _error(httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000}),
-           400, "BadRequestError", "max_tokens")
-    _error(httpx.post(url + "/v1/chat/completions", json={"messages": []}),
-           400, "BadRequestError", "messages")
-    _error(httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "model": "nope"}),
-           404, "NotFoundError", "model")
+    _error(
+        httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "temperature": -1}),
+        400,
+        "BadRequestError",
+        "temperature",
+    )
+    _error(
+        httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000}),
+        400,
+        "BadRequestError",
+        "max_tokens",
+    )
+    _error(
+        httpx.post(url + "/v1/chat/completions", json={"messages": []}),
+        400,
+        "BadRequestError",
+        "messages",
+    )
+    _error(
+        httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "model": "nope"}),
+        404,
+        "NotFoundError",
+        "model",
+    )
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
     assert bad.value.status_code == 400 and bad.value.body["param"] == "temperature"
@@ -432,17 +545,34 @@ def test_errors_at_the_front_door():
     http = TestClient(app, base_url="http://127.0.0.1")
     auth = {"Authorization": "Bearer secret"}
     _error(http.post("/v1/completions", json={"prompt": "x"}), 401, "AuthenticationError", None)
-    _error(http.post("/v1/completions", headers=auth, content=b"{nope",
-                     ), 400, "BadRequestError", None)
-    _error(http.post("/v1/completions", headers=auth, json={"prompt": "x" * 2000}),
-           413, "RequestTooLargeError", None)
+    _error(
+        http.post(
+            "/v1/completions",
+            headers=auth,
+            content=b"{nope",
+        ),
+        400,
+        "BadRequestError",
+        None,
+    )
+    _error(
+        http.post("/v1/completions", headers=auth, json={"prompt": "x" * 2000}),
+        413,
+        "RequestTooLargeError",
+        None,
+    )
     _error(http.get("/v1/nothing-here", headers=auth), 404, "NotFoundError", None)
     _error(http.get("/v1/completions", headers=auth), 405, "Method Not Allowed", None)
-    client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="wrong", max_retries=0,
-                           http_client=http)
+    client = openai.OpenAI(
+        base_url="http://127.0.0.1/v1", api_key="wrong", max_retries=0, http_client=http
+    )
     with pytest.raises(openai.AuthenticationError) as denied:
         client.models.list()
     assert denied.value.body["type"] == "AuthenticationError"
     app.state.ctx.draining = True
-    _error(http.post("/v1/completions", headers=auth, json={"prompt": "x"}),
-           503, "ServiceUnavailableError", None)
+    _error(
+        http.post("/v1/completions", headers=auth, json={"prompt": "x"}),
+        503,
+        "ServiceUnavailableError",
+        None,
+    )

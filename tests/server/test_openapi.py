@@ -13,38 +13,86 @@ from vserve.entrypoints.openai.openapi import OPENAI_FIELDS
 
 # route -> (request schema, {field: JSON types}, required fields), vLLM's names and types
 BODIES = {
-    "/v1/completions": ("CompletionRequest", {
-        "model": {"string"}, "prompt": {"string", "array"}, "max_tokens": {"integer"},
-        "echo": {"boolean"}, "logprobs": {"integer"}, "n": {"integer"},
-        "stop": {"string", "array"}, "stream": {"boolean"}, "stream_options": {"object"},
-        "temperature": {"number"}, "top_p": {"number"}, "top_k": {"integer"},
-        "min_p": {"number"}, "presence_penalty": {"number"}, "frequency_penalty": {"number"},
-        "repetition_penalty": {"number"}, "seed": {"integer"}, "stop_token_ids": {"array"},
-        "ignore_eos": {"boolean"}, "min_tokens": {"integer"},
-        "include_stop_str_in_output": {"boolean"}, "skip_special_tokens": {"boolean"},
-        "spaces_between_special_tokens": {"boolean"}, "logit_bias": {"object"},
-        "add_special_tokens": {"boolean"}, "response_format": {"object"},
-        "structured_outputs": {"object"}, "user": {"string"}}, {"prompt"}),
-    "/v1/chat/completions": ("ChatCompletionRequest", {
-        "model": {"string"}, "messages": {"array"}, "max_tokens": {"integer"},
-        "max_completion_tokens": {"integer"}, "logprobs": {"boolean"},
-        "top_logprobs": {"integer"}, "n": {"integer"}, "stop": {"string", "array"},
-        "stream": {"boolean"}, "stream_options": {"object"}, "temperature": {"number"},
-        "top_p": {"number"}, "top_k": {"integer"}, "seed": {"integer"},
-        "response_format": {"object"}, "structured_outputs": {"object"},
-        "add_generation_prompt": {"boolean"}, "continue_final_message": {"boolean"},
-        "chat_template_kwargs": {"object"}, "skip_special_tokens": {"boolean"}},
-        {"messages"}),
-    "/tokenize": ("TokenizeRequest", {
-        "model": {"string"}, "prompt": {"string"}, "messages": {"array"},
-        "add_special_tokens": {"boolean"}, "add_generation_prompt": {"boolean"},
-        "return_token_strs": {"boolean"}}, set()),
-    "/detokenize": ("DetokenizeRequest", {"model": {"string"}, "tokens": {"array"}},
-                    {"tokens"}),
+    "/v1/completions": (
+        "CompletionRequest",
+        {
+            "model": {"string"},
+            "prompt": {"string", "array"},
+            "max_tokens": {"integer"},
+            "echo": {"boolean"},
+            "logprobs": {"integer"},
+            "n": {"integer"},
+            "stop": {"string", "array"},
+            "stream": {"boolean"},
+            "stream_options": {"object"},
+            "temperature": {"number"},
+            "top_p": {"number"},
+            "top_k": {"integer"},
+            "min_p": {"number"},
+            "presence_penalty": {"number"},
+            "frequency_penalty": {"number"},
+            "repetition_penalty": {"number"},
+            "seed": {"integer"},
+            "stop_token_ids": {"array"},
+            "ignore_eos": {"boolean"},
+            "min_tokens": {"integer"},
+            "include_stop_str_in_output": {"boolean"},
+            "skip_special_tokens": {"boolean"},
+            "spaces_between_special_tokens": {"boolean"},
+            "logit_bias": {"object"},
+            "add_special_tokens": {"boolean"},
+            "response_format": {"object"},
+            "structured_outputs": {"object"},
+            "user": {"string"},
+        },
+        {"prompt"},
+    ),
+    "/v1/chat/completions": (
+        "ChatCompletionRequest",
+        {
+            "model": {"string"},
+            "messages": {"array"},
+            "max_tokens": {"integer"},
+            "max_completion_tokens": {"integer"},
+            "logprobs": {"boolean"},
+            "top_logprobs": {"integer"},
+            "n": {"integer"},
+            "stop": {"string", "array"},
+            "stream": {"boolean"},
+            "stream_options": {"object"},
+            "temperature": {"number"},
+            "top_p": {"number"},
+            "top_k": {"integer"},
+            "seed": {"integer"},
+            "response_format": {"object"},
+            "structured_outputs": {"object"},
+            "add_generation_prompt": {"boolean"},
+            "continue_final_message": {"boolean"},
+            "chat_template_kwargs": {"object"},
+            "skip_special_tokens": {"boolean"},
+        },
+        {"messages"},
+    ),
+    "/tokenize": (
+        "TokenizeRequest",
+        {
+            "model": {"string"},
+            "prompt": {"string"},
+            "messages": {"array"},
+            "add_special_tokens": {"boolean"},
+            "add_generation_prompt": {"boolean"},
+            "return_token_strs": {"boolean"},
+        },
+        set(),
+    ),
+    "/detokenize": ("DetokenizeRequest", {"model": {"string"}, "tokens": {"array"}}, {"tokens"}),
 }
-RESPONSES = {"/v1/completions": ("CompletionResponse", "CompletionChunk"),
-             "/v1/chat/completions": ("ChatCompletionResponse", "ChatCompletionChunk"),
-             "/tokenize": ("TokenizeResponse", None), "/detokenize": ("DetokenizeResponse", None)}
+RESPONSES = {
+    "/v1/completions": ("CompletionResponse", "CompletionChunk"),
+    "/v1/chat/completions": ("ChatCompletionResponse", "ChatCompletionChunk"),
+    "/tokenize": ("TokenizeResponse", None),
+    "/detokenize": ("DetokenizeResponse", None),
+}
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +172,14 @@ def test_responses_are_documented(document):
         name, schema = _schema_of(responses["200"]["content"]["application/json"], schemas)
         assert name == response
         if chunk is not None:
-            assert _schema_of(responses["200"]["content"]["text/event-stream"],
-                              schemas)[0] == chunk
+            assert _schema_of(responses["200"]["content"]["text/event-stream"], schemas)[0] == chunk
         for status in ("400", "401", "404", "413", "503"):
             ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
             assert ref.endswith("/ErrorResponse"), (path, status)
     usage = schemas["UsageInfo"]["properties"]
-    assert {"prompt_tokens", "completion_tokens", "total_tokens",
-            "prompt_tokens_details"} <= set(usage)
+    assert {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"} <= set(
+        usage
+    )
     assert "system_fingerprint" in schemas["ChatCompletionChunk"]["properties"]
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, ServerProcess, metric_value
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 NUM_STREAMS = 200
 NUM_NON_STREAMING = 20
@@ -24,8 +24,9 @@ NUM_NON_STREAMING = 20
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     model_dir = tiny_model_dir("llama", max_position_embeddings=16384)
-    srv = ServerProcess([model_dir, *TINY_ARGS, "--max-model-len", "10240",
-                         "--num-gpu-blocks-override", "4096"])
+    srv = ServerProcess(
+        [model_dir, *TINY_ARGS, "--max-model-len", "10240", "--num-gpu-blocks-override", "4096"]
+    )
     try:
         yield srv.wait_ready()
     finally:
@@ -35,8 +36,10 @@ def server(tiny_model_dir):
 def _body(i: int, stream: bool) -> tuple[str, dict]:
     long = {"max_tokens": 10000, "min_tokens": 10000, "ignore_eos": True, "stream": stream}
     if i % 2:
-        return "/v1/chat/completions", {"messages": [{"role": "user", "content": f"hi {i}"}],
-                                        **long}
+        return "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": f"hi {i}"}],
+            **long,
+        }
     return "/v1/completions", {"prompt": f"Once upon a time {i}", **long}
 
 
@@ -70,8 +73,11 @@ async def _storm(url: str) -> list[str]:
 def _idle_metrics(url: str, timeout: float) -> tuple[float, dict[str, float]]:
     """Seconds until /metrics reads idle (or the timeout), and the last values read."""
     start = time.monotonic()
-    names = ("vserve:num_requests_running", "vserve:num_requests_waiting",
-             "vserve:kv_cache_usage_perc")
+    names = (
+        "vserve:num_requests_running",
+        "vserve:num_requests_waiting",
+        "vserve:kv_cache_usage_perc",
+    )
     while True:
         text = httpx.get(url + "/metrics", timeout=5).text
         values = {name: metric_value(text, name) for name in names}
@@ -90,7 +96,7 @@ def _aborts(text: str) -> float:
 
 def test_disconnect_storm_frees_everything(server):
     outcomes = asyncio.run(_storm(server.url))
-    assert outcomes.count("dropped") == len(outcomes)   # 10000 tokens never finish in 1 s
+    assert outcomes.count("dropped") == len(outcomes)  # 10000 tokens never finish in 1 s
     elapsed, values = _idle_metrics(server.url, timeout=10)
     assert values["vserve:num_requests_running"] == 0, values
     assert values["vserve:num_requests_waiting"] == 0, values
@@ -100,9 +106,11 @@ def test_disconnect_storm_frees_everything(server):
     # dropped before submission); most should have
     assert values["aborts"] >= NUM_STREAMS // 2, values
     start = time.monotonic()
-    r = httpx.post(server.url + "/v1/completions",
-                   json={"prompt": "The quick brown fox", "max_tokens": 10, "ignore_eos": True},
-                   timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "The quick brown fox", "max_tokens": 10, "ignore_eos": True},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
     assert time.monotonic() - start < 5
     assert httpx.get(server.url + "/health").status_code == 200

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, children_of, serving
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -25,14 +25,25 @@ MSGS = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with serving([tiny_model_dir("llama"), *TINY_ARGS, "--api-key", KEY,
-                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1",
-                 "--max-num-queued-reqs", "2"]) as srv:
+    with serving(
+        [
+            tiny_model_dir("llama"),
+            *TINY_ARGS,
+            "--api-key",
+            KEY,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            "1",
+            "--max-num-queued-reqs",
+            "2",
+        ]
+    ) as srv:
         yield srv
 
 
 DEEP_SCHEMA: dict = {"type": "integer"}
-for _ in range(200):   # 201 levels of JSON (the cap is 128)
+for _ in range(200):  # 201 levels of JSON (the cap is 128)
     DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
 
 
@@ -83,8 +94,11 @@ BAD_JSON_ROWS = [
     (CHAT(messages=[]), 400, "messages"),
     (CHAT(messages="hi"), 400, "messages"),
     (CHAT(messages=[{"content": "hi"}]), 400, "role"),
-    (CHAT(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-     400, "messages"),
+    (
+        CHAT(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "messages",
+    ),
     (CHAT(top_logprobs=2), 400, "top_logprobs needs logprobs"),
     (CHAT(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
     (CHAT(max_completion_tokens=MAX_MODEL_LEN), 400, "maximum context length"),
@@ -125,11 +139,9 @@ BAD_JSON_ROWS = [
     (("/tokenize", {}), 400, "prompt or messages"),
     # wrong types in nested fields
     (C(stream=True, stream_options={"include_usage": [1]}), 400, "include_usage"),
-    (CHAT(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), 400,
-     "messages"),
+    (CHAT(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), 400, "messages"),
     (CHAT(messages=[{"role": ["user"], "content": "hi"}]), 400, "role"),
-    (CHAT(response_format={"type": "json_schema", "json_schema": {"schema": "x"}}), 400,
-     "schema"),
+    (CHAT(response_format={"type": "json_schema", "json_schema": {"schema": "x"}}), 400, "schema"),
     (C(structured_outputs={"choice": ["a", 1]}), 400, "choice"),
     (C(logit_bias={"7": "big"}), 400, "logit_bias"),
     (C(stop_token_ids=["one"]), 400, "stop_token_ids"),
@@ -156,8 +168,11 @@ def _check_error(r: httpx.Response, status: int, fragment: str) -> None:
     assert fragment in error["message"], error["message"]
 
 
-@pytest.mark.parametrize("route_body,status,fragment", BAD_JSON_ROWS,
-                         ids=[f"{i}-{r[0][0]}" for i, r in enumerate(BAD_JSON_ROWS)])
+@pytest.mark.parametrize(
+    "route_body,status,fragment",
+    BAD_JSON_ROWS,
+    ids=[f"{i}-{r[0][0]}" for i, r in enumerate(BAD_JSON_ROWS)],
+)
 def test_bad_request(server, route_body, status, fragment):
     route, body = route_body
     _check_error(httpx.post(server.url + route, json=body, headers=AUTH), status, fragment)
@@ -167,40 +182,61 @@ def test_bad_request(server, route_body, status, fragment):
 def _check_still_serving(server) -> None:
     """The same engine process, answering a normal request (a hang is a client timeout)."""
     assert children_of(server.pid) == server.engine_pids
-    r = httpx.post(server.url + "/v1/completions", json=C(max_tokens=1)[1], headers=AUTH,
-                   timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions", json=C(max_tokens=1)[1], headers=AUTH, timeout=30
+    )
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("content,ctype,fragment", [
-    (b'{"prompt": "x", ', "application/json", "Invalid JSON"),
-    (b"\xff\xfe", "application/json", "Invalid JSON"),
-    (b"[1, 2]", "application/json", "JSON object"),
-    (b'{"prompt": "x"}', "text/plain", "Unsupported Media Type"),
-    (b'{"prompt": "x"}', "", "Unsupported Media Type"),
-    (b'{"prompt": "x", "temperature": NaN}', "application/json", "NaN is not valid JSON"),
-    (b'{"prompt": "x", "top_p": -Infinity}', "application/json", "Infinity"),
-    (b'{"prompt": "x", "logit_bias": {"7": 1e400}}', "application/json", "logit_bias"),
-    (b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json",
-     "nested too deeply"),
-    (b'{"prompt": "x", "a": ' + b'{"b": ' * 50_000 + b"1" + b"}" * 50_000 + b"}",
-     "application/json", "nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "content,ctype,fragment",
+    [
+        (b'{"prompt": "x", ', "application/json", "Invalid JSON"),
+        (b"\xff\xfe", "application/json", "Invalid JSON"),
+        (b"[1, 2]", "application/json", "JSON object"),
+        (b'{"prompt": "x"}', "text/plain", "Unsupported Media Type"),
+        (b'{"prompt": "x"}', "", "Unsupported Media Type"),
+        (b'{"prompt": "x", "temperature": NaN}', "application/json", "NaN is not valid JSON"),
+        (b'{"prompt": "x", "top_p": -Infinity}', "application/json", "Infinity"),
+        (b'{"prompt": "x", "logit_bias": {"7": 1e400}}', "application/json", "logit_bias"),
+        (
+            b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "application/json",
+            "nested too deeply",
+        ),
+        (
+            b'{"prompt": "x", "a": ' + b'{"b": ' * 50_000 + b"1" + b"}" * 50_000 + b"}",
+            "application/json",
+            "nested too deeply",
+        ),
+    ],
+)
 def test_malformed_body(server, content, ctype, fragment):
-    r = httpx.post(server.url + "/v1/completions", content=content,
-                   headers={**AUTH, "content-type": ctype})
+    r = httpx.post(
+        server.url + "/v1/completions", content=content, headers={**AUTH, "content-type": ctype}
+    )
     _check_error(r, 400, fragment)
     _check_still_serving(server)
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
-                                     {"Authorization": f"Basic {KEY}"},
-                                     {"Authorization": "Bearer"}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": "Bearer"},
+    ],
+)
 def test_api_key_required_on_v1(server, headers):
-    for method, route in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                          ("GET", "/v1/models")):
-        r = httpx.request(method, server.url + route, headers=headers,
-                          json=C()[1] if method == "POST" else None)
+    for method, route in (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+    ):
+        r = httpx.request(
+            method, server.url + route, headers=headers, json=C()[1] if method == "POST" else None
+        )
         _check_error(r, 401, "Unauthorized")
 
 
@@ -210,23 +246,29 @@ def test_open_routes_need_no_key(server):
     assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
 
 
-@pytest.mark.parametrize("route,body", [("/tokenize", {"prompt": PROMPT}),
-                                        ("/detokenize", {"tokens": [5, 6]})])
+@pytest.mark.parametrize(
+    "route,body", [("/tokenize", {"prompt": PROMPT}), ("/detokenize", {"tokens": [5, 6]})]
+)
 def test_tokenizer_routes_need_key(server, route, body):
     """Before, anyone could make the server tokenize (or decode) without the key."""
     _check_error(httpx.post(server.url + route, json=body), 401, "Unauthorized")
     assert httpx.post(server.url + route, json=body, headers=AUTH).status_code == 200
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:80", "localhost.evil.example",
-                                  "127.0.0.1.nip.io", "[::2]:8000"])
+@pytest.mark.parametrize(
+    "host",
+    ["evil.example", "evil.example:80", "localhost.evil.example", "127.0.0.1.nip.io", "[::2]:8000"],
+)
 def test_foreign_host_refused(server, host):
     """DNS rebinding: a page on evil.example that resolves to 127.0.0.1 sends its own name in
     Host; a loopback-bound server answers only loopback names (--allowed-hosts)."""
-    for method, route in (("GET", "/v1/models"), ("POST", "/v1/completions"),
-                          ("GET", "/health")):
-        r = httpx.request(method, server.url + route, headers={**AUTH, "host": host},
-                          json=C()[1] if method == "POST" else None)
+    for method, route in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/health")):
+        r = httpx.request(
+            method,
+            server.url + route,
+            headers={**AUTH, "host": host},
+            json=C()[1] if method == "POST" else None,
+        )
         _check_error(r, 400, "Invalid Host header")
 
 
@@ -243,15 +285,23 @@ def test_models_hide_paths(server, tiny_model_dir):
     r = httpx.get(server.url + "/v1/models", headers=AUTH)
     assert r.status_code == 200 and str(Path(path).parent) not in r.text, r.text
     assert [m["id"] for m in r.json()["data"]] == [Path(path).name]
-    r = httpx.post(server.url + "/v1/completions", json=C(model=path, max_tokens=1)[1],
-                   headers=AUTH)
+    r = httpx.post(
+        server.url + "/v1/completions", json=C(model=path, max_tokens=1)[1], headers=AUTH
+    )
     assert r.status_code == 200 and path not in r.text, r.text
 
 
-@pytest.mark.parametrize("body", [C(stop=[])[1], C(stop_token_ids=[])[1], C(logit_bias={})[1],
-                                  C(logit_bias={"7": 1, "07": 2})[1],
-                                  C(stop=[f"s{i}" for i in range(64)])[1],
-                                  C(prompt=[[5, 6]] * 3)[1]])
+@pytest.mark.parametrize(
+    "body",
+    [
+        C(stop=[])[1],
+        C(stop_token_ids=[])[1],
+        C(logit_bias={})[1],
+        C(logit_bias={"7": 1, "07": 2})[1],
+        C(stop=[f"s{i}" for i in range(64)])[1],
+        C(prompt=[[5, 6]] * 3)[1],
+    ],
+)
 def test_edge_collections_accepted(server, body):
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
@@ -263,17 +313,19 @@ def test_duplicate_request_ids(server):
     body = C(max_tokens=8, ignore_eos=True, temperature=0)[1]
 
     async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, headers={**AUTH,
-                                     "X-Request-Id": "same-id"}, timeout=60) as client:
-            return await asyncio.gather(*(client.post("/v1/completions", json=body)
-                                          for _ in range(3)))
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={**AUTH, "X-Request-Id": "same-id"}, timeout=60
+        ) as client:
+            return await asyncio.gather(
+                *(client.post("/v1/completions", json=body) for _ in range(3))
+            )
 
     responses = asyncio.run(run())
     for r in responses:
         assert r.status_code == 200, r.text
         assert r.headers["x-request-id"] == "same-id"
         assert r.json()["usage"]["completion_tokens"] == 8
-    assert len({r.json()["choices"][0]["text"] for r in responses}) == 1   # greedy
+    assert len({r.json()["choices"][0]["text"] for r in responses}) == 1  # greedy
     _check_still_serving(server)
 
 
@@ -286,10 +338,22 @@ def test_500_body_hides_exception_text():
 
 
 def test_extras_and_unknown_fields_accepted(server):
-    body = C(max_tokens=3, min_tokens=3, ignore_eos=True, top_k=5, min_p=0.05,
-             repetition_penalty=1.1, stop_token_ids=[1], include_stop_str_in_output=False,
-             skip_special_tokens=True, logit_bias={"7": 2.0}, user="u1",
-             vendor_specific_field={"x": 1}, temperature=0.7, seed=3)[1]
+    body = C(
+        max_tokens=3,
+        min_tokens=3,
+        ignore_eos=True,
+        top_k=5,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        stop_token_ids=[1],
+        include_stop_str_in_output=False,
+        skip_special_tokens=True,
+        logit_bias={"7": 2.0},
+        user="u1",
+        vendor_specific_field={"x": 1},
+        temperature=0.7,
+        seed=3,
+    )[1]
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
@@ -299,8 +363,7 @@ def test_still_serving_after_bad_input(server):
     """Runs after the table: the same engine process, healthy, and answering."""
     assert children_of(server.pid) == server.engine_pids
     assert httpx.get(server.url + "/health").status_code == 200
-    r = httpx.post(server.url + "/v1/chat/completions", json=CHAT(max_tokens=5)[1],
-                   headers=AUTH)
+    r = httpx.post(server.url + "/v1/chat/completions", json=CHAT(max_tokens=5)[1], headers=AUTH)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 
 
@@ -319,7 +382,7 @@ def test_queue_full_gives_503(server):
                     await r.aread()
                     assert r.headers["retry-after"] == "1"
                     assert r.json()["error"]["type"] == "ServiceUnavailableError"
-            for s in streams:   # closing the admitted streams aborts them
+            for s in streams:  # closing the admitted streams aborts them
                 await s.__aexit__(None, None, None)
             return statuses
 
@@ -328,8 +391,9 @@ def test_queue_full_gives_503(server):
     # the server sees the closed streams within moments; then it admits work again
     deadline = time.monotonic() + 5
     while True:
-        r = httpx.post(server.url + "/v1/completions", json=C(max_tokens=3)[1], headers=AUTH,
-                       timeout=10)
+        r = httpx.post(
+            server.url + "/v1/completions", json=C(max_tokens=3)[1], headers=AUTH, timeout=10
+        )
         if r.status_code != 503 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -344,10 +408,11 @@ def test_grammar_with_ignore_eos_finishes(server):
 
 
 def check_grammar_with_ignore_eos(url: str, headers: dict) -> None:
-    for extra, allowed in (({"guided_choice": ["yes", "no"]}, ("yes", "no")),
-                           ({"structured_outputs": {"regex": "(ab){1,2}"}}, ("ab", "abab"))):
-        body = {"prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "temperature": 0,
-                **extra}
+    for extra, allowed in (
+        ({"guided_choice": ["yes", "no"]}, ("yes", "no")),
+        ({"structured_outputs": {"regex": "(ab){1,2}"}}, ("ab", "abab")),
+    ):
+        body = {"prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "temperature": 0, **extra}
         r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]

@@ -18,7 +18,7 @@ import pytest
 from tests.support.openai_server import TINY_ARGS, ServerProcess, children_of
 from vserve.proc_tree import cmdline
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 PROMPT = "The quick brown fox"
 LONG = {"prompt": PROMPT, "max_tokens": 5000, "ignore_eos": True}
@@ -41,12 +41,13 @@ def _start(model_dir: str, *extra: str, env: dict | None = None) -> ServerProces
 def _stream_events(url: str, body: dict, started: list | None = None) -> list:
     """Every SSE event of one streaming completion ('[DONE]' as a string)."""
     events = []
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
                 if started is not None:
                     started.append(True)
@@ -79,7 +80,7 @@ def _health(url: str) -> int | None:
     try:
         return httpx.get(url + "/health", timeout=2).status_code
     except GONE:
-        return None   # the server already exited
+        return None  # the server already exited
 
 
 def _failed_fast(url: str, route: str, **kwargs) -> bool:
@@ -106,7 +107,7 @@ def test_engine_killed(model_dir):
             srv.remember_tree()
             os.kill(_engine_core_pid(srv.pid), signal.SIGKILL)
             killed_at = time.monotonic()
-            seen = []   # the death is seen: /health 503, or refused once the server exited
+            seen = []  # the death is seen: /health 503, or refused once the server exited
             _poll_until(lambda: seen.append(_health(srv.url)) or seen[-1] != 200, timeout=3)
             assert seen[-1] in (503, None), seen
             _failed_fast(srv.url, "/v1/completions", json={"prompt": PROMPT})
@@ -119,14 +120,13 @@ def test_engine_killed(model_dir):
         assert code not in (None, 0), srv.log_tail()
         assert time.monotonic() - killed_at < 10
     finally:
-        srv.stop()   # asserts that no process of the tree survived
+        srv.stop()  # asserts that no process of the tree survived
 
 
 def test_fault_in_forward(model_dir):
     srv = _start(model_dir, env={"VSERVE_FAULT_INJECT": "execute_model:5"})
     try:
-        r = httpx.post(srv.url + "/v1/completions", json={**LONG, "max_tokens": 50},
-                       timeout=30)
+        r = httpx.post(srv.url + "/v1/completions", json={**LONG, "max_tokens": 50}, timeout=30)
         assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
         _failed_fast(srv.url, "/health", method="GET")
         code = srv.wait_exit(timeout=10)
@@ -140,8 +140,9 @@ def test_sigterm_drains_then_exits_zero(model_dir):
     try:
         started: list = []
         with ThreadPoolExecutor(2) as pool:
-            short = pool.submit(httpx.post, srv.url + "/v1/completions",
-                                json={**LONG, "max_tokens": 48}, timeout=60)
+            short = pool.submit(
+                httpx.post, srv.url + "/v1/completions", json={**LONG, "max_tokens": 48}, timeout=60
+            )
             long = pool.submit(_stream_events, srv.url, LONG, started)
             _poll_until(lambda: len(started) >= 2, timeout=30)
             srv.remember_tree()
@@ -149,15 +150,16 @@ def test_sigterm_drains_then_exits_zero(model_dir):
             srv.proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT}, timeout=5)
-            assert r.status_code == 503                       # no new work while draining
+            assert r.status_code == 503  # no new work while draining
             assert httpx.get(srv.url + "/health").status_code == 503
             done = short.result(timeout=30)
             events = long.result(timeout=30)
-        assert done.status_code == 200                          # in flight: finished
+        assert done.status_code == 200  # in flight: finished
         assert done.json()["choices"][0]["finish_reason"] == "length"
         assert done.json()["usage"]["completion_tokens"] == 48
-        reasons = [c["finish_reason"] for e in events[:-1] for c in e["choices"]
-                   if c["finish_reason"]]
+        reasons = [
+            c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]
+        ]
         assert reasons == ["abort"] and events[-1] == "[DONE]"  # past the timeout: aborted
         assert srv.wait_exit(timeout=15) == 0, srv.log_tail()
     finally:

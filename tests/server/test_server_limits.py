@@ -13,13 +13,27 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, children_of, serving
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 MAX_BODY = 100_000
-LIMIT_ARGS = ["--max-model-len", "8192", "--max-request-body-bytes", str(MAX_BODY),
-              "--max-prompt-chars", "20000", "--max-num-seqs-per-request", "8",
-              "--max-stop-sequences", "4", "--max-stop-chars", "16", "--max-logit-bias", "4",
-              "--request-timeout", "3"]
+LIMIT_ARGS = [
+    "--max-model-len",
+    "8192",
+    "--max-request-body-bytes",
+    str(MAX_BODY),
+    "--max-prompt-chars",
+    "20000",
+    "--max-num-seqs-per-request",
+    "8",
+    "--max-stop-sequences",
+    "4",
+    "--max-stop-chars",
+    "16",
+    "--max-logit-bias",
+    "4",
+    "--request-timeout",
+    "3",
+]
 PROMPT = "The quick brown fox"
 
 
@@ -35,8 +49,11 @@ def C(**body):
 
 
 def CHAT(**body):
-    return "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                    "max_tokens": 4, **body}
+    return "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        **body,
+    }
 
 
 LIMIT_ROWS = [
@@ -47,8 +64,7 @@ LIMIT_ROWS = [
     (CHAT(n=9, temperature=1), 400, "--max-num-seqs-per-request"),
     (C(prompt="x" * 20_001), 400, "--max-prompt-chars"),
     (C(prompt=[PROMPT, "y" * 20_001]), 400, "--max-prompt-chars"),
-    (CHAT(messages=[{"role": "user", "content": "z" * 10_000}] * 3), 400,
-     "--max-prompt-chars"),
+    (CHAT(messages=[{"role": "user", "content": "z" * 10_000}] * 3), 400, "--max-prompt-chars"),
     (("/tokenize", {"prompt": "x" * 20_001}), 400, "--max-prompt-chars"),
     (("/detokenize", {"tokens": [5] * 20_001}), 400, "--max-prompt-chars"),
     (C(prompt=[5] * 9000), 400, "maximum context length"),
@@ -61,8 +77,11 @@ LIMIT_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("route_body,status,fragment", LIMIT_ROWS,
-                         ids=[f"{i}-{r[0][0]}" for i, r in enumerate(LIMIT_ROWS)])
+@pytest.mark.parametrize(
+    "route_body,status,fragment",
+    LIMIT_ROWS,
+    ids=[f"{i}-{r[0][0]}" for i, r in enumerate(LIMIT_ROWS)],
+)
 def test_limit_refused(server, route_body, status, fragment):
     route, body = route_body
     r = httpx.post(server.url + route, json=body, timeout=30)
@@ -73,8 +92,14 @@ def test_limit_refused(server, route_body, status, fragment):
 
 
 def test_within_limits_accepted(server):
-    body = C(prompt=[PROMPT] * 2, n=4, temperature=1, stop=["a", "b", "c", "d"],
-             stop_token_ids=[1, 2, 3, 4], logit_bias={str(i): 1 for i in range(4)})[1]
+    body = C(
+        prompt=[PROMPT] * 2,
+        n=4,
+        temperature=1,
+        stop=["a", "b", "c", "d"],
+        stop_token_ids=[1, 2, 3, 4],
+        logit_bias={str(i): 1 for i in range(4)},
+    )[1]
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 8
@@ -83,14 +108,19 @@ def test_within_limits_accepted(server):
 def test_chunked_body_too_large(server):
     """No Content-Length (chunked): the server counts what it receives and stops at the
     limit, instead of reading the whole body into memory."""
+
     def chunks():
         yield b'{"prompt": "'
         for _ in range(50):
-            yield b"q" * 10_000   # 500 kB in all
+            yield b"q" * 10_000  # 500 kB in all
         yield b'"}'
 
-    r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=chunks(),
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413, r.text
     assert "--max-request-body-bytes" in r.json()["error"]["message"]
     _check_still_serving(server)
@@ -105,8 +135,9 @@ def test_request_timeout_aborts(server):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "abort"
     assert r.json()["usage"]["completion_tokens"] < 8000
-    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
-                      timeout=120) as s:
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as s:
         events = [line for line in s.iter_lines() if line.startswith("data: {")]
     assert '"finish_reason":"abort"' in events[-1], events[-1]
     _check_still_serving(server)
@@ -122,8 +153,16 @@ def _check_still_serving(server) -> None:
 # -- tokenization off the event loop ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def big_server(tiny_model_dir):
-    with serving([tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "256",
-                  "--max-prompt-chars", "5000000"]) as srv:
+    with serving(
+        [
+            tiny_model_dir("llama"),
+            *TINY_ARGS,
+            "--max-model-len",
+            "256",
+            "--max-prompt-chars",
+            "5000000",
+        ]
+    ) as srv:
         yield srv
 
 
@@ -134,8 +173,11 @@ def test_health_answers_while_tokenizing(big_server, route):
     tokenizer ran on the event loop and the first /health answer came after it. The bound is
     a share of the big request's own duration, so a fast or a loaded machine reads the same."""
     text = "The quick brown fox " * 200_000
-    body = {"prompt": text, "max_tokens": 1} if route == "/v1/completions" else \
-        {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    body = (
+        {"prompt": text, "max_tokens": 1}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    )
 
     async def run() -> tuple[float, float, httpx.Response]:
         async with httpx.AsyncClient(base_url=big_server.url, timeout=120) as client:
@@ -150,7 +192,9 @@ def test_health_answers_while_tokenizing(big_server, route):
                 await asyncio.sleep(0.02)
             response = await big
             return first_health, time.monotonic() - start, response
+
     first_health, big_time, response = asyncio.run(run())
-    assert first_health is not None and first_health < big_time / 3, \
+    assert first_health is not None and first_health < big_time / 3, (
         f"/health first answered after {first_health} s of a {big_time:.2f} s tokenization"
+    )
     assert response.status_code == 400 and "maximum context length" in response.text

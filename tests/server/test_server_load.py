@@ -11,15 +11,30 @@ import pytest
 
 from tests.support.openai_server import ServerProcess
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 NUM_CLIENTS = 64
 NUM_ROUNDS = 2
 MAX_TOKENS = 24
 NUM_ALONE = 4
-SUBJECTS = ["the ocean", "a violin", "Mount Everest", "bread", "the moon", "a library",
-            "volcanoes", "chess", "honeybees", "the Roman Empire", "rain", "a lighthouse",
-            "glaciers", "jazz", "the desert", "a bicycle"]
+SUBJECTS = [
+    "the ocean",
+    "a violin",
+    "Mount Everest",
+    "bread",
+    "the moon",
+    "a library",
+    "volcanoes",
+    "chess",
+    "honeybees",
+    "the Roman Empire",
+    "rain",
+    "a lighthouse",
+    "glaciers",
+    "jazz",
+    "the desert",
+    "a bicycle",
+]
 STYLES = ["Write one sentence about", "Give a fun fact about", "Describe", "Explain briefly"]
 
 
@@ -33,8 +48,7 @@ def _prompt(round_idx: int, i: int) -> str:
 def server():
     # fp32: bf16 matmuls round differently for different batch shapes, so a greedy output
     # can depend on what else shares the batch; in fp32 it does not
-    srv = ServerProcess(["--max-model-len", "1024", "--max-num-seqs", "64",
-                         "--dtype", "float32"])
+    srv = ServerProcess(["--max-model-len", "1024", "--max-num-seqs", "64", "--dtype", "float32"])
     try:
         yield srv.wait_ready(timeout=300)
     finally:
@@ -43,9 +57,13 @@ def server():
 
 async def _chat(client: openai.AsyncOpenAI, prompt: str) -> str:
     stream = await client.chat.completions.create(
-        model="gemma-3-270m", messages=[{"role": "user", "content": prompt}],
-        max_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        model="gemma-3-270m",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, reasons, usage = "", [], None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -62,10 +80,12 @@ async def _chat(client: openai.AsyncOpenAI, prompt: str) -> str:
 @pytest.mark.slow
 def test_concurrent_streams_equal_alone(server):
     async def run() -> tuple[list[str], list[list[str]]]:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                                    timeout=300)
-        alone = [await _chat(client, _prompt(r, i))
-                 for r in range(NUM_ROUNDS) for i in range(NUM_ALONE)]
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300
+        )
+        alone = [
+            await _chat(client, _prompt(r, i)) for r in range(NUM_ROUNDS) for i in range(NUM_ALONE)
+        ]
         rounds = []
         for r in range(NUM_ROUNDS):
             prompts = [_prompt(r, i) for i in range(NUM_CLIENTS)]

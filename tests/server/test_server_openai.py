@@ -20,8 +20,9 @@ MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
-    srv = ServerProcess([model_dir, *TINY_ARGS, "--served-model-name", MODEL,
-                         "--max-model-len", str(MAX_MODEL_LEN)])
+    srv = ServerProcess(
+        [model_dir, *TINY_ARGS, "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
+    )
     try:
         srv.wait_ready()
         srv.model_dir = model_dir
@@ -71,9 +72,16 @@ def _stream_text(chunks) -> tuple[str, list[str], list]:
 
 def test_completion_stream_equals_non_stream(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text, reasons, usage = _stream_text(chunks)
     assert text == full.choices[0].text
     assert reasons == ["length"]
@@ -82,13 +90,21 @@ def test_completion_stream_equals_non_stream(client):
 
 
 def test_chat_and_stream(client):
-    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
-                                          temperature=0)
+    full = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0
+    )
     msg = full.choices[0].message
     assert full.object == "chat.completion" and msg.role == "assistant" and msg.content
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     first = chunks[0].choices[0].delta
     assert first.role == "assistant" and first.content == ""
     text, reasons, usage = _stream_text(chunks)
@@ -96,42 +112,50 @@ def test_chat_and_stream(client):
     assert usage[0].usage.completion_tokens == full.usage.completion_tokens
     # content as a list of text parts is the same conversation
     parts = [{"role": "user", "content": [{"type": "text", "text": MESSAGES[0]["content"]}]}]
-    same = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=10,
-                                          temperature=0)
+    same = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=10, temperature=0)
     assert same.choices[0].message.content == msg.content
 
 
 def test_n_and_batched_prompts(client):
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=2,
-                                    temperature=1.0, seed=7)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, n=2, temperature=1.0, seed=7
+    )
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 12
     prompts = [PROMPT, "Once upon a time"]
-    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6,
-                                       temperature=0).choices[0].text for p in prompts]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
     batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
     assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == alone
-    four = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=2,
-                                     temperature=1.0)
+    four = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=4, n=2, temperature=1.0
+    )
     assert sorted(c.index for c in four.choices) == [0, 1, 2, 3]
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=2,
-                                          temperature=1.0)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, n=2, temperature=1.0
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
 def test_completion_logprobs(client):
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
-                                    logprobs=3)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 4 and sampled <= 0
-        assert sampled == pytest.approx(max(top.values()), abs=1e-5)   # greedy picks the top
+        assert sampled == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the top
 
 
 def test_chat_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
-                                         temperature=0, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     for entry in content:
@@ -141,29 +165,40 @@ def test_chat_logprobs(client):
 
 
 def test_stop_string(client):
-    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
-                                     temperature=0).choices[0].text
+    text = (
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+    )
     # a short ASCII piece from the middle of the greedy text, as a stop string
-    start = next(i for i in range(2, len(text) - 1) if text[i:i + 2].isascii()
-                 and text[i:i + 2].strip() == text[i:i + 2] and "\ufffd" not in text[:i + 2])
-    stop = text[start:start + 2]
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
-                                    stop=[stop])
+    start = next(
+        i
+        for i in range(2, len(text) - 1)
+        if text[i : i + 2].isascii()
+        and text[i : i + 2].strip() == text[i : i + 2]
+        and "\ufffd" not in text[: i + 2]
+    )
+    stop = text[start : start + 2]
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+    )
     choice = out.choices[0]
-    assert choice.finish_reason == "stop" and choice.text == text[:text.index(stop)]
+    assert choice.finish_reason == "stop" and choice.text == text[: text.index(stop)]
     assert choice.model_extra["stop_reason"] == stop
 
 
 def test_echo(client):
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
-                                    echo=True)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True
+    )
     assert out.choices[0].text.startswith(PROMPT) and len(out.choices[0].text) > len(PROMPT)
 
 
 def test_tokenize_detokenize(server):
-    tok = httpx.post(server.url + "/tokenize", json={"prompt": "hello world",
-                                                     "add_special_tokens": False,
-                                                     "return_token_strs": True}).json()
+    tok = httpx.post(
+        server.url + "/tokenize",
+        json={"prompt": "hello world", "add_special_tokens": False, "return_token_strs": True},
+    ).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == MAX_MODEL_LEN
     assert len(tok["token_strs"]) == tok["count"]
     back = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()
@@ -176,27 +211,38 @@ def test_service_routes(server):
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
     text = httpx.get(server.url + "/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prompt_tokens_total", "generation_tokens_total",
-                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket", "request_success_total",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total",
-                 "num_preemptions_total", "model_forward_time_seconds_bucket",
-                 "step_launch_interval_seconds_bucket", "scheduler_busy_time_seconds_bucket",
-                 "scheduler_exposed_time_seconds_bucket"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "request_success_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "model_forward_time_seconds_bucket",
+        "step_launch_interval_seconds_bucket",
+        "scheduler_busy_time_seconds_bucket",
+        "scheduler_exposed_time_seconds_bucket",
+    ):
         assert f"vserve:{name}{{" in text, name
-    assert f'vserve:request_success_total{{finished_reason="length",model_name="{MODEL}"}}' \
-        in text
+    assert f'vserve:request_success_total{{finished_reason="length",model_name="{MODEL}"}}' in text
 
 
 def test_request_id_echoed(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
-    r = httpx.post(server.url + "/v1/completions", json=body,
-                   headers={"X-Request-Id": "req-42"})
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "req-42"})
     assert r.headers["x-request-id"] == "req-42" and r.json()["id"] == "cmpl-req-42"
-    with httpx.stream("POST", server.url + "/v1/chat/completions",
-                      json={"messages": MESSAGES, "max_tokens": 2, "stream": True},
-                      headers={"X-Request-Id": "req-43"}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 2, "stream": True},
+        headers={"X-Request-Id": "req-43"},
+    ) as r:
         assert r.headers["x-request-id"] == "req-43"
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and '"id":"chatcmpl-req-43"' in lines[0]

@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, serving
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 QWEN_TEMPLATE = r"""
 {%- if tools %}
@@ -53,41 +53,72 @@ QWEN_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather",
-    "parameters": {"type": "object", "properties": {
-        # length-bounded: xgrammar alone lets raw control characters into such strings
-        "city": {"type": "string", "minLength": 1, "maxLength": 8},
-        "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add",
-    "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": 0, "maximum": 99},
-        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                # length-bounded: xgrammar alone lets raw control characters into such strings
+                "city": {"type": "string", "minLength": 1, "maxLength": 8},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
-CALL_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-             '"unit": "c"}}\n</tool_call>')
+CALL_TEXT = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+    '"unit": "c"}}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "qwen_tools.jinja"
     template.write_text(QWEN_TEMPLATE)
-    with serving([tiny_model_dir("qwen3"), *TINY_ARGS, "--max-model-len", "1024",
-                  "--served-model-name", "tiny", "--chat-template", str(template),
-                  "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as srv:
+    with serving(
+        [
+            tiny_model_dir("qwen3"),
+            *TINY_ARGS,
+            "--max-model-len",
+            "1024",
+            "--served-model-name",
+            "tiny",
+            "--chat-template",
+            str(template),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ]
+    ) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120,
-                         max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
 
 
 def chat(client, **kwargs):
@@ -105,7 +136,7 @@ def stream_chat(client, **kwargs):
             delta = choice.delta
             content += delta.content or ""
             for d in delta.tool_calls or []:
-                if d.index not in calls:   # a call's first delta: id, type, name
+                if d.index not in calls:  # a call's first delta: id, type, name
                     assert d.index == len(calls) and d.id and d.type == "function"
                     assert d.function.name and d.function.arguments is not None
                     calls[d.index] = [d.id, d.function.name, ""]
@@ -127,16 +158,16 @@ def named(calls):
 
 
 def test_required_one_call(client):
-    r = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-             max_tokens=100)
+    r = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=100)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     calls = choice.message.tool_calls
     assert len(calls) == 1 and calls[0].type == "function"
     assert calls[0].id.startswith("chatcmpl-tool-")
     check_arguments(calls[0].function.name, calls[0].function.arguments)
-    content, streamed, finish = stream_chat(client, tools=TOOLS, tool_choice="required",
-                                            parallel_tool_calls=False, max_tokens=100)
+    content, streamed, finish = stream_chat(
+        client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=100
+    )
     assert (content, finish) == ("", "tool_calls")
     assert named(streamed) == [(calls[0].function.name, calls[0].function.arguments)]
 
@@ -161,8 +192,7 @@ def test_named_function(client):
     [call] = choice.message.tool_calls
     assert call.function.name == "add"
     check_arguments("add", call.function.arguments)
-    content, streamed, finish = stream_chat(client, tools=TOOLS, tool_choice=choice_,
-                                            max_tokens=40)
+    content, streamed, finish = stream_chat(client, tools=TOOLS, tool_choice=choice_, max_tokens=40)
     assert (content, finish) == ("", "stop")
     assert named(streamed) == [("add", call.function.arguments)]
 
@@ -184,8 +214,9 @@ def test_auto_parses_hermes_calls(client):
     calls = choice.message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in calls] == expect
     assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in calls)
-    content, streamed, finish = stream_chat(client, tools=TOOLS, tool_choice="auto",
-                                            max_tokens=200, extra_body=forced(text))
+    content, streamed, finish = stream_chat(
+        client, tools=TOOLS, tool_choice="auto", max_tokens=200, extra_body=forced(text)
+    )
     assert (content, named(streamed), finish) == ("Sure.\n", expect, "tool_calls")
 
 
@@ -194,60 +225,116 @@ def test_auto_without_a_call_is_content(client):
     r = chat(client, tools=TOOLS, max_tokens=60, extra_body=forced(text))
     assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
-    assert stream_chat(client, tools=TOOLS, max_tokens=60, extra_body=forced(text)) == \
-        (text, [], "stop")
+    assert stream_chat(client, tools=TOOLS, max_tokens=60, extra_body=forced(text)) == (
+        text,
+        [],
+        "stop",
+    )
 
 
 def test_none_leaves_the_text_and_still_renders_tools(client):
-    r = chat(client, tools=TOOLS, tool_choice="none", max_tokens=150,
-             extra_body=forced(CALL_TEXT))
+    r = chat(client, tools=TOOLS, tool_choice="none", max_tokens=150, extra_body=forced(CALL_TEXT))
     assert r.choices[0].message.content == CALL_TEXT and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
-    assert stream_chat(client, tools=TOOLS, tool_choice="none", max_tokens=150,
-                       extra_body=forced(CALL_TEXT)) == (CALL_TEXT, [], "stop")
+    assert stream_chat(
+        client, tools=TOOLS, tool_choice="none", max_tokens=150, extra_body=forced(CALL_TEXT)
+    ) == (CALL_TEXT, [], "stop")
     with_auto = chat(client, tools=TOOLS, max_tokens=1)
     without = chat(client, max_tokens=1)
-    assert r.usage.prompt_tokens == with_auto.usage.prompt_tokens > \
-        without.usage.prompt_tokens + 100
+    assert (
+        r.usage.prompt_tokens == with_auto.usage.prompt_tokens > without.usage.prompt_tokens + 100
+    )
 
 
 def test_tool_results_round_trip(server, client):
-    first = chat(client, tools=TOOLS, tool_choice={"type": "function",
-                                                   "function": {"name": "get_weather"}},
-                 max_tokens=60).choices[0].message
+    first = (
+        chat(
+            client,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=60,
+        )
+        .choices[0]
+        .message
+    )
     [call] = first.tool_calls
-    messages = [*USER, first.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": "22 degrees"}]
+    messages = [
+        *USER,
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "22 degrees"},
+    ]
     assert messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     r = chat(client, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=5)
     assert r.choices[0].finish_reason in ("stop", "length")
     # what the template made of it
-    ids = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": messages,
-                                                     "tools": TOOLS}, timeout=30)
+    ids = httpx.post(
+        server.url + "/tokenize",
+        json={"model": "tiny", "messages": messages, "tools": TOOLS},
+        timeout=30,
+    )
     assert ids.status_code == 200, ids.text
     assert ids.json()["count"] == r.usage.prompt_tokens
-    text = httpx.post(server.url + "/detokenize", json={"tokens": ids.json()["tokens"]},
-                      timeout=30).json()["prompt"]
+    text = httpx.post(
+        server.url + "/detokenize", json={"tokens": ids.json()["tokens"]}, timeout=30
+    ).json()["prompt"]
     # the template's tojson
     arguments = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
-            f'{arguments}}}\n</tool_call><|im_end|>') in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+        f"{arguments}}}\n</tool_call><|im_end|>"
+    ) in text
     assert "<|im_start|>user\n<tool_response>\n22 degrees\n</tool_response><|im_end|>" in text
     assert '"name": "add"' in text.split("</tools>")[0]
 
 
-@pytest.mark.parametrize("fields, words", [
-    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "letters"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "not in `tools`"),
-    ({"tool_choice": "required"}, "`tools` must be set"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
-      "tool_choice": "required"}, "JSON schema"),
-    ({"tools": TOOLS, "messages": [*USER, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{x"}}]}]},
-     "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "letters"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not in `tools`",
+        ),
+        ({"tool_choice": "required"}, "`tools` must be set"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "nonsense"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "JSON schema",
+        ),
+        (
+            {
+                "tools": TOOLS,
+                "messages": [
+                    *USER,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "add", "arguments": "{x"},
+                            }
+                        ],
+                    },
+                ],
+            },
+            "not valid JSON",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_400(client, fields, words):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, max_tokens=5, **fields)

@@ -17,17 +17,18 @@ from tests.support.openai_server import TINY_ARGS, ServerProcess, children_of, i
 from tests.support.proc_utils import kill
 from vserve.proc_tree import cmdline, descendants
 
-pytestmark = pytest.mark.slow   # the fast tier (-m "not slow") leaves these out
+pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 
 def _stream(url: str, body: dict, started: threading.Event) -> list:
     events = []
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
-                      timeout=httpx.Timeout(30.0)) as r:   # a hang fails the test
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=httpx.Timeout(30.0)
+    ) as r:  # a hang fails the test
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
                 if len(events) >= 3:
                     started.set()
@@ -42,8 +43,8 @@ def _health_log(url: str, stop: threading.Event) -> list:
         try:
             seen.append(httpx.get(url + "/health", timeout=5).status_code)
         except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
-            seen.append("refused")   # gone, or closed this connection as it exited (not a
-            return seen              # timeout: a hang still fails the test)
+            seen.append("refused")  # gone, or closed this connection as it exited (not a
+            return seen  # timeout: a hang still fails the test)
         time.sleep(0.02)
     return seen
 
@@ -57,8 +58,9 @@ def _worker_pid(server_pid: int) -> int:
 
 def test_stopped_worker_fails_the_stream_and_stops_the_server(tiny_model_dir):
     model = tiny_model_dir("llama", max_position_embeddings=8192)
-    srv = ServerProcess([model, *TINY_ARGS, "--max-model-len", "8192",
-                         "--watchdog-timeout", "3"]).wait_ready()
+    srv = ServerProcess(
+        [model, *TINY_ARGS, "--max-model-len", "8192", "--watchdog-timeout", "3"]
+    ).wait_ready()
     worker = _worker_pid(srv.pid)
     try:
         assert children_of(srv.pid)
@@ -78,9 +80,9 @@ def test_stopped_worker_fails_the_stream_and_stops_the_server(tiny_model_dir):
         assert "watchdog" in events[-2]["error"]["message"], events[-2]
         assert code not in (None, 0), srv.log_tail()
         assert 503 in statuses, statuses[-5:]
-        assert 200 not in statuses[statuses.index(503):], statuses[-5:]
+        assert 200 not in statuses[statuses.index(503) :], statuses[-5:]
     finally:
         if is_running(worker):
             kill(worker, signal.SIGCONT)
             kill(worker, signal.SIGKILL)
-        srv.stop()   # asserts that no process of the tree survived
+        srv.stop()  # asserts that no process of the tree survived

@@ -35,11 +35,19 @@ class PagedCase:
     key: torch.Tensor
     value: torch.Tensor
     kv_cache: torch.Tensor
-    contexts: list[tuple[torch.Tensor, torch.Tensor]]   # full K, V per request
+    contexts: list[tuple[torch.Tensor, torch.Tensor]]  # full K, V per request
 
 
-def make_case(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int,
-              head_dim: int, block_size: int, dtype=torch.float32, seed: int = 0) -> PagedCase:
+def make_case(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype=torch.float32,
+    seed: int = 0,
+) -> PagedCase:
     """Requests with `ctx_lens[i]` tokens after this step, of which the last `q_lens[i]` are
     queried now; earlier K/V are already in the cache, this step's are in key/value."""
     gen = torch.Generator().manual_seed(seed)
@@ -55,28 +63,34 @@ def make_case(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_hea
     qs, ks, vs, slots, positions, contexts = [], [], [], [], [], []
     for i, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
         blocks = [free.pop() for _ in range(-(-ctx // block_size))]
-        tables[i, :len(blocks)] = torch.tensor(blocks)
+        tables[i, : len(blocks)] = torch.tensor(blocks)
         k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
         contexts.append((k, v))
         pos = torch.arange(ctx)
         slot = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
-        flat_k[slot[:ctx - q_len]] = k[:ctx - q_len]
-        flat_v[slot[:ctx - q_len]] = v[:ctx - q_len]
+        flat_k[slot[: ctx - q_len]] = k[: ctx - q_len]
+        flat_v[slot[: ctx - q_len]] = v[: ctx - q_len]
         qs.append(torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype))
-        ks.append(k[ctx - q_len:])
-        vs.append(v[ctx - q_len:])
-        slots.append(slot[ctx - q_len:])
-        positions.append(pos[ctx - q_len:])
+        ks.append(k[ctx - q_len :])
+        vs.append(v[ctx - q_len :])
+        slots.append(slot[ctx - q_len :])
+        positions.append(pos[ctx - q_len :])
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     meta = AttentionMetadata(
-        num_tokens=qsl[-1], positions=torch.cat(positions), slot_mapping=torch.cat(slots),
+        num_tokens=qsl[-1],
+        positions=torch.cat(positions),
+        slot_mapping=torch.cat(slots),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=tables,
-        query_start_loc_cpu=qsl, seq_lens_cpu=list(ctx_lens), max_query_len=max(q_lens),
-        max_seq_len=max(ctx_lens))
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(ctx_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(ctx_lens),
+    )
     return PagedCase(meta, torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, contexts)
 
 
@@ -84,7 +98,7 @@ def reference_output(case: PagedCase, spec: AttentionLayerSpec) -> torch.Tensor:
     outs = []
     qsl = case.meta.query_start_loc_cpu
     for i, (k, v) in enumerate(case.contexts):
-        q = case.query[qsl[i]:qsl[i + 1]]
+        q = case.query[qsl[i] : qsl[i + 1]]
         ctx = k.shape[0]
         q_pos = torch.arange(ctx - q.shape[0], ctx)
         outs.append(dense_attention(q, k, v, q_pos, spec))

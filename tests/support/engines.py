@@ -19,8 +19,15 @@ def greedy_with_logprobs(llm, prompts, max_tokens: int, one_at_a_time: bool = Fa
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
-    outs = ([llm.generate([r], sp, use_tqdm=False)[0] for r in requests] if one_at_a_time
-            else llm.generate(requests, sp, use_tqdm=False))
-    return [(o.outputs[0].token_ids,
-             [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-            for o in outs]
+    outs = (
+        [llm.generate([r], sp, use_tqdm=False)[0] for r in requests]
+        if one_at_a_time
+        else llm.generate(requests, sp, use_tqdm=False)
+    )
+    return [
+        (
+            o.outputs[0].token_ids,
+            [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]

@@ -25,8 +25,9 @@ VOCAB = 1000
 EOS = 999
 
 
-def fake_token(tokens: list[int], eos_after: int | None = None, prompt_len: int = 0,
-               period: int | None = None) -> int:
+def fake_token(
+    tokens: list[int], eos_after: int | None = None, prompt_len: int = 0, period: int | None = None
+) -> int:
     """Deterministic next token for a sequence; EOS once `eos_after` outputs exist. With a
     `period`, the model mostly repeats what it saw `period` tokens ago (repetitive text, on
     which n-gram drafts get accepted) and now and then departs from it."""
@@ -53,9 +54,13 @@ class FakeRunner:
     `check_grammar`, a step's grammar bitmask (from `FakeStructured`) must have been filled
     after the grammar accepted every earlier output of its request, else `execute` raises."""
 
-    def __init__(self, eos_after: dict[str, int] | None = None,
-                 period: int | None = None, periods: dict[str, int] | None = None,
-                 check_grammar: bool = False) -> None:
+    def __init__(
+        self,
+        eos_after: dict[str, int] | None = None,
+        period: int | None = None,
+        periods: dict[str, int] | None = None,
+        check_grammar: bool = False,
+    ) -> None:
         self.check_grammar = check_grammar
         self.num_grammar_rows = 0
         self.reqs: dict[str, _FakeReq] = {}
@@ -69,10 +74,13 @@ class FakeRunner:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            self.reqs[new.req_id] = _FakeReq(new.epoch, list(new.token_ids),
-                                             new.num_prompt_tokens,
-                                             self.eos_after.get(new.req_id),
-                                             self.periods.get(new.req_id, self.period))
+            self.reqs[new.req_id] = _FakeReq(
+                new.epoch,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                self.eos_after.get(new.req_id),
+                self.periods.get(new.req_id, self.period),
+            )
         ro = RunnerOutput(so.step_id)
         for req_id in so.num_scheduled_tokens:
             req = self.reqs[req_id]
@@ -91,7 +99,8 @@ class FakeRunner:
         masked_at = marks[so.grammar_req_ids.index(req_id)] if marks is not None else None
         assert masked_at == num_outputs, (
             f"step {so.step_id}: {req_id}'s bitmask was filled after its grammar accepted "
-            f"{masked_at} outputs, but it samples output #{num_outputs}")
+            f"{masked_at} outputs, but it samples output #{num_outputs}"
+        )
         self.num_grammar_rows += 1
 
     def _verify(self, req: _FakeReq, drafts: list[int]) -> list[int]:
@@ -107,18 +116,30 @@ class FakeRunner:
         return out
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   max_model_len=128, async_scheduling=True, prefix_caching=True,
-                   spec=None, pp: int = 1) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, async_scheduling=async_scheduling,
-                             pipeline_parallel_size=pp)
+def make_scheduler(
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=128,
+    async_scheduling=True,
+    prefix_caching=True,
+    spec=None,
+    pp: int = 1,
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        async_scheduling=async_scheduling,
+        pipeline_parallel_size=pp,
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching), spec)
 
 
-def make_request(req_id: str, prompt: list[int], max_tokens: int = 8, eos=(EOS,),
-                 **sampling) -> Request:
+def make_request(
+    req_id: str, prompt: list[int], max_tokens: int = 8, eos=(EOS,), **sampling
+) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
     return Request(req_id, list(prompt), sp, eos_token_ids=tuple(eos))
 
@@ -127,8 +148,9 @@ class Driver:
     """Runs scheduler + fake runner with up to `depth` steps in flight, checking invariants
     after every schedule and every commit."""
 
-    def __init__(self, scheduler: Scheduler, runner: FakeRunner | None = None,
-                 depth: int = 2) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: FakeRunner | None = None, depth: int = 2
+    ) -> None:
         self.sched = scheduler
         self.runner = runner or FakeRunner()
         self.depth = depth
@@ -197,8 +219,13 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(VOCAB - 1) for _ in range(length)]
 
 
-def expected_tokens(prompt: list[int], max_tokens: int, eos_after: int | None = None,
-                    max_model_len: int = 10**9, period: int | None = None) -> list[int]:
+def expected_tokens(
+    prompt: list[int],
+    max_tokens: int,
+    eos_after: int | None = None,
+    max_model_len: int = 10**9,
+    period: int | None = None,
+) -> list[int]:
     tokens = list(prompt)
     out = []
     while len(out) < max_tokens and len(tokens) < max_model_len:
@@ -233,13 +260,17 @@ class FakeExecutor(Executor):
     with `defer_sampling` runs (and samples) only at `sample_tokens`, which must follow
     before any other launch, as the real worker's single deferred slot requires."""
 
-    def __init__(self, num_blocks: int = 64, runner: FakeRunner | None = None,
-                 fail_at_step: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        runner: FakeRunner | None = None,
+        fail_at_step: int | None = None,
+    ) -> None:
         self.runner = runner or FakeRunner()
         self.blocks = num_blocks
         self.launched: list[int] = []
         self.deferred_ids: list[int] = []
-        self.masked_at_launch: list[int] = []   # bitmask filled before the forward launched
+        self.masked_at_launch: list[int] = []  # bitmask filled before the forward launched
         self.resolve_order: list[int] = []
         self.on_resolve: list = []
         self.fail_at_step = fail_at_step
@@ -319,9 +350,15 @@ class FakeStructured:
         pass
 
 
-def fake_engine_config(async_scheduling: bool = True, pp: int = 1, block_size: int = 4,
-                       max_model_len: int = 128, max_num_batched_tokens: int = 64,
-                       max_num_seqs: int = 8, speculative=None):
+def fake_engine_config(
+    async_scheduling: bool = True,
+    pp: int = 1,
+    block_size: int = 4,
+    max_model_len: int = 128,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 8,
+    speculative=None,
+):
     from vserve.config import (
         CacheConfig,
         DeviceConfig,
@@ -330,18 +367,36 @@ def fake_engine_config(async_scheduling: bool = True, pp: int = 1, block_size: i
         ParallelConfig,
     )
 
-    model = ModelConfig(model="fake", tokenizer="fake", architecture="Fake", dtype="float32",
-                        seed=0, max_model_len=max_model_len, vocab_size=VOCAB,
-                        eos_token_ids=(EOS,), served_model_name="fake")
-    sched = SchedulerConfig(max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len, async_scheduling=async_scheduling,
-                            pipeline_parallel_size=pp)
-    return EngineConfig(model, CacheConfig(block_size=block_size), sched,
-                        ParallelConfig(pipeline_parallel_size=pp,
-                                       distributed_executor_backend="mp" if pp > 1 else "uni"),
-                        DeviceConfig(), async_scheduling,
-                        None if async_scheduling else "off in this test", speculative)
+    model = ModelConfig(
+        model="fake",
+        tokenizer="fake",
+        architecture="Fake",
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
+        vocab_size=VOCAB,
+        eos_token_ids=(EOS,),
+        served_model_name="fake",
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        async_scheduling=async_scheduling,
+        pipeline_parallel_size=pp,
+    )
+    return EngineConfig(
+        model,
+        CacheConfig(block_size=block_size),
+        sched,
+        ParallelConfig(
+            pipeline_parallel_size=pp, distributed_executor_backend="mp" if pp > 1 else "uni"
+        ),
+        DeviceConfig(),
+        async_scheduling,
+        None if async_scheduling else "off in this test",
+        speculative,
+    )
 
 
 def core_request(req_id: str, prompt: list[int], max_tokens: int = 8, **sampling):

@@ -16,10 +16,13 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n",
     "héllo wörld, naïve café",
 ]
-SHARED_PREFIX = ("Once upon a time there was a little engine that could schedule tokens. "
-                 "The quick brown fox jumps over the lazy dog. ")
-PREFIX_PROMPTS = [SHARED_PREFIX + s for s in ["Paris is", "1 2 3", "def add(a, b):",
-                                             "héllo"]] + [SHARED_PREFIX + "Paris is"]
+SHARED_PREFIX = (
+    "Once upon a time there was a little engine that could schedule tokens. "
+    "The quick brown fox jumps over the lazy dog. "
+)
+PREFIX_PROMPTS = [SHARED_PREFIX + s for s in ["Paris is", "1 2 3", "def add(a, b):", "héllo"]] + [
+    SHARED_PREFIX + "Paris is"
+]
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +35,12 @@ def hf_greedy(model_dir: str, prompts: tuple[str, ...], max_new_tokens: int) -> 
     for prompt in prompts:
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, ids.shape[1]:].tolist())
+            gen = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        out.append(gen[0, ids.shape[1] :].tolist())
     return out

@@ -22,8 +22,15 @@ import httpx
 from vserve.proc_tree import children as children_of
 from vserve.proc_tree import descendants, is_running
 
-__all__ = ["TINY_ARGS", "ServerProcess", "children_of", "free_port", "is_running", "metric_value",
-           "serving"]
+__all__ = [
+    "TINY_ARGS",
+    "ServerProcess",
+    "children_of",
+    "free_port",
+    "is_running",
+    "metric_value",
+    "serving",
+]
 
 # small, fast settings for the tiny test models
 TINY_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "2048"]
@@ -40,11 +47,20 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- open while the server runs
-            "w+", prefix="vserve-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "serve", *args,
-               "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+            "w+", prefix="vserve-server-", suffix=".log", delete=False
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "vserve.entrypoints.cli",
+            "serve",
+            *args,
+            "--port",
+            str(self.port),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self.tree: set[int] = set()
 
     @property
@@ -94,7 +110,7 @@ class ServerProcess:
             self.proc.kill()
             code = self.proc.wait()
         left = self.survivors()
-        for pid in left:   # never leave strays behind, even when the test fails
+        for pid in left:  # never leave strays behind, even when the test fails
             os.kill(pid, signal.SIGKILL)
         assert not left, f"processes outlived the server: {left}\n{self.log_tail()}"
         return code
@@ -135,7 +151,9 @@ def offline_app(**args):
     from vserve.entrypoints.openai.server import build_app
 
     model = SimpleNamespace(served_model_name="offline", max_model_len=64, vocab_size=100)
-    engine = SimpleNamespace(config=SimpleNamespace(model=model,
-                                                    scheduler=SimpleNamespace(max_num_seqs=4)),
-                             tokenizer=None, errored=False)
+    engine = SimpleNamespace(
+        config=SimpleNamespace(model=model, scheduler=SimpleNamespace(max_num_seqs=4)),
+        tokenizer=None,
+        errored=False,
+    )
     return build_app(engine, argparse.Namespace(**args))

@@ -11,8 +11,7 @@ import torch
 from vserve.workers.device import DeviceShim
 from vserve.workers.input_prep import FeedbackPlan, FusedInputPrep, HostInputs, TorchInputPrep
 
-FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-          "block_tables")
+FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
 
 
 def random_case(seed: int, decode_only: bool, num_reqs: int = 6, block_size: int = 4):
@@ -24,20 +23,23 @@ def random_case(seed: int, decode_only: bool, num_reqs: int = 6, block_size: int
     seq_lens = computed + q_lens
     max_blocks = int(-(-seq_lens.max() // block_size))
     # distinct block ids, as the KV manager hands them out
-    tables = rng.permutation(num_reqs * max_blocks + 5)[:num_reqs * max_blocks]
+    tables = rng.permutation(num_reqs * max_blocks + 5)[: num_reqs * max_blocks]
     block_tables = tables.reshape(num_reqs, max_blocks).astype(np.int32)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     positions = np.concatenate([np.arange(c, c + q) for c, q in zip(computed, q_lens)])
     host_tokens = rng.integers(0, 1000, int(qsl[-1]))
     prev = rng.integers(1000, 2000, num_reqs)
     plan = FeedbackPlan()
-    fed_rows = range(num_reqs - 1) if decode_only else sorted(
-        rng.choice(num_reqs, size=num_reqs // 2 + 1, replace=False).tolist())
+    fed_rows = (
+        range(num_reqs - 1)
+        if decode_only
+        else sorted(rng.choice(num_reqs, size=num_reqs // 2 + 1, replace=False).tolist())
+    )
     sources = list(range(len(fed_rows))) if decode_only else rng.permutation(num_reqs).tolist()
     for row, src in zip(fed_rows, sources):
         offset = int(rng.integers(0, q_lens[row]))
         plan.add(row, src, offset, int(qsl[row] + offset))
-    host_tokens[plan.dest] = -1       # the host does not know the fed-back ids
+    host_tokens[plan.dest] = -1  # the host does not know the fed-back ids
     host = HostInputs(qsl, computed, positions, seq_lens, block_tables, host_tokens, block_size)
     return host, plan, prev
 
@@ -54,8 +56,9 @@ def build_both(host: HostInputs, plan: FeedbackPlan, prev: np.ndarray, device: s
     return outs
 
 
-def assert_same_inputs(torch_out, fused_out, host: HostInputs, plan: FeedbackPlan,
-                       prev: np.ndarray) -> None:
+def assert_same_inputs(
+    torch_out, fused_out, host: HostInputs, plan: FeedbackPlan, prev: np.ndarray
+) -> None:
     for name in FIELDS:
         got, want = getattr(fused_out, name), getattr(torch_out, name)
         assert got.dtype == want.dtype, name

@@ -29,17 +29,22 @@ def build_tokenizer(folder: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "</s>", "<s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "</s>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     from tokenizers.processors import TemplateProcessing
 
     tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
     fast.chat_template = (
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     fast.save_pretrained(str(folder))
     return fast
 
@@ -56,9 +61,19 @@ def _config(kind: str, **overrides):
         Qwen3Config,
     )
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     if kind == "llama":
         cfg = LlamaConfig(**common)
     elif kind == "mistral":
@@ -68,9 +83,16 @@ def _config(kind: str, **overrides):
     elif kind == "qwen3":
         cfg = Qwen3Config(**{**common, "head_dim": 32})
     elif kind == "gemma3":
-        cfg = Gemma3TextConfig(**{**common, "head_dim": 32, "num_hidden_layers": 6,
-                                  "sliding_window": 16, "query_pre_attn_scalar": 32,
-                                  "tie_word_embeddings": True})
+        cfg = Gemma3TextConfig(
+            **{
+                **common,
+                "head_dim": 32,
+                "num_hidden_layers": 6,
+                "sliding_window": 16,
+                "query_pre_attn_scalar": 32,
+                "tie_word_embeddings": True,
+            }
+        )
     else:
         raise ValueError(kind)
     for k, v in overrides.items():
@@ -106,5 +128,6 @@ def build_model(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
 
 def cache_dir() -> Path:
     root = os.environ.get("VSERVE_TEST_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vserve-tests")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vserve-tests"
+    )
     return Path(root)

@@ -25,10 +25,13 @@ from vserve.models.packed_linear import can_pack
 from vserve.models.stage import StageInfo
 
 BF = torch.bfloat16
-needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                    reason="no C++ compiler: the eager path runs instead")
-needs_packing = pytest.mark.skipif(not can_pack(torch.device("cpu"), BF),
-                                   reason="no native bf16 on this CPU: no packed linears")
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the eager path runs instead",
+)
+needs_packing = pytest.mark.skipif(
+    not can_pack(torch.device("cpu"), BF), reason="no native bf16 on this CPU: no packed linears"
+)
 pytestmark = needs_compiler
 
 
@@ -39,11 +42,12 @@ def ops():
     return module
 
 
-def _one_ulp_close(out: torch.Tensor, ref: torch.Tensor, max_diff_frac: float = 0.02,
-                   atol: float = 1e-6) -> None:
+def _one_ulp_close(
+    out: torch.Tensor, ref: torch.Tensor, max_diff_frac: float = 0.02, atol: float = 1e-6
+) -> None:
     """Equal up to one bf16 rounding step, and equal for all but a few elements."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=atol)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=atol)
     assert (out != ref).sum().item() <= max_diff_frac * out.numel()
 
 
@@ -52,10 +56,10 @@ def test_rms_norm_gemma_and_llama_styles(ops, shape):
     torch.manual_seed(0)
     x = (torch.randn(shape) * 3).to(BF)
     n = shape[-1]
-    scale = 1 + torch.randn(n) * 0.2                            # Gemma: fp32 (1 + w)
+    scale = 1 + torch.randn(n) * 0.2  # Gemma: fp32 (1 + w)
     ref = F.rms_norm(x.float(), (n,), scale, 1e-6).type_as(x)
     _one_ulp_close(ops.rms_norm(x, scale, 1, 1e-6), ref)
-    weight = (1 + torch.randn(n) * 0.2).to(BF)                  # Llama: bf16 weight
+    weight = (1 + torch.randn(n) * 0.2).to(BF)  # Llama: bf16 weight
     ref = weight * F.rms_norm(x.float(), (n,), None, 1e-5).to(BF)
     _one_ulp_close(ops.rms_norm(x, weight, 0, 1e-5), ref)
 
@@ -63,7 +67,7 @@ def test_rms_norm_gemma_and_llama_styles(ops, shape):
 def test_rms_norm_reads_heads_of_a_fused_projection_in_place(ops):
     torch.manual_seed(1)
     qkv = torch.randn(5, 4 * 32 + 2 * 2 * 32).to(BF)
-    q = qkv[:, :128].view(5, 4, 32)                             # token stride 256, not 128
+    q = qkv[:, :128].view(5, 4, 32)  # token stride 256, not 128
     scale = 1 + torch.randn(32) * 0.1
     ref = F.rms_norm(q.float(), (32,), scale, 1e-6).type_as(q)
     out = ops.rms_norm(q, scale, 1, 1e-6)
@@ -78,12 +82,12 @@ def test_rms_norm_rejects_wrong_inputs(ops):
         ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1, 1e-6)
 
 
-@pytest.mark.parametrize("rot", [32, 16])          # full and partial rotary
+@pytest.mark.parametrize("rot", [32, 16])  # full and partial rotary
 def test_rotary_is_bitwise_the_eager_rotation(ops, rot):
     torch.manual_seed(2)
     t, h, d = 6, 4, 32
     qkv = torch.randn(t, (h + 4) * d).to(BF)
-    q = qkv[:, :h * d].view(t, h, d)                            # strided view, as the model has
+    q = qkv[:, : h * d].view(t, h, d)  # strided view, as the model has
     cos, sin = torch.randn(t, 1, rot).to(BF), torch.randn(t, 1, rot).to(BF)
     assert torch.equal(ops.rotary(q, cos, sin), _rotate(q, cos, sin))
 
@@ -98,38 +102,43 @@ def test_act_mul_is_bitwise_the_eager_activation(ops, act, fn):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (2, 2)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (9, None), (None, 20.0)])
-def test_decode_attention_matches_the_gathered_two_matmul_path(ops, heads, kv_heads, window,
-                                                               softcap):
+def test_decode_attention_matches_the_gathered_two_matmul_path(
+    ops, heads, kv_heads, window, softcap
+):
     torch.manual_seed(4)
     d, block, num_blocks, nb = 64, 16, 40, 5
     k_cache = torch.randn(num_blocks, block, kv_heads, d).to(BF)
     v_cache = torch.randn(num_blocks, block, kv_heads, d).to(BF)
-    seq_lens = torch.tensor([1, 16, 17, 80, 43])               # block edges and a full table
-    tables = torch.randperm(num_blocks)[:len(seq_lens) * nb].view(-1, nb).to(torch.int32)
+    seq_lens = torch.tensor([1, 16, 17, 80, 43])  # block edges and a full table
+    tables = torch.randperm(num_blocks)[: len(seq_lens) * nb].view(-1, nb).to(torch.int32)
     q = torch.randn(len(seq_lens), heads, d).to(BF)
-    spec = AttentionLayerSpec(heads, kv_heads, d, d ** -0.5, window, softcap)
+    spec = AttentionLayerSpec(heads, kv_heads, d, d**-0.5, window, softcap)
     k, v = _gather_blocks(k_cache, tables.long()), _gather_blocks(v_cache, tables.long())
     hidden = ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, torch.arange(nb * block), window)
-    ref = _attend_matmul(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), hidden,
-                         spec).squeeze(2)
-    out = ops.decode_attention(q, k_cache, v_cache, tables, seq_lens, window or -1,
-                               spec.scale, softcap or 0.0)
+    ref = _attend_matmul(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), hidden, spec
+    ).squeeze(2)
+    out = ops.decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, window or -1, spec.scale, softcap or 0.0
+    )
     # a probability that rounds the other way moves a sum of values near zero by one of its
     # bf16 steps (<= 2^-8 of a value), so the absolute tolerance is on that scale
-    _one_ulp_close(out, ref, max_diff_frac=0.05, atol=2 ** -8 * v_cache.abs().max().item())
+    _one_ulp_close(out, ref, max_diff_frac=0.05, atol=2**-8 * v_cache.abs().max().item())
 
 
 def test_decode_attention_reads_sliced_int64_block_tables(ops):
     torch.manual_seed(7)
     k_cache = torch.randn(12, 4, 1, 32).to(BF)
     v_cache = torch.randn(12, 4, 1, 32).to(BF)
-    big = torch.randperm(12).view(2, 6)                        # int64, rows 6 apart
-    tables, seq_lens = big[:, :3], torch.tensor([9, 12])      # a non-contiguous slice
+    big = torch.randperm(12).view(2, 6)  # int64, rows 6 apart
+    tables, seq_lens = big[:, :3], torch.tensor([9, 12])  # a non-contiguous slice
     q = torch.randn(2, 2, 32).to(BF)
-    want = ops.decode_attention(q, k_cache, v_cache, tables.contiguous().to(torch.int32),
-                                seq_lens, -1, 0.2, 0.0)
-    assert torch.equal(ops.decode_attention(q, k_cache, v_cache, tables, seq_lens, -1, 0.2,
-                                            0.0), want)
+    want = ops.decode_attention(
+        q, k_cache, v_cache, tables.contiguous().to(torch.int32), seq_lens, -1, 0.2, 0.0
+    )
+    assert torch.equal(
+        ops.decode_attention(q, k_cache, v_cache, tables, seq_lens, -1, 0.2, 0.0), want
+    )
     with pytest.raises(RuntimeError, match="longer than its block table"):
         ops.decode_attention(q, k_cache, v_cache, tables, torch.tensor([9, 13]), -1, 0.2, 0.0)
     with pytest.raises(RuntimeError, match="one block-table row"):
@@ -138,7 +147,7 @@ def test_decode_attention_reads_sliced_int64_block_tables(ops):
         ops.rotary(q, torch.ones(2, 1, 64, dtype=BF), torch.ones(2, 1, 64, dtype=BF))
 
 
-@pytest.mark.parametrize("k", [64, 640, 100])               # 100: a tail past the lanes
+@pytest.mark.parametrize("k", [64, 640, 100])  # 100: a tail past the lanes
 def test_gemv_rounds_the_exact_product_once(ops, k):
     torch.manual_seed(5)
     x, w, bias = torch.randn(1, k).to(BF), torch.randn(300, k).to(BF), torch.randn(300).to(BF)
@@ -147,7 +156,7 @@ def test_gemv_rounds_the_exact_product_once(ops, k):
         out = ops.gemv(x, w, b)
         assert out.dtype == BF and out.shape == (1, 300)
         # fp32 accumulation then one rounding: within one bf16 step of the exact result
-        torch.testing.assert_close(out.double(), exact, rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=1e-3)
         _one_ulp_close(out, F.linear(x, w, b), max_diff_frac=0.05)
     with pytest.raises(RuntimeError, match=r"\[1, K\]"):
         ops.gemv(torch.randn(2, k).to(BF), w, None)
@@ -163,7 +172,7 @@ def test_linear_takes_gemv_for_one_row_and_onednn_otherwise(ops):
     _one_ulp_close(ops.linear(one, packed, w, bias), F.linear(one, w, bias), max_diff_frac=0.05)
     for x in (torch.randn(2, 64).to(BF), torch.randn(17, 64).to(BF), torch.randn(1, 3, 64).to(BF)):
         want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        assert torch.equal(ops.linear(x, packed, w, bias), want)     # oneDNN, bitwise
+        assert torch.equal(ops.linear(x, packed, w, bias), want)  # oneDNN, bitwise
 
 
 def test_build_failure_falls_back_to_eager(monkeypatch, caplog):
@@ -183,7 +192,7 @@ PROMPTS = [[5, 17, 99, 3, 42, 7], [8] * 20, list(range(30, 60))]
 def _generate(model_dir, prompts, fused=True, batch=True, max_tokens=24, **engine):
     llm = make_llm(model_dir, dtype="bfloat16", max_model_len=128, **engine)
     kernel = None
-    if not engine.get("multiprocess"):   # in-process runner: inspect and switch the path
+    if not engine.get("multiprocess"):  # in-process runner: inspect and switch the path
         model = llm.engine.client.core.executor.worker.runner.model
         kernel = model.kernel
         if not fused:
@@ -201,10 +210,10 @@ def test_fused_decode_is_bitwise_the_per_op_kernel_path(kind, tiny_model_dir, mo
     monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
     # one request at a time: every decode step has one row, the gemv row count
     kernel, fused = _generate(tiny_model_dir(kind), PROMPTS, batch=False)
-    assert kernel is not None and len(calls) == len(PROMPTS) * 23   # every decode step
+    assert kernel is not None and len(calls) == len(PROMPTS) * 23  # every decode step
     _, per_op = _generate(tiny_model_dir(kind), PROMPTS, fused=False, batch=False)
     assert len(calls) == len(PROMPTS) * 23
-    assert fused == per_op      # token ids and every top-3 logprob, exactly
+    assert fused == per_op  # token ids and every top-3 logprob, exactly
     _, fused_b = _generate(tiny_model_dir(kind), PROMPTS)
     _, per_op_b = _generate(tiny_model_dir(kind), PROMPTS, fused=False)
     assert fused_b == per_op_b
@@ -236,17 +245,24 @@ def test_fused_plan_of_each_pipeline_stage(kind, tiny_model_dir):
     for rank in (0, 1):
         stage = StageInfo.split(n, 2, rank)
         model = load_model(path, hf_config, stage, BF, torch.device("cpu"), 128)
-        assert [f.layer_idx for f in model.fused.layers] == list(range(stage.start_layer,
-                                                                       stage.end_layer))
+        assert [f.layer_idx for f in model.fused.layers] == list(
+            range(stage.start_layer, stage.end_layer)
+        )
         head = getattr(model, "lm_head", None)
         if head is not None and getattr(model, "tie", False) and stage.is_first:
-            assert head.plain is model.model.embed_tokens.weight   # no second copy
+            assert head.plain is model.model.embed_tokens.weight  # no second copy
 
 
 @needs_packing
 def test_pipeline_parallel_with_kernels_is_bitwise_one_stage(tiny_model_dir):
     _, one = _generate(tiny_model_dir("gemma3"), PROMPTS, batch=False, max_tokens=12)
-    _, two = _generate(tiny_model_dir("gemma3"), PROMPTS, batch=False, max_tokens=12,
-                       multiprocess=True, distributed_executor_backend="mp",
-                       pipeline_parallel_size=2)
+    _, two = _generate(
+        tiny_model_dir("gemma3"),
+        PROMPTS,
+        batch=False,
+        max_tokens=12,
+        multiprocess=True,
+        distributed_executor_backend="mp",
+        pipeline_parallel_size=2,
+    )
     assert one == two

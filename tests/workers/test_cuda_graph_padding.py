@@ -24,8 +24,8 @@ def test_capture_sizes_cover_every_batch_with_little_padding(max_num_seqs):
     for num_reqs in range(1, max_num_seqs + 1):
         size = padded_size(num_reqs, sizes)
         assert size in sizes and size >= num_reqs
-        assert all(s < num_reqs for s in sizes if s < size)     # the smallest that fits
-        assert size - num_reqs < max(8, num_reqs)                # padding < 8 rows or < 2x
+        assert all(s < num_reqs for s in sizes if s < size)  # the smallest that fits
+        assert size - num_reqs < max(8, num_reqs)  # padding < 8 rows or < 2x
     assert padded_size(max_num_seqs + 1, sizes) is None
 
 
@@ -68,7 +68,7 @@ def test_load_fills_real_rows_and_resets_the_rows_a_larger_batch_left():
     assert bufs.seq_lens.tolist() == m.seq_lens.tolist() + [1] * 5
     assert torch.equal(bufs.block_tables[:3, :nb], m.block_tables)
     assert not bufs.block_tables[3:].any()
-    assert bufs.query_start_loc.tolist() == list(range(9))    # one token per row, constant
+    assert bufs.query_start_loc.tolist() == list(range(9))  # one token per row, constant
     meta = bufs.meta(4, max_seq_len=64)
     assert meta.num_tokens == meta.num_reqs == 4 and meta.max_query_len == 1
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
@@ -79,7 +79,7 @@ def test_padded_decode_batch_equals_unpadded_through_triton_backend():
     from vserve.attention import get_attention_backend
 
     backend = get_attention_backend("triton", block_size=4)
-    spec = AttentionLayerSpec(4, 2, 16, 16 ** -0.5, None, 20.0)
+    spec = AttentionLayerSpec(4, 2, 16, 16**-0.5, None, 20.0)
     plain, padded = _decode_case(3, seed=3), _decode_case(3, seed=3)
     out = backend.forward(spec, plain.query, plain.key, plain.value, plain.kv_cache, plain.meta)
 
@@ -94,4 +94,4 @@ def test_padded_decode_batch_equals_unpadded_through_triton_backend():
     got = backend.forward(spec, query, key, value, padded.kv_cache, meta)
     assert torch.equal(got[:3], out)
     assert torch.isfinite(got[3:]).all()
-    assert torch.equal(padded.kv_cache, plain.kv_cache)             # slot -1: nothing written
+    assert torch.equal(padded.kv_cache, plain.kv_cache)  # slot -1: nothing written

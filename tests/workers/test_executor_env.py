@@ -24,13 +24,12 @@ def test_spawned_workers_inherit_the_defaults(tiny_model_dir, monkeypatch):
     from tests.support.engines import make_llm
 
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    llm = make_llm(tiny_model_dir("llama"), distributed_executor_backend="mp",
-                   max_model_len=64)
+    llm = make_llm(tiny_model_dir("llama"), distributed_executor_backend="mp", max_model_len=64)
     try:
         proc = llm.engine.client.core.executor.procs[0]
         with open(f"/proc/{proc.pid}/environ", "rb") as f:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         assert env[b"GOMP_SPINCOUNT"] == WORKER_ENV_DEFAULTS["GOMP_SPINCOUNT"].encode()
-        assert "GOMP_SPINCOUNT" not in os.environ     # this process is left as it was
+        assert "GOMP_SPINCOUNT" not in os.environ  # this process is left as it was
     finally:
         llm.shutdown()

@@ -18,9 +18,20 @@ def _batch(rng: random.Random, num_reqs: int) -> InputBatch:
     batch = InputBatch(32, 64, 8)
     for k in range(num_reqs):
         n = rng.randrange(2, 20)
-        batch.add(NewRequestData(f"r{k}", rng.randrange(1, 4), list(range(1, n + 1)), n,
-                                 SamplingParams(), 0, [], ([],), n - 1))
-    for k in rng.sample(range(num_reqs), num_reqs // 4):   # holes, then rows move down
+        batch.add(
+            NewRequestData(
+                f"r{k}",
+                rng.randrange(1, 4),
+                list(range(1, n + 1)),
+                n,
+                SamplingParams(),
+                0,
+                [],
+                ([],),
+                n - 1,
+            )
+        )
+    for k in rng.sample(range(num_reqs), num_reqs // 4):  # holes, then rows move down
         batch.remove(f"r{k}")
     batch.condense()
     return batch
@@ -29,17 +40,27 @@ def _batch(rng: random.Random, num_reqs: int) -> InputBatch:
 def _step(rng: random.Random, batch: InputBatch):
     """A step over a random subset of rows; each computes 1-3 tokens from a position at or
     before its newest placeholder."""
-    rows = np.array(sorted(rng.sample(sorted(batch.row_of.values()), len(batch.row_of) // 2
-                                      + 1)), dtype=np.int64)
+    rows = np.array(
+        sorted(rng.sample(sorted(batch.row_of.values()), len(batch.row_of) // 2 + 1)),
+        dtype=np.int64,
+    )
     computed = np.array([batch.num_tokens[r] - rng.randrange(1, 3) for r in rows], np.int64)
     num_sched = np.array([rng.randrange(1, 4) for _ in rows], np.int64)
     qsl = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(num_sched, out=qsl[1:])
-    positions = np.repeat(computed, num_sched) + (np.arange(qsl[-1]) -
-                                                  np.repeat(qsl[:-1], num_sched))
+    positions = np.repeat(computed, num_sched) + (
+        np.arange(qsl[-1]) - np.repeat(qsl[:-1], num_sched)
+    )
     tokens = batch.token_ids[np.repeat(rows, num_sched), positions].copy()
-    host = HostInputs(qsl, computed, positions, computed + num_sched,
-                      np.zeros((len(rows), 1), np.int32), tokens, 16)
+    host = HostInputs(
+        qsl,
+        computed,
+        positions,
+        computed + num_sched,
+        np.zeros((len(rows), 1), np.int32),
+        tokens,
+        16,
+    )
     return rows, host
 
 
@@ -55,12 +76,12 @@ def test_fast_plan_and_write_back_match_the_slow_path(seed):
     fb = queue.push(1, batch, sampled, req_ids, ids)
     rows, host = _step(rng, batch)
     step_req_ids = [batch.rows[r].req_id for r in rows.tolist()]
-    host.host_tokens[host.host_tokens < 0] = 0   # the plan's check is not under test here
+    host.host_tokens[host.host_tokens < 0] = 0  # the plan's check is not under test here
     fast = queue.plan(batch, host, step_req_ids, rows)
-    fb.layout_version = -1   # as if rows had moved: request by request
+    fb.layout_version = -1  # as if rows had moved: request by request
     slow = queue.plan(batch, host, step_req_ids, rows)
     assert vars(fast) == vars(slow)
-    assert fast.rows   # the case is not vacuous
+    assert fast.rows  # the case is not vacuous
     expect = batch.token_ids.copy()
     for (req_id, epoch, pos), token in zip(fb.entries, ids.tolist()):
         expect[batch.row_of[req_id], pos] = token
@@ -78,7 +99,7 @@ def test_a_moved_row_is_not_planned_from_its_old_place():
     queue = FeedbackQueue()
     fb = queue.push(1, batch, rows, req_ids, torch.arange(len(rows)))
     batch.remove(req_ids[0])
-    batch.condense()    # the last row moves into row 0
+    batch.condense()  # the last row moves into row 0
     assert not fb.rows_valid(batch)
     queue.flush(batch, keep_latest=False)
     moved = batch.row_of[req_ids[-1]]

@@ -39,7 +39,7 @@ def test_one_reserved_core_takes_the_host_work_and_the_rest_go_to_the_worker():
 
 
 def test_a_reservation_never_takes_a_workers_last_core():
-    assert plan_placement([0, 1], 2, 1).num_reserved == 0          # PP=2 on two cores
+    assert plan_placement([0, 1], 2, 1).num_reserved == 0  # PP=2 on two cores
     assert plan_placement([0, 1, 2], 1, 5).num_reserved == 2
     assert plan_placement([0], 1, 1).worker_threads == (1,)
 
@@ -50,7 +50,7 @@ def test_explicit_binding_wins_and_the_remaining_cpus_host():
     assert p.worker_cpus == ((2, 3), (4, 5)) and p.worker_threads == (2, 2)
     assert p.host_cpus == (0, 1, 6, 7)
     p = plan_placement(range(2), 1, 0, PlacementOverrides(bind=((0, 1),)))
-    assert p.host_cpus == () and not p.pins_host                   # nothing left to host on
+    assert p.host_cpus == () and not p.pins_host  # nothing left to host on
     with pytest.raises(ValueError, match="2 CPU groups for 1 local workers"):
         plan_placement(range(4), 1, 0, PlacementOverrides(bind=((0,), (1,))))
     with pytest.raises(ValueError, match="outside"):
@@ -74,16 +74,19 @@ def test_overrides_parse_from_the_environment_strings():
         parse_overrides("-1", None)
 
 
-@pytest.mark.parametrize("host,worker,current,expected", [
-    (0.30, 1.0, 0, 1),                    # tiny model: host work a third of the worker's
-    (0.03, 1.0, 0, 0),                    # large model: host work hardly shows
-    (RESERVE_ABOVE, 1.0, 0, 1),
-    (RESERVE_ABOVE * 0.99, 1.0, 0, 0),
-    (0.15, 1.0, 1, 1),                    # between the thresholds: keep what runs now
-    (0.15, 1.0, 0, 0),
-    (RELEASE_BELOW * 0.99, 1.0, 1, 0),    # well below: give the core back
-    (0.5, 0.0, 1, 1),                     # no worker figures: no change
-])
+@pytest.mark.parametrize(
+    "host,worker,current,expected",
+    [
+        (0.30, 1.0, 0, 1),  # tiny model: host work a third of the worker's
+        (0.03, 1.0, 0, 0),  # large model: host work hardly shows
+        (RESERVE_ABOVE, 1.0, 0, 1),
+        (RESERVE_ABOVE * 0.99, 1.0, 0, 0),
+        (0.15, 1.0, 1, 1),  # between the thresholds: keep what runs now
+        (0.15, 1.0, 0, 0),
+        (RELEASE_BELOW * 0.99, 1.0, 1, 0),  # well below: give the core back
+        (0.5, 0.0, 1, 1),  # no worker figures: no change
+    ],
+)
 def test_reservation_follows_host_work_with_hysteresis(host, worker, current, expected):
     assert choose_num_reserved(host, worker, current, 2, 1) == expected
 
@@ -97,8 +100,7 @@ def test_user_overrides_beat_the_measurements():
     assert choose_num_reserved(0.0, 1.0, 0, 4, 1, PlacementOverrides(num_reserved=2)) == 2
     assert choose_num_reserved(1.0, 1.0, 0, 4, 1, PlacementOverrides(num_reserved=0)) == 0
     assert choose_num_reserved(1.0, 1.0, 0, 4, 1, PlacementOverrides(nobind=True)) == 0
-    assert choose_num_reserved(1.0, 1.0, 0, 4, 1,
-                               PlacementOverrides(bind=((1, 2, 3),))) == 0
+    assert choose_num_reserved(1.0, 1.0, 0, 4, 1, PlacementOverrides(bind=((1, 2, 3),))) == 0
 
 
 class _FakeOS:
@@ -106,21 +108,26 @@ class _FakeOS:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.cpu = {}          # pid -> CPU seconds so far
-        self.pinned = {}       # pid -> CPUs
-        self.sent = []         # placements sent to the workers
+        self.cpu = {}  # pid -> CPU seconds so far
+        self.pinned = {}  # pid -> CPUs
+        self.sent = []  # placements sent to the workers
 
     def hooks(self):
-        return (lambda pid, cpus: self.pinned.__setitem__(pid, tuple(sorted(cpus))),
-                lambda pid: self.cpu.get(pid, 0.0), lambda pid: (0, 1), lambda: self.now)
+        return (
+            lambda pid, cpus: self.pinned.__setitem__(pid, tuple(sorted(cpus))),
+            lambda pid: self.cpu.get(pid, 0.0),
+            lambda pid: (0, 1),
+            lambda: self.now,
+        )
 
     def controller(self, overrides=PlacementOverrides(), measure_self=True):
         from vserve.executor.placement_control import PlacementController
 
-        ctl = PlacementController(1, overrides, self.sent.append, measure_self, cpus=(0, 1),
-                                  os_hooks=self.hooks())
+        ctl = PlacementController(
+            1, overrides, self.sent.append, measure_self, cpus=(0, 1), os_hooks=self.hooks()
+        )
         ctl.worker_pids = [900]
-        ctl.add_host_process(800)        # the front end
+        ctl.add_host_process(800)  # the front end
         return ctl
 
     def run_steps(self, ctl, num, step_s, host_cpu_per_step, worker_cpu_per_step, host_pid):
@@ -158,7 +165,7 @@ def test_idle_windows_and_fixed_overrides_decide_nothing():
 
     fake = _FakeOS()
     ctl = fake.controller()
-    for _ in range(WINDOW_STEPS * 4):   # the worker is busy a tenth of the time
+    for _ in range(WINDOW_STEPS * 4):  # the worker is busy a tenth of the time
         fake.now += 0.05
         fake.cpu[800] = fake.cpu.get(800, 0.0) + 0.01
         fake.cpu[900] = fake.cpu.get(900, 0.0) + 0.005
@@ -184,8 +191,9 @@ def _thread_cpus(pid: int) -> set[tuple[int, ...]]:
     """The CPU sets of every thread of `pid`."""
     import os
 
-    return {tuple(sorted(os.sched_getaffinity(int(tid))))
-            for tid in os.listdir(f"/proc/{pid}/task")}
+    return {
+        tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")
+    }
 
 
 def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, monkeypatch):
@@ -201,8 +209,13 @@ def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, m
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
     monkeypatch.setenv("VSERVE_CPU_NUM_RESERVED", "1")
-    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64,
-              async_scheduling=True, distributed_executor_backend="mp")
+    llm = LLM(
+        tiny_model_dir("llama"),
+        dtype="float32",
+        max_model_len=64,
+        async_scheduling=True,
+        distributed_executor_backend="mp",
+    )
     try:
         out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=8))
         assert len(out[0].outputs[0].token_ids) == 8
@@ -217,8 +230,7 @@ def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, m
     assert _thread_cpus(os.getpid()) == before
 
 
-def test_the_front_end_gets_its_cpus_back_when_the_engine_core_dies(tiny_model_dir,
-                                                                      monkeypatch):
+def test_the_front_end_gets_its_cpus_back_when_the_engine_core_dies(tiny_model_dir, monkeypatch):
     """The engine core pins the front end beside itself and gives its CPUs back at shutdown;
     killed, it cannot: the front end restores them itself once it sees the core gone (before,
     it stayed on the host core until `shutdown()`)."""
@@ -233,8 +245,13 @@ def test_the_front_end_gets_its_cpus_back_when_the_engine_core_dies(tiny_model_d
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
     monkeypatch.setenv("VSERVE_CPU_NUM_RESERVED", "1")
-    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=64,
-              async_scheduling=True, distributed_executor_backend="mp")
+    llm = LLM(
+        tiny_model_dir("llama"),
+        dtype="float32",
+        max_model_len=64,
+        async_scheduling=True,
+        distributed_executor_backend="mp",
+    )
     try:
         llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4))
         assert _thread_cpus(os.getpid()) == {cpus[:1]}

@@ -11,9 +11,9 @@ import torch
 from vserve.executor.multiproc import free_port
 
 WORLD = 3
-AHEAD = 5     # requests rank 0 passes on before the later ranks take any (an engine keeps
-              # at most pp + 1 steps in flight)
-MORE = 40     # then many more: the sends rank 0 keeps track of stay bounded
+AHEAD = 5  # requests rank 0 passes on before the later ranks take any (an engine keeps
+# at most pp + 1 steps in flight)
+MORE = 40  # then many more: the sends rank 0 keeps track of stay bounded
 
 
 def _rank(rank: int, port: int, sent, results) -> None:
@@ -24,7 +24,7 @@ def _rank(rank: int, port: int, sent, results) -> None:
         if rank == 0:
             for i in range(AHEAD):
                 comm.pass_request(f"request {i}".encode() * (i + 1))
-            sent.set()   # before any later rank took a single request
+            sent.set()  # before any later rank took a single request
             for i in range(AHEAD, AHEAD + MORE):
                 comm.pass_request(f"request {i}".encode() * (i + 1))
             got = []
@@ -44,8 +44,9 @@ def test_requests_pass_down_the_pipeline_without_waiting():
     ctx = mp.get_context("spawn")
     sent, results = ctx.Event(), ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, sent, results), daemon=True)
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, sent, results), daemon=True) for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     try:
@@ -81,8 +82,14 @@ def _stage0_queue(pp: int):
     queue, waited = FeedbackQueue(max_pending=pp), []
     for step in range(1, pp + 1):
         req_id = f"group{step}"
-        queue.items.append(Feedback.of(step, torch.tensor([100 + step]), [(req_id, 1, 5)],
-                                       wait_fn=lambda s=step: waited.append(s)))
+        queue.items.append(
+            Feedback.of(
+                step,
+                torch.tensor([100 + step]),
+                [(req_id, 1, 5)],
+                wait_fn=lambda s=step: waited.append(s),
+            )
+        )
     return queue, waited
 
 
@@ -94,7 +101,7 @@ def test_stage0_waits_only_for_the_ids_a_step_reads(pp):
     queue.settle(batch, {"group1": (1, 5, 6)})
     assert waited == [] and queue.source.step_id == 1
     assert queue.source.device_ids().tolist() == [101] and waited == [1]
-    assert len(queue.items) == pp   # the newer steps' ids stay pending
+    assert len(queue.items) == pp  # the newer steps' ids stay pending
     # step pp+2 carries group 2: step 1's ids go to the host, steps 3.. stay pending
     queue.settle(batch, {"group2": (1, 5, 6)})
     assert batch.written == [("group1", 1, 5, 101)]
@@ -104,19 +111,20 @@ def test_stage0_waits_only_for_the_ids_a_step_reads(pp):
 def test_stage0_writes_back_beyond_max_pending_and_wrong_epochs_do_not_count():
     from vserve.workers.feedback import FeedbackQueue
 
-    FeedbackQueue(max_pending=3).settle(_Batch(), {"a": (1, 0, 4)})   # nothing pending yet
+    FeedbackQueue(max_pending=3).settle(_Batch(), {"a": (1, 0, 4)})  # nothing pending yet
     queue, waited = _stage0_queue(3)
     batch = _Batch()
     queue.items.popleft()
-    queue.settle(batch, {"group2": (1, 5, 6)})   # fewer entries than max_pending
+    queue.settle(batch, {"group2": (1, 5, 6)})  # fewer entries than max_pending
     assert [fb.step_id for fb in queue.items] == [2, 3] and batch.written == []
     queue, waited = _stage0_queue(3)
-    queue.settle(batch, {"group3": (2, 5, 6)})   # another epoch of group3: reads nothing
+    queue.settle(batch, {"group3": (2, 5, 6)})  # another epoch of group3: reads nothing
     assert waited == [] and len(queue.items) == 3
     from vserve.workers.feedback import Feedback
 
-    queue.items.append(Feedback.of(4, torch.tensor([104]), [("group4", 1, 5)],
-                                   wait_fn=lambda: waited.append(4)))
+    queue.items.append(
+        Feedback.of(4, torch.tensor([104]), [("group4", 1, 5)], wait_fn=lambda: waited.append(4))
+    )
     queue.settle(batch, {})
     assert waited == [1] and [fb.step_id for fb in queue.items] == [2, 3, 4]
 
@@ -143,7 +151,7 @@ def _listening(port: int) -> list[str]:
         for row in rows:
             fields = row.split()
             addr, hex_port = fields[1].split(":")
-            if fields[3] == "0A" and int(hex_port, 16) == port:   # 0A: LISTEN
+            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
                 found.append(addr)
     return found
 
@@ -157,7 +165,7 @@ def test_rendezvous_store_listens_on_master_addr_only():
     port = free_port()
     comm = PPComm(0, 1, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
     try:
-        assert _listening(port) == ["0100007F"]   # 127.0.0.1, little-endian hex
+        assert _listening(port) == ["0100007F"]  # 127.0.0.1, little-endian hex
     finally:
         comm.close()
     assert _listening(port) == []

@@ -23,8 +23,12 @@ def reference(tiny_model_dir):
 
 @pytest.mark.parametrize("async_on", [True, False])
 def test_poisoned_host_tokens_do_not_change_outputs(tiny_model_dir, reference, async_on):
-    llm = make_llm(tiny_model_dir("llama"), max_model_len=256, async_scheduling=async_on,
-                   max_num_batched_tokens=16)
+    llm = make_llm(
+        tiny_model_dir("llama"),
+        max_model_len=256,
+        async_scheduling=async_on,
+        max_num_batched_tokens=16,
+    )
     runner = _runner(llm)
     runner.poison_feedback_slots = True
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -44,10 +48,16 @@ def test_poison_is_not_vacuous(tiny_model_dir, reference, monkeypatch):
 
 def _no_scatter(setitem):
     def patched(self, key, value):
-        if self.dtype == torch.int64 and self.dim() == 1 and isinstance(value, torch.Tensor) \
-                and value.dtype == torch.int64 and _called_from_input_ids():
+        if (
+            self.dtype == torch.int64
+            and self.dim() == 1
+            and isinstance(value, torch.Tensor)
+            and value.dtype == torch.int64
+            and _called_from_input_ids()
+        ):
             return None
         return setitem(self, key, value)
+
     return patched
 
 
@@ -71,7 +81,8 @@ def test_slice_path_for_unchanged_batch_and_scatter_after_condense(tiny_model_di
     assert runner.feedback_stats["scatter"] > before["scatter"]
     ref = make_llm(tiny_model_dir("llama"), max_model_len=256, async_scheduling=False)
     assert [o.outputs[0].token_ids for o in outs] == [
-        o.outputs[0].token_ids for o in ref.generate(PROMPTS[:3], mixed, use_tqdm=False)]
+        o.outputs[0].token_ids for o in ref.generate(PROMPTS[:3], mixed, use_tqdm=False)
+    ]
 
 
 def test_partial_prefill_rows_are_never_fed_back(tiny_model_dir):
@@ -95,6 +106,6 @@ def test_partial_prefill_rows_are_never_fed_back(tiny_model_dir):
     runner.execute_model = spy_execute
     runner.feedback.push = spy
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert any(partial for _, _, partial in seen)          # chunks were in flight
+    assert any(partial for _, _, partial in seen)  # chunks were in flight
     assert all(fed == sampling and not fed & partial for fed, sampling, partial in seen)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)

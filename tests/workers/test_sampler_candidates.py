@@ -16,28 +16,42 @@ VOCAB = 8192
 def _meta(params, seed=0):
     n = len(params)
     return SamplingMetadata(
-        temperature=[p[0] for p in params], top_k=[p[1] for p in params],
-        top_p=[p[2] for p in params], min_p=[p[3] for p in params],
-        seeds=[seed + i for i in range(n)], positions=[7 * i + 3 for i in range(n)],
-        num_logprobs=[None] * n, logit_bias=[None] * n, masked_ids=[None] * n,
-        presence=[0.0] * n, frequency=[0.0] * n, repetition=[1.0] * n)
+        temperature=[p[0] for p in params],
+        top_k=[p[1] for p in params],
+        top_p=[p[2] for p in params],
+        min_p=[p[3] for p in params],
+        seeds=[seed + i for i in range(n)],
+        positions=[7 * i + 3 for i in range(n)],
+        num_logprobs=[None] * n,
+        logit_bias=[None] * n,
+        masked_ids=[None] * n,
+        presence=[0.0] * n,
+        frequency=[0.0] * n,
+        repetition=[1.0] * n,
+    )
 
 
 PARAMS = [  # (temperature, top_k, top_p, min_p)
-    (1.0, 50, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.05),
-    (1.0, 20, 0.8, 0.1), (0.5, 0, 0.5, 0.0), (1.0, 5000, 1.0, 0.0), (2.0, 0, 0.999, 0.0),
+    (1.0, 50, 1.0, 0.0),
+    (0.7, 0, 0.9, 0.0),
+    (1.3, 0, 0.95, 0.0),
+    (1.0, 0, 1.0, 0.05),
+    (1.0, 20, 0.8, 0.1),
+    (0.5, 0, 0.5, 0.0),
+    (1.0, 5000, 1.0, 0.0),
+    (2.0, 0, 0.999, 0.0),
 ]
 
 
 def _logits(rows, sharpness, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, VOCAB, generator=g) * sharpness
-    return x.bfloat16().float()   # bf16 rounding: many exactly tied logits, as in real runs
+    return x.bfloat16().float()  # bf16 rounding: many exactly tied logits, as in real runs
 
 
 def _full_sort(monkeypatch, logits, meta):
     with monkeypatch.context() as m:
-        m.setattr(sampler, "CANDIDATES", VOCAB)   # no candidate path: always the full sort
+        m.setattr(sampler, "CANDIDATES", VOCAB)  # no candidate path: always the full sort
         return Sampler(use_kernel=False)(logits, meta).token_ids
 
 
@@ -70,9 +84,9 @@ def test_both_paths_are_taken(use_kernel, monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
     logits = _logits(2, 1.0, 0)
-    logits[0] *= 8.0                                            # peaked: fits
+    logits[0] *= 8.0  # peaked: fits
     Sampler(use_kernel)(logits, _meta([(1.0, 0, 0.9, 0.0), (2.0, 0, 0.999, 0.0)]))
-    assert calls["full"] == 1                                   # only the flat row sorts
+    assert calls["full"] == 1  # only the flat row sorts
 
 
 @BOTH_PATHS
@@ -132,5 +146,8 @@ def test_sampler_imports_on_its_own():
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-c", "import vserve.workers.sampler"], check=True,
-                   cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    subprocess.run(
+        [sys.executable, "-c", "import vserve.workers.sampler"],
+        check=True,
+        cwd=str(__import__("pathlib").Path(__file__).parents[2]),
+    )

@@ -23,15 +23,32 @@ from vserve import cpu_ops
 from vserve.workers import sampler
 from vserve.workers.sampler import Sampler, SamplingMetadata
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="no C++ compiler: the torch sampler runs instead")
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the torch sampler runs instead",
+)
 
 PARAMS = [  # (temperature, top_k, top_p, min_p)
-    (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.5, 0, 1.0, 0.0), (2.0, 0, 1.0, 0.0),
-    (1.0, 50, 1.0, 0.0), (1.0, 50, 0.9, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 0, 0.95, 0.0),
-    (1.0, 0, 1.0, 0.05), (1.0, 20, 0.8, 0.1), (0.5, 0, 0.5, 0.0), (1.0, 5000, 1.0, 0.0),
-    (2.0, 0, 0.999, 0.0), (1.0, 1, 1.0, 0.0), (0.0, 40, 0.5, 0.0), (1.0, 1024, 1.0, 0.0),
-    (1e-4, 0, 1.0, 0.0), (1e-4, 30, 0.9, 0.0), (1e4, 0, 1.0, 0.0), (100.0, 100, 0.5, 0.02),
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.5, 0, 1.0, 0.0),
+    (2.0, 0, 1.0, 0.0),
+    (1.0, 50, 1.0, 0.0),
+    (1.0, 50, 0.9, 0.0),
+    (0.7, 0, 0.9, 0.0),
+    (1.3, 0, 0.95, 0.0),
+    (1.0, 0, 1.0, 0.05),
+    (1.0, 20, 0.8, 0.1),
+    (0.5, 0, 0.5, 0.0),
+    (1.0, 5000, 1.0, 0.0),
+    (2.0, 0, 0.999, 0.0),
+    (1.0, 1, 1.0, 0.0),
+    (0.0, 40, 0.5, 0.0),
+    (1.0, 1024, 1.0, 0.0),
+    (1e-4, 0, 1.0, 0.0),
+    (1e-4, 30, 0.9, 0.0),
+    (1e4, 0, 1.0, 0.0),
+    (100.0, 100, 0.5, 0.02),
 ]
 
 
@@ -45,18 +62,27 @@ def kernel():
 def meta_for(params, seed=0, position=0, **extra) -> SamplingMetadata:
     n = len(params)
     fields = dict(
-        temperature=[p[0] for p in params], top_k=[p[1] for p in params],
-        top_p=[p[2] for p in params], min_p=[p[3] for p in params],
-        seeds=[seed * 1000 + i for i in range(n)], positions=[position + 5 * i for i in range(n)],
-        num_logprobs=[None] * n, logit_bias=[None] * n, masked_ids=[None] * n,
-        presence=[0.0] * n, frequency=[0.0] * n, repetition=[1.0] * n)
+        temperature=[p[0] for p in params],
+        top_k=[p[1] for p in params],
+        top_p=[p[2] for p in params],
+        min_p=[p[3] for p in params],
+        seeds=[seed * 1000 + i for i in range(n)],
+        positions=[position + 5 * i for i in range(n)],
+        num_logprobs=[None] * n,
+        logit_bias=[None] * n,
+        masked_ids=[None] * n,
+        presence=[0.0] * n,
+        frequency=[0.0] * n,
+        repetition=[1.0] * n,
+    )
     fields.update(extra)
     return SamplingMetadata(**fields)
 
 
 def both(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    return Sampler(use_kernel=True)(logits, meta).token_ids, \
-        Sampler(use_kernel=False)(logits, meta).token_ids
+    return Sampler(use_kernel=True)(logits, meta).token_ids, Sampler(use_kernel=False)(
+        logits, meta
+    ).token_ids
 
 
 def random_logits(rows: int, vocab: int, scale: float, seed: int, dtype) -> torch.Tensor:
@@ -65,11 +91,15 @@ def random_logits(rows: int, vocab: int, scale: float, seed: int, dtype) -> torc
 
 
 def test_exp_is_within_two_ulp(kernel):
-    x = torch.cat([-torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * 87,
-                   torch.tensor([0.0, -1e-30, -1e-7, -0.5, -87.3])])
+    x = torch.cat(
+        [
+            -torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * 87,
+            torch.tensor([0.0, -1e-30, -1e-7, -0.5, -87.3]),
+        ]
+    )
     out = kernel.exp_for_test(x).double()
     ref = x.double().exp()
-    assert ((out - ref).abs() / ref).max().item() < 2 * 2 ** -24
+    assert ((out - ref).abs() / ref).max().item() < 2 * 2**-24
     assert kernel.exp_for_test(torch.tensor([-float("inf"), -88.0, -1e4])).eq(0).all()
 
 
@@ -89,8 +119,13 @@ def test_many_draws_of_one_row_agree(kernel, dtype):
     """One row sampled at 400 positions per parameter set: the CDF walk and the candidate path
     agree with the oracle draw after draw, not only on a few."""
     row = random_logits(1, 20_000, 3.0, 42, dtype)
-    for params in [(1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.0, 50, 0.9, 0.0),
-                   (1.5, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1)]:
+    for params in [
+        (1.0, 0, 1.0, 0.0),
+        (0.6, 0, 1.0, 0.0),
+        (1.0, 50, 0.9, 0.0),
+        (1.5, 0, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.1),
+    ]:
         n = 400
         meta = meta_for([params] * n, seed=3, seeds=[99] * n, positions=list(range(n)))
         new, old = both(row.expand(n, -1).contiguous(), meta)
@@ -102,7 +137,7 @@ def test_ties_follow_the_lower_id_first_order(kernel, dtype):
     """Quantised logits (many exact ties, also at the top-k boundary) and an all-equal row."""
     logits = (random_logits(len(PARAMS), 8192, 2.0, 5, torch.float32) * 2).round() / 2
     logits[3] = 0.0
-    logits[4] = 0.0                   # top_k=50 over an all-equal row: ids 0..49
+    logits[4] = 0.0  # top_k=50 over an all-equal row: ids 0..49
     logits = logits.to(dtype)
     for position in range(5):
         new, old = both(logits, meta_for(PARAMS, 7, position))
@@ -119,7 +154,7 @@ def test_minus_infinity_entries(kernel, dtype):
     g = torch.Generator().manual_seed(1)
     logits[torch.rand(rows, vocab, generator=g) < 0.4] = float("-inf")
     one = torch.randint(vocab, (rows,), generator=g)
-    logits[::2] = float("-inf")       # every other row: a single finite logit
+    logits[::2] = float("-inf")  # every other row: a single finite logit
     logits[torch.arange(0, rows, 2), one[::2]] = 1.5
     logits = logits.to(dtype)
     for position in range(4):
@@ -129,9 +164,12 @@ def test_minus_infinity_entries(kernel, dtype):
         assert torch.isfinite(logits.float().gather(1, new.unsqueeze(1))).all()
     grammar = torch.rand(rows, vocab, generator=g) < 0.02
     grammar[:, 7] = True
-    extra = dict(logit_bias=[{5: -100.0, 9: 30.0} if i % 3 == 0 else None for i in range(rows)],
-                 masked_ids=[[9, 11] if i % 3 == 0 else None for i in range(rows)],
-                 grammar_rows=list(range(1, rows, 2)), grammar_mask=grammar[1::2])
+    extra = dict(
+        logit_bias=[{5: -100.0, 9: 30.0} if i % 3 == 0 else None for i in range(rows)],
+        masked_ids=[[9, 11] if i % 3 == 0 else None for i in range(rows)],
+        grammar_rows=list(range(1, rows, 2)),
+        grammar_mask=grammar[1::2],
+    )
     logits = random_logits(rows, vocab, 3.0, 12, dtype)
     for position in range(4):
         meta = meta_for(PARAMS, 4, position, **extra)
@@ -149,7 +187,7 @@ def test_huge_temperature_with_top_k_picks_among_the_k_largest_logits(kernel, dt
     picked = Sampler(use_kernel=True)(logits.expand(n, -1).contiguous(), meta).token_ids
     order = logits[0].float().argsort(descending=True, stable=True)
     assert set(picked.tolist()) <= set(order[:100].tolist())
-    assert len(set(picked.tolist())) > 90          # nearly uniform over the 100 at T = 1e4
+    assert len(set(picked.tolist())) > 90  # nearly uniform over the 100 at T = 1e4
 
 
 def test_candidates_when_the_estimated_threshold_is_too_high(kernel):
@@ -164,8 +202,7 @@ def test_candidates_when_the_estimated_threshold_is_too_high(kernel):
         assert torch.equal(new, old)
 
 
-def test_rows_whose_kept_tokens_exceed_the_candidates_take_the_torch_path(kernel,
-                                                                         monkeypatch):
+def test_rows_whose_kept_tokens_exceed_the_candidates_take_the_torch_path(kernel, monkeypatch):
     """Flat rows under top-p 0.999 keep more tokens than the candidates hold: they fall back
     to the torch sampler's path, peaked rows do not, and both agree with the oracle."""
     monkeypatch.setattr(sampler, "CANDIDATES", 256)
@@ -183,18 +220,19 @@ def test_rows_whose_kept_tokens_exceed_the_candidates_take_the_torch_path(kernel
     expected = Sampler(use_kernel=False)(logits, meta).token_ids
     monkeypatch.setattr(sampler, "_sample_filtered", counting)
     assert torch.equal(Sampler(use_kernel=True)(logits, meta).token_ids, expected)
-    assert calls == [2]               # rows 1 and 3, once, together
+    assert calls == [2]  # rows 1 and 3, once, together
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
 def test_logprobs_come_from_the_raw_logits_of_the_rows_that_ask(kernel, use_kernel):
-    logits = random_logits(4, 3000, 2.0, 8, torch.float32)   # fp32: no ties among the top
+    logits = random_logits(4, 3000, 2.0, 8, torch.float32)  # fp32: no ties among the top
     params = [(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 40, 0.9, 0.0), (0.5, 0, 1.0, 0.0)]
-    meta = meta_for(params, 1, 3, num_logprobs=[2, None, 0, 5],
-                    logit_bias=[{3: 50.0}, None, None, None])
+    meta = meta_for(
+        params, 1, 3, num_logprobs=[2, None, 0, 5], logit_bias=[{3: 50.0}, None, None, None]
+    )
     out = Sampler(use_kernel)(logits, meta)
-    assert out.token_ids[0].item() == 3           # the bias decides the pick ...
-    ref = logits.log_softmax(dim=-1)              # ... not the logprobs
+    assert out.token_ids[0].item() == 3  # the bias decides the pick ...
+    ref = logits.log_softmax(dim=-1)  # ... not the logprobs
     assert out.logprobs[1] is None
     for i in (0, 2, 3):
         delta = out.logprobs[i]
@@ -219,8 +257,10 @@ def test_kernel_logprobs_equal_the_torch_ones_on_bf16(kernel):
     torch.testing.assert_close(top_lp, ref.topk(20).values)
     torch.testing.assert_close(top_lp, ref.gather(1, top_ids))
     raw = logits.float().gather(1, top_ids)
-    assert ((raw[:, :-1] > raw[:, 1:]) | ((raw[:, :-1] == raw[:, 1:])
-                                          & (top_ids[:, :-1] < top_ids[:, 1:]))).all()
+    assert (
+        (raw[:, :-1] > raw[:, 1:])
+        | ((raw[:, :-1] == raw[:, 1:]) & (top_ids[:, :-1] < top_ids[:, 1:]))
+    ).all()
 
 
 def test_without_the_kernel_the_torch_path_samples(monkeypatch, caplog):
@@ -228,8 +268,7 @@ def test_without_the_kernel_the_torch_path_samples(monkeypatch, caplog):
     meta = meta_for(PARAMS, 5, 2)
     expected = Sampler(use_kernel=False)(logits, meta).token_ids
     monkeypatch.setattr(cpu_ops, "_state", {})
-    monkeypatch.setattr(cpu_ops, "_compile",
-                        lambda *a: (_ for _ in ()).throw(OSError("no cc")))
+    monkeypatch.setattr(cpu_ops, "_compile", lambda *a: (_ for _ in ()).throw(OSError("no cc")))
     assert Sampler().kernel(logits) is None
     assert "no cc" in caplog.text
     assert torch.equal(Sampler()(logits, meta).token_ids, expected)
@@ -248,18 +287,30 @@ def test_engine_samples_the_same_tokens_on_both_paths(kernel, dtype, tiny_model_
 
     llm = make_llm(tiny_model_dir("gemma3"), dtype=dtype, max_model_len=128)
     sampler_ = llm.engine.client.core.executor.worker.runner.step_sampler.sampler
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=10 + i,
-                             max_tokens=24, ignore_eos=True, logprobs=1 if i % 2 else None,
-                             logit_bias={7: 2.0} if i == 3 else None, min_tokens=4)
-              for i, (t, k, p, m) in enumerate(PARAMS[:12])]
+    params = [
+        SamplingParams(
+            temperature=t,
+            top_k=k,
+            top_p=p,
+            min_p=m,
+            seed=10 + i,
+            max_tokens=24,
+            ignore_eos=True,
+            logprobs=1 if i % 2 else None,
+            logit_bias={7: 2.0} if i == 3 else None,
+            min_tokens=4,
+        )
+        for i, (t, k, p, m) in enumerate(PARAMS[:12])
+    ]
     prompts = [{"prompt_token_ids": [5 + i, 17, 99, 3 * i + 1]} for i in range(len(params))]
     try:
         outs = {}
         for use in (True, False):
             sampler_.use_kernel = use
-            outs[use] = [o.outputs[0].token_ids
-                         for o in llm.generate(prompts, params, use_tqdm=False)]
+            outs[use] = [
+                o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
     finally:
         llm.shutdown()
     assert outs[True] == outs[False]
-    assert len({tuple(o) for o in outs[True]}) > 6     # the rows did sample differently
+    assert len({tuple(o) for o in outs[True]}) > 6  # the rows did sample differently

@@ -21,8 +21,13 @@ CPU = torch.device("cpu")
 
 
 def test_upload_equals_torch_tensor():
-    for values, dtype in (([3, 1, 4], None), ([0.5, 2.0], None), ([1, 2], torch.float32),
-                          ([0.25], torch.float64), ([], torch.long)):
+    for values, dtype in (
+        ([3, 1, 4], None),
+        ([0.5, 2.0], None),
+        ([1, 2], torch.float32),
+        ([0.25], torch.float64),
+        ([], torch.long),
+    ):
         want = torch.tensor(values, dtype=dtype)
         got = upload(values, CPU, dtype)
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -31,10 +36,20 @@ def test_upload_equals_torch_tensor():
 
 
 def _meta(n, **fields):
-    base = dict(temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
-                seeds=list(range(n)), positions=[5] * n, num_logprobs=[None] * n,
-                logit_bias=[None] * n, masked_ids=[None] * n, presence=[0.0] * n,
-                frequency=[0.0] * n, repetition=[1.0] * n)
+    base = dict(
+        temperature=[0.0] * n,
+        top_k=[0] * n,
+        top_p=[1.0] * n,
+        min_p=[0.0] * n,
+        seeds=list(range(n)),
+        positions=[5] * n,
+        num_logprobs=[None] * n,
+        logit_bias=[None] * n,
+        masked_ids=[None] * n,
+        presence=[0.0] * n,
+        frequency=[0.0] * n,
+        repetition=[1.0] * n,
+    )
     return SamplingMetadata(**{**base, **fields})
 
 
@@ -53,8 +68,9 @@ def _former_process(logits, meta):
             continue
         out_ids = torch.tensor(meta.output_ids[i], dtype=torch.long)
         if rep != 1.0:
-            seen = torch.tensor(sorted(set(meta.prompt_ids[i]) | set(meta.output_ids[i])),
-                                dtype=torch.long)
+            seen = torch.tensor(
+                sorted(set(meta.prompt_ids[i]) | set(meta.output_ids[i])), dtype=torch.long
+            )
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / rep, vals * rep)
         if pres != 0.0 or freq != 0.0:
@@ -70,11 +86,15 @@ def _mixed_meta(pending: bool):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 12, 5, 9, 3)]
     outputs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 6, 8, 5, 2)]
-    outputs[2] += outputs[2][:3]   # repeated ids: frequency counts above one
-    meta = _meta(5, repetition=[1.0, 1.3, 1.0, 0.8, 1.0], presence=[0.0, 0.0, 0.7, -0.4, 0.0],
-                 frequency=[0.0, 0.0, 0.3, 0.9, 0.0],
-                 logit_bias=[{3: 5.0}, None, None, {7: -2.5, 9: 1}, None],
-                 masked_ids=[None, [1], None, [1, 2], None])
+    outputs[2] += outputs[2][:3]  # repeated ids: frequency counts above one
+    meta = _meta(
+        5,
+        repetition=[1.0, 1.3, 1.0, 0.8, 1.0],
+        presence=[0.0, 0.0, 0.7, -0.4, 0.0],
+        frequency=[0.0, 0.0, 0.3, 0.9, 0.0],
+        logit_bias=[{3: 5.0}, None, None, {7: -2.5, 9: 1}, None],
+        masked_ids=[None, [1], None, [1, 2], None],
+    )
     meta.prompt_ids = prompts
     if not pending:
         meta.output_ids = outputs
@@ -97,8 +117,13 @@ def test_full_sort_where_host_reads_are_not_free(monkeypatch):
     picks the tokens the candidate path picks."""
     monkeypatch.setattr(sampler, "CANDIDATES", 64)
     params = [(1.0, 20, 0.9, 0.0), (0.7, 0, 0.95, 0.0), (2.0, 0, 0.999, 0.0), (1.0, 0, 1.0, 0.1)]
-    meta = _meta(4, temperature=[p[0] for p in params], top_k=[p[1] for p in params],
-                 top_p=[p[2] for p in params], min_p=[p[3] for p in params])
+    meta = _meta(
+        4,
+        temperature=[p[0] for p in params],
+        top_k=[p[1] for p in params],
+        top_p=[p[2] for p in params],
+        min_p=[p[3] for p in params],
+    )
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)) * 3
     want = Sampler(use_kernel=False)(logits, meta).token_ids
     monkeypatch.setattr(sampler, "host_reads_are_free", lambda device: False)
@@ -127,10 +152,10 @@ def _batch_with_pending(params: SamplingParams):
     batch.add(NewRequestData("r", 0, prompt + [9, 10], 4, params, 1, [1], ([0, 1],), 0))
     row = batch.row_of["r"]
     queue = FeedbackQueue(1)
-    batch.append_placeholder(row)            # step k sampled an id the host does not have
+    batch.append_placeholder(row)  # step k sampled an id the host does not have
     fb = queue.push(1, batch, [row], ["r"], torch.tensor([11]))
     fb.host = _NoWait()
-    batch.append_placeholder(row)            # step k + 1 samples now
+    batch.append_placeholder(row)  # step k + 1 samples now
     return batch, queue, row
 
 
@@ -168,19 +193,37 @@ def test_penalties_and_logprobs_equal_under_sync_and_async(tiny_model_dir, monke
         return found, ids
 
     monkeypatch.setattr(FeedbackQueue, "device_ids_at", counting)
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2,
-                             repetition_penalty=1.5, presence_penalty=1.0,
-                             frequency_penalty=0.5),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True,
-                             frequency_penalty=1.0, logit_bias={5: 2.0}, min_tokens=8),
-              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)]
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=16,
+            ignore_eos=True,
+            logprobs=2,
+            repetition_penalty=1.5,
+            presence_penalty=1.0,
+            frequency_penalty=0.5,
+        ),
+        SamplingParams(
+            temperature=0.8,
+            seed=3,
+            max_tokens=16,
+            ignore_eos=True,
+            frequency_penalty=1.0,
+            logit_bias={5: 2.0},
+            min_tokens=8,
+        ),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0),
+    ]
     outs = {}
     for async_on in (False, True):
         llm = make_llm(tiny_model_dir("llama"), async_scheduling=async_on, max_model_len=128)
-        outs[async_on] = [(o.outputs[0].token_ids,
-                           [{t: lp.logprob for t, lp in e.items()}
-                            for e in (o.outputs[0].logprobs or [])])
-                          for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
-    assert sum(gathered) > 0   # the penalised rows read ids still on the device
+        outs[async_on] = [
+            (
+                o.outputs[0].token_ids,
+                [{t: lp.logprob for t, lp in e.items()} for e in (o.outputs[0].logprobs or [])],
+            )
+            for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        ]
+    assert sum(gathered) > 0  # the penalised rows read ids still on the device
     assert outs[True] == outs[False]
     assert len(outs[True][0][1]) == 16 and len(outs[True][2][1]) == 16

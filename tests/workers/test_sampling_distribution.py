@@ -19,24 +19,34 @@ from vserve.workers.sampler import Sampler, SamplingMetadata
 
 VOCAB = 120
 DRAWS = 4000
-Z_999 = 3.0902   # standard normal quantile at 0.999
+Z_999 = 3.0902  # standard normal quantile at 0.999
 
 
 def _row() -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
-    return torch.randn(VOCAB, generator=g) * 1.5   # a spread of likely and unlikely tokens
+    return torch.randn(VOCAB, generator=g) * 1.5  # a spread of likely and unlikely tokens
 
 
 def _meta(n: int, temperature: float, top_k=0, top_p=1.0, min_p=0.0, seed=7) -> SamplingMetadata:
     return SamplingMetadata(
-        temperature=[temperature] * n, top_k=[top_k] * n, top_p=[top_p] * n, min_p=[min_p] * n,
-        seeds=[seed] * n, positions=list(range(n)), num_logprobs=[None] * n,
-        logit_bias=[None] * n, masked_ids=[None] * n, presence=[0.0] * n, frequency=[0.0] * n,
-        repetition=[1.0] * n)
+        temperature=[temperature] * n,
+        top_k=[top_k] * n,
+        top_p=[top_p] * n,
+        min_p=[min_p] * n,
+        seeds=[seed] * n,
+        positions=list(range(n)),
+        num_logprobs=[None] * n,
+        logit_bias=[None] * n,
+        masked_ids=[None] * n,
+        presence=[0.0] * n,
+        frequency=[0.0] * n,
+        repetition=[1.0] * n,
+    )
 
 
-def reference_probs(row: torch.Tensor, temperature: float, top_k=0, top_p=1.0,
-                    min_p=0.0) -> torch.Tensor:
+def reference_probs(
+    row: torch.Tensor, temperature: float, top_k=0, top_p=1.0, min_p=0.0
+) -> torch.Tensor:
     """The distribution the parameters define, in float64 (vLLM's and the OpenAI API's rules:
     top-k most likely; the smallest prefix by probability with mass >= top_p; tokens with
     probability >= min_p x the largest), renormalised."""
@@ -53,8 +63,9 @@ def reference_probs(row: torch.Tensor, temperature: float, top_k=0, top_p=1.0,
     return out / out.sum()
 
 
-def draw(row: torch.Tensor, use_kernel: bool, dtype=torch.float32, seed=7,
-         **params) -> torch.Tensor:
+def draw(
+    row: torch.Tensor, use_kernel: bool, dtype=torch.float32, seed=7, **params
+) -> torch.Tensor:
     logits = row.to(dtype).unsqueeze(0).expand(DRAWS, -1).contiguous()
     return Sampler(use_kernel)(logits, _meta(DRAWS, seed=seed, **params)).token_ids
 
@@ -68,7 +79,7 @@ def chi_square_ok(tokens: torch.Tensor, probs: torch.Tensor) -> bool:
     expected = probs * len(tokens)
     order = expected.argsort(descending=True)
     bins_obs, bins_exp, acc_obs, acc_exp = [], [], 0.0, 0.0
-    for i in order.tolist():   # merge the smallest expectations until each bin has >= 5
+    for i in order.tolist():  # merge the smallest expectations until each bin has >= 5
         if expected[i] == 0:
             continue
         acc_obs += counts[i].item()
@@ -90,10 +101,15 @@ def chi_square_ok(tokens: torch.Tensor, probs: torch.Tensor) -> bool:
 
 
 CASES = [
-    dict(temperature=0.5), dict(temperature=1.0), dict(temperature=2.0),
-    dict(temperature=1.0, top_k=10), dict(temperature=2.0, top_k=25),
-    dict(temperature=1.0, top_p=0.7), dict(temperature=0.5, top_p=0.9),
-    dict(temperature=1.0, min_p=0.1), dict(temperature=2.0, min_p=0.05),
+    dict(temperature=0.5),
+    dict(temperature=1.0),
+    dict(temperature=2.0),
+    dict(temperature=1.0, top_k=10),
+    dict(temperature=2.0, top_k=25),
+    dict(temperature=1.0, top_p=0.7),
+    dict(temperature=0.5, top_p=0.9),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=2.0, min_p=0.05),
     dict(temperature=1.5, top_k=30, top_p=0.8, min_p=0.02),
 ]
 
@@ -102,7 +118,7 @@ CASES = [
 @pytest.mark.parametrize("params", CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
 def test_sampled_tokens_follow_the_distribution(params, use_kernel):
     row = _row()
-    tokens = draw(row, use_kernel, seed=CASES.index(params), **params)   # its own uniforms
+    tokens = draw(row, use_kernel, seed=CASES.index(params), **params)  # its own uniforms
     assert chi_square_ok(tokens, reference_probs(row, **params))
 
 
@@ -116,12 +132,13 @@ def test_bf16_logits_follow_the_distribution_of_their_values(use_kernel):
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_the_check_catches_a_sampler_that_ignores_temperature(temperature):
     row = _row()
-    ignoring = draw(row, True, temperature=1.0)   # what a sampler ignoring T would draw
+    ignoring = draw(row, True, temperature=1.0)  # what a sampler ignoring T would draw
     assert not chi_square_ok(ignoring, reference_probs(row, temperature))
 
 
-@pytest.mark.parametrize("params", [dict(top_k=10), dict(top_p=0.7), dict(min_p=0.1)],
-                         ids=["top_k", "top_p", "min_p"])
+@pytest.mark.parametrize(
+    "params", [dict(top_k=10), dict(top_p=0.7), dict(min_p=0.1)], ids=["top_k", "top_p", "min_p"]
+)
 def test_the_check_catches_a_sampler_that_ignores_a_filter(params):
     row = _row()
     ignoring = draw(row, True, temperature=1.0)

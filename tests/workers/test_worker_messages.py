@@ -23,18 +23,37 @@ from vserve.workers import messages as wire
 
 
 def _so(bitmask=None) -> SchedulerOutput:
-    sp = SamplingParams(temperature=0.7, top_k=5, seed=3, stop=["x"], logit_bias={4: 1.5},
-                        structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    sp = SamplingParams(
+        temperature=0.7,
+        top_k=5,
+        seed=3,
+        stop=["x"],
+        logit_bias={4: 1.5},
+        structured_outputs=StructuredOutputsParams(regex="[ab]+"),
+    )
     new = NewRequestData("a", 2, [1, 2, 3], 2, sp, 7, [0], ([4, 5],), 1)
-    return SchedulerOutput(9, [new], CachedRequestData(["b"], [([6],)], [8]), {"a": 2, "b": 1}, 3,
-                           {"a": 2, "b": 0}, {"a", "b"}, {"c"}, {"d"}, {"b": [5, 6]}, ["a"],
-                           True, bitmask)
+    return SchedulerOutput(
+        9,
+        [new],
+        CachedRequestData(["b"], [([6],)], [8]),
+        {"a": 2, "b": 1},
+        3,
+        {"a": 2, "b": 0},
+        {"a", "b"},
+        {"c"},
+        {"d"},
+        {"b": [5, 6]},
+        ["a"],
+        True,
+        bitmask,
+    )
 
 
 def _same_so(a: SchedulerOutput, b: SchedulerOutput) -> bool:
     ma, mb = a.grammar_bitmask, b.grammar_bitmask
     same_mask = (ma is None and mb is None) or (
-        isinstance(mb, np.ndarray) and mb.dtype == np.int32 and np.array_equal(ma, mb))
+        isinstance(mb, np.ndarray) and mb.dtype == np.int32 and np.array_equal(ma, mb)
+    )
     a.grammar_bitmask = b.grammar_bitmask = None
     try:
         return same_mask and a == b
@@ -55,9 +74,17 @@ def test_execute_round_trips(bitmask):
         assert got.so.sampling_req_ids == {"a", "b"}
 
 
-@pytest.mark.parametrize("msg", [
-    wire.Sample(4, None), wire.Place({0: (2, (0, 1)), 1: (1, ())}), wire.Load(),
-    wire.NumKvBlocks(), wire.InitKvCache(123), wire.Shutdown()])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        wire.Sample(4, None),
+        wire.Place({0: (2, (0, 1)), 1: (1, ())}),
+        wire.Load(),
+        wire.NumKvBlocks(),
+        wire.InitKvCache(123),
+        wire.Shutdown(),
+    ],
+)
 def test_control_requests_round_trip(msg):
     assert wire.decode_request(wire.encode(msg)) == msg
 
@@ -66,18 +93,34 @@ def test_sample_bitmask_round_trips_as_int32_array():
     got = wire.decode_request(wire.encode(wire.Sample(4, BITMASK)))
     assert got.step_id == 4 and got.grammar_bitmask.dtype == np.int32
     assert np.array_equal(got.grammar_bitmask, BITMASK)
-    got.grammar_bitmask[0, 0] = 3     # writable, as torch.as_tensor wants
+    got.grammar_bitmask[0, 0] = 3  # writable, as torch.as_tensor wants
     empty = wire.decode_request(wire.encode(wire.Sample(5, np.zeros((0, 4), np.int32))))
     assert empty.grammar_bitmask.shape == (0, 4)
 
 
-@pytest.mark.parametrize("msg", [
-    wire.Out(RunnerOutput(3, ["a", "b"], [[1, 2], [7]],
-                          [LogprobsDelta([[1, 4]], [[-0.5, -1.0]], [1]), None],
-                          StepTiming(1.0, 2.0, 3.0, 4.0, [(1.0, 2.0), (2.5, 3.0)]))),
-    wire.Out(RunnerOutput(4, prompt_logprobs={"a": (1, LogprobsDelta([[5, 6]], [[-2.0, -0.1]],
-                                                                      [2]))})),
-    wire.Out(RunnerOutput(4)), wire.Ok(None), wire.Ok(77), wire.Error("rank 1: boom")])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        wire.Out(
+            RunnerOutput(
+                3,
+                ["a", "b"],
+                [[1, 2], [7]],
+                [LogprobsDelta([[1, 4]], [[-0.5, -1.0]], [1]), None],
+                StepTiming(1.0, 2.0, 3.0, 4.0, [(1.0, 2.0), (2.5, 3.0)]),
+            )
+        ),
+        wire.Out(
+            RunnerOutput(
+                4, prompt_logprobs={"a": (1, LogprobsDelta([[5, 6]], [[-2.0, -0.1]], [2]))}
+            )
+        ),
+        wire.Out(RunnerOutput(4)),
+        wire.Ok(None),
+        wire.Ok(77),
+        wire.Error("rank 1: boom"),
+    ],
+)
 def test_replies_round_trip(msg):
     assert wire.decode_reply(wire.encode(msg)) == msg
 
@@ -124,7 +167,7 @@ def test_forged_payloads_raise_and_run_nothing(tmp_path):
 def test_engine_turns_a_forged_reply_into_a_worker_error(tmp_path):
     """The engine core's reply path (what the last rank, possibly on another host, sends
     through rank 0): a pickle that would run a command is a WorkerError, and runs nothing."""
-    ex = object.__new__(MultiprocExecutor)   # the reply path only: no worker processes
+    ex = object.__new__(MultiprocExecutor)  # the reply path only: no worker processes
     ex.procs, ex.replies, ex.watchdog_timeout = [], {}, 0.0
     ex._sent_at, ex._last_reply_at, ex._closing = {}, 0.0, False
     ex.resp_r, resp_w = mp.Pipe(duplex=False)

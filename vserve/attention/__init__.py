@@ -18,6 +18,7 @@ def __getattr__(name: str):
         return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 _REGISTRY = {
     "torch": ("vserve.attention.torch_backend", "TorchAttentionBackend"),
     "triton": ("vserve.attention.triton_backend", "TritonAttentionBackend"),
@@ -34,11 +35,17 @@ def default_backend(device_type: str) -> str:
 
 def get_attention_backend(name: str, block_size: int):
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of "
-                         f"{available_backends()}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {available_backends()}"
+        )
     module, cls = _REGISTRY[name]
     return getattr(importlib.import_module(module), cls)(block_size)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend",
-           "available_backends", "default_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "get_attention_backend",
+    "available_backends",
+    "default_backend",
+]

@@ -16,19 +16,19 @@ import torch
 @dataclass
 class AttentionMetadata:
     num_tokens: int
-    positions: torch.Tensor          # [num_tokens] int64
-    slot_mapping: torch.Tensor       # [num_tokens] int64, flat slot of each token's K/V
-    query_start_loc: torch.Tensor    # [num_reqs + 1] int32
-    seq_lens: torch.Tensor           # [num_reqs] int32, context length after this step
-    block_tables: torch.Tensor       # [num_reqs, max_blocks_per_req] int32
-    query_start_loc_cpu: list[int]   # host copies, for per-request loops
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each token's K/V
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length after this step
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc_cpu: list[int]  # host copies, for per-request loops
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    backend_data: Any = None         # built by the backend's `prepare`
+    backend_data: Any = None  # built by the backend's `prepare`
     # the sliding-window layers' own KV group (None: every layer uses the tables above)
-    local_slot_mapping: torch.Tensor | None = None   # [num_tokens] int64
-    local_block_tables: torch.Tensor | None = None   # [num_reqs, max_blocks_per_req] int32
+    local_slot_mapping: torch.Tensor | None = None  # [num_tokens] int64
+    local_block_tables: torch.Tensor | None = None  # [num_reqs, max_blocks_per_req] int32
 
     @property
     def num_reqs(self) -> int:
@@ -47,7 +47,7 @@ class AttentionLayerSpec:
     num_kv_heads: int
     head_dim: int
     scale: float
-    sliding_window: int | None = None   # keys with q_pos - k_pos < window are visible
+    sliding_window: int | None = None  # keys with q_pos - k_pos < window are visible
     logit_softcap: float | None = None
 
 
@@ -60,17 +60,18 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         spec: AttentionLayerSpec,
-        query: torch.Tensor,      # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,      # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,   # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:            # [num_tokens, num_heads * head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         ...
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Torch reference of the KV write: scatter each token's K/V into its slot."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)

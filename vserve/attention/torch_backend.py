@@ -30,15 +30,15 @@ from vserve.attention.base import AttentionLayerSpec, AttentionMetadata, write_k
 
 @dataclass
 class _Group:
-    kind: str                          # "decode" | "direct" | "context"
-    token_idx: torch.Tensor | None     # [B * Q] query tokens of the group, row-major
-    num_rows: int                      #   (None: the whole step, in order)
+    kind: str  # "decode" | "direct" | "context"
+    token_idx: torch.Tensor | None  # [B * Q] query tokens of the group, row-major
+    num_rows: int  #   (None: the whole step, in order)
     q_len: int
-    blocks: torch.Tensor | None        # [B, num_blocks] block ids to gather (None: direct)
+    blocks: torch.Tensor | None  # [B, num_blocks] block ids to gather (None: direct)
     local_blocks: torch.Tensor | None  # the same in the sliding-window KV group (or None)
     # per window: [B|1, 1, Q, L]; True = visible, except decode groups: True = hidden
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    seq_lens: torch.Tensor | None = None   # decode groups: [B] int64 context lengths
+    seq_lens: torch.Tensor | None = None  # decode groups: [B] int64 context lengths
 
 
 class TorchAttentionBackend:
@@ -46,11 +46,11 @@ class TorchAttentionBackend:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.kernel = None   # vserve.cpu_ops module for bf16 CPU models
+        self.kernel = None  # vserve.cpu_ops module for bf16 CPU models
 
     # -- per step ------------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata, windows: set[int | None]) -> list[_Group]:
-        if meta.max_query_len == 1:   # decode only: one group, every row in order
+        if meta.max_query_len == 1:  # decode only: one group, every row in order
             return [self._decode_group(meta, None, windows)]
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         q_lens = [qsl[i + 1] - qsl[i] for i in range(meta.num_reqs)]
@@ -67,7 +67,7 @@ class TorchAttentionBackend:
         for n, rows in direct.items():
             groups.append(self._direct_group(meta, rows, n, windows))
         if len(groups) == 1 and groups[0].num_rows == meta.num_reqs:
-            groups[0].token_idx = None   # one group holds every token in order: no gathers
+            groups[0].token_idx = None  # one group holds every token in order: no gathers
         return groups
 
     def _num_blocks(self, length: int) -> int:
@@ -84,14 +84,24 @@ class TorchAttentionBackend:
             nb = self._num_blocks(max(meta.seq_lens_cpu[i] for i in rows))
         seq_lens = meta.seq_lens[rows_t].long()
         masks = {}
-        if self.kernel is None:   # the kernel masks by position itself
+        if self.kernel is None:  # the kernel masks by position itself
             j = torch.arange(nb * self.block_size, device=device)
-            masks = {w: ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, j, w)   # [B, 1, 1, L]
-                     for w in windows}
+            masks = {
+                w: ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, j, w)  # [B, 1, 1, L]
+                for w in windows
+            }
         token_idx = None if rows is None else meta.query_start_loc[:-1][rows_t].long()
         local = meta.local_block_tables
-        return _Group("decode", token_idx, num_rows, 1, meta.block_tables[rows_t, :nb].long(),
-                      None if local is None else local[rows_t, :nb].long(), masks, seq_lens)
+        return _Group(
+            "decode",
+            token_idx,
+            num_rows,
+            1,
+            meta.block_tables[rows_t, :nb].long(),
+            None if local is None else local[rows_t, :nb].long(),
+            masks,
+            seq_lens,
+        )
 
     def _direct_group(self, meta, rows, q_len, windows) -> _Group:
         device = meta.block_tables.device
@@ -99,8 +109,12 @@ class TorchAttentionBackend:
         token_idx = (starts.unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
         pos = torch.arange(q_len, device=device).view(1, 1, -1, 1)
         # a window at least as long as the prompt is plain causal: no mask tensor needed
-        masks = {w: None if w is None or w >= q_len else
-                 _visible(pos, torch.arange(q_len, device=device), w) for w in windows}
+        masks = {
+            w: None
+            if w is None or w >= q_len
+            else _visible(pos, torch.arange(q_len, device=device), w)
+            for w in windows
+        }
         return _Group("direct", token_idx, len(rows), q_len, None, None, masks)
 
     def _context_group(self, meta, row, q_len, windows) -> _Group:
@@ -112,44 +126,61 @@ class TorchAttentionBackend:
         masks = {w: _visible(pos, j, w) for w in windows}
         token_idx = torch.arange(start, start + q_len, device=device)
         local = meta.local_block_tables
-        return _Group("context", token_idx, 1, q_len,
-                      meta.block_tables[row, :nb].long().unsqueeze(0),
-                      None if local is None else local[row, :nb].long().unsqueeze(0), masks)
+        return _Group(
+            "context",
+            token_idx,
+            1,
+            q_len,
+            meta.block_tables[row, :nb].long().unsqueeze(0),
+            None if local is None else local[row, :nb].long().unsqueeze(0),
+            masks,
+        )
 
     # -- per layer -----------------------------------------------------------------------------
-    def forward(self, spec: AttentionLayerSpec, query, key, value, kv_cache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, spec: AttentionLayerSpec, query, key, value, kv_cache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.kv_tables(spec.sliding_window)[0])
         groups = meta.backend_data
         if groups[0].token_idx is None:
             return self._group(groups[0], spec, query, key, value, kv_cache).reshape(
-                query.shape[0], -1)
+                query.shape[0], -1
+            )
         out = torch.empty_like(query)
         for g in groups:
-            out[g.token_idx] = self._group(g, spec, query[g.token_idx], key[g.token_idx],
-                                           value[g.token_idx], kv_cache)
+            out[g.token_idx] = self._group(
+                g, spec, query[g.token_idx], key[g.token_idx], value[g.token_idx], kv_cache
+            )
         return out.view(query.shape[0], -1)
 
     def _group(self, g: _Group, spec, query, key, value, kv_cache) -> torch.Tensor:
         """Attention for one group's query rows [B * Q, H, D] -> [B * Q, H, D]."""
-        blocks = g.blocks if spec.sliding_window is None or g.local_blocks is None else \
-            g.local_blocks
+        blocks = (
+            g.blocks if spec.sliding_window is None or g.local_blocks is None else g.local_blocks
+        )
         if g.kind == "decode" and self.kernel is not None:
             return self.kernel.decode_attention(
-                query.contiguous(), kv_cache[0], kv_cache[1], blocks, g.seq_lens,
-                spec.sliding_window or -1, spec.scale, spec.logit_softcap or 0.0)
+                query.contiguous(),
+                kv_cache[0],
+                kv_cache[1],
+                blocks,
+                g.seq_lens,
+                spec.sliding_window or -1,
+                spec.scale,
+                spec.logit_softcap or 0.0,
+            )
         b, n = g.num_rows, g.q_len
-        q = query.view(b, n, *query.shape[1:]).transpose(1, 2)                 # [B,H,Q,D]
+        q = query.view(b, n, *query.shape[1:]).transpose(1, 2)  # [B,H,Q,D]
         if g.blocks is None:
             k, v = key.view(b, n, *key.shape[1:]), value.view(b, n, *value.shape[1:])
         else:
-            k = _gather_blocks(kv_cache[0], blocks)                             # [B,L,Hkv,D]
+            k = _gather_blocks(kv_cache[0], blocks)  # [B,L,Hkv,D]
             v = _gather_blocks(kv_cache[1], blocks)
         mask = g.masks[spec.sliding_window]
         if g.kind == "decode":
             o = _attend_matmul(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)
         else:
-            o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)   # [B,H,Q,D]
+            o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)  # [B,H,Q,D]
         return o.transpose(1, 2).reshape(b * n, *query.shape[1:])
 
 
@@ -164,7 +195,7 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     Whole blocks are copied (contiguous runs), far cheaper than per-slot indexing."""
     b, nb = blocks.shape
     _, bs, h, d = cache.shape
-    rows = cache.view(cache.shape[0], -1)   # 2-D rows take index_select's fast copy path
+    rows = cache.view(cache.shape[0], -1)  # 2-D rows take index_select's fast copy path
     return rows.index_select(0, blocks.reshape(-1)).view(b, nb * bs, h, d)
 
 
@@ -176,9 +207,15 @@ def _attend(q, k, v, mask, spec: AttentionLayerSpec) -> torch.Tensor:
             n = q.shape[2]
             mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None, None]
         return _attend_matmul(q, k, v, ~mask, spec)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          scale=spec.scale,
-                                          enable_gqa=spec.num_heads != spec.num_kv_heads)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=spec.scale,
+        enable_gqa=spec.num_heads != spec.num_kv_heads,
+    )
 
 
 def _attend_matmul(q, k, v, hidden, spec: AttentionLayerSpec) -> torch.Tensor:
@@ -193,7 +230,6 @@ def _attend_matmul(q, k, v, hidden, spec: AttentionLayerSpec) -> torch.Tensor:
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * spec.scale
     if spec.logit_softcap is not None:
         scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
-    scores = scores.view(b, hkv, groups, n, length).masked_fill(hidden.unsqueeze(2),
-                                                                float("-inf"))
+    scores = scores.view(b, hkv, groups, n, length).masked_fill(hidden.unsqueeze(2), float("-inf"))
     probs = scores.softmax(-1).to(v.dtype).view(b, hkv, groups * n, length)
     return torch.matmul(probs, v).view(b, h, n, d)

@@ -29,13 +29,20 @@ class TritonAttentionBackend:
     def forward(
         self,
         spec: AttentionLayerSpec,
-        query: torch.Tensor,      # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,      # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,   # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:            # [num_tokens, num_heads * head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         assert kv_cache.shape[2] == self.block_size, "KV cache block size differs from backend's"
         kv_write(key, value, kv_cache, meta.slot_mapping)
-        return paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens,
-                               meta.block_tables, spec, max_query_len=meta.max_query_len)
+        return paged_attention(
+            query,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            spec,
+            max_query_len=meta.max_query_len,
+        )

@@ -12,8 +12,9 @@ from vserve.bench.datasets import Sample
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def run_hf(model_path: str, dtype: str, samples: list[Sample], max_batch_size: int,
-           temperature: float) -> tuple[float, int]:
+def run_hf(
+    model_path: str, dtype: str, samples: list[Sample], max_batch_size: int, temperature: float
+) -> tuple[float, int]:
     """Returns (elapsed seconds, output tokens)."""
     from transformers import AutoModelForCausalLM
 
@@ -23,14 +24,23 @@ def run_hf(model_path: str, dtype: str, samples: list[Sample], max_batch_size: i
     bar = tqdm(total=len(samples), desc="transformers generate")
     start = time.perf_counter()
     for i in range(0, len(samples), max_batch_size):
-        batch = samples[i:i + max_batch_size]
+        batch = samples[i : i + max_batch_size]
         out_len = max(s.output_len for s in batch)
         ids, mask = _left_pad([s.prompt_ids for s in batch], pad)
-        kwargs = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) \
-            if temperature > 0 else dict(do_sample=False)
+        kwargs = (
+            dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            if temperature > 0
+            else dict(do_sample=False)
+        )
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=out_len,
-                           min_new_tokens=out_len, pad_token_id=pad, **kwargs)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=out_len,
+                min_new_tokens=out_len,
+                pad_token_id=pad,
+                **kwargs,
+            )
         num_out += out_len * len(batch)
         bar.update(len(batch))
     bar.close()
@@ -42,6 +52,6 @@ def _left_pad(prompts: list[list[int]], pad: int):
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     return ids, mask

@@ -35,8 +35,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     engine_args = engine_args_from(args)
-    result, records, spans = run_maybe_compared(args, engine_args, _run_once, "avg_latency",
-                                                False, "s")
+    result, records, spans = run_maybe_compared(
+        args, engine_args, _run_once, "avg_latency", False, "s"
+    )
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
@@ -53,11 +54,21 @@ def _run_once(args, engine_args, calibration=None) -> tuple[dict, list, list]:
 
     llm = LLM(**vars(engine_args))
     try:
-        samples = random_samples(llm.get_tokenizer(), llm.config.model.vocab_size,
-                                 args.batch_size, args.input_len, args.output_len)
+        samples = random_samples(
+            llm.get_tokenizer(),
+            llm.config.model.vocab_size,
+            args.batch_size,
+            args.input_len,
+            args.output_len,
+        )
         prompts = [{"prompt_token_ids": s.prompt_ids} for s in samples]
-        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=1.0,
-                                ignore_eos=True, max_tokens=args.output_len)
+        params = SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            top_p=1.0,
+            ignore_eos=True,
+            max_tokens=args.output_len,
+        )
         for _ in range(args.num_iters_warmup):
             llm.generate(prompts, params, use_tqdm=False)
         llm.engine.take_step_records()

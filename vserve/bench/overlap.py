@@ -50,17 +50,17 @@ from vserve.bench.stats import percentile, request_tpots
 from vserve.bench.trace import busy_steps, is_busy
 from vserve.engine.recorder import StepRecord
 
-QUIET_SHARE = 0.02   # host work may stretch a quiet forward by at most this share
-FASTER_THAN_CALIBRATION = 0.9   # a slowdown below this: the calibration is not to be trusted
+QUIET_SHARE = 0.02  # host work may stretch a quiet forward by at most this share
+FASTER_THAN_CALIBRATION = 0.9  # a slowdown below this: the calibration is not to be trusted
 Span = tuple[float, float]
-ShapeKey = tuple[int, int, int]   # (PP stage, num tokens, num seqs)
+ShapeKey = tuple[int, int, int]  # (PP stage, num tokens, num seqs)
 
 
 @dataclass
 class StageFigures:
     stage: int
     mean_forward_ms: float
-    mean_interval_ms: float            # forward start to the next step's, on this stage
+    mean_interval_ms: float  # forward start to the next step's, on this stage
     calibrated_forward_ms: float | None
 
 
@@ -69,14 +69,14 @@ class OverlapReport:
     num_steps: int
     mean_forward_ms: float
     mean_launch_interval_ms: float
-    overlap_efficiency: float | None       # calibrated forward / interval (the headline)
-    forward_slowdown: float | None         # forward / calibrated forward
-    calibrated_steps: int                  # steps whose shape has a calibrated forward
-    calibration: str                       # where the calibrated forwards come from
+    overlap_efficiency: float | None  # calibrated forward / interval (the headline)
+    forward_slowdown: float | None  # forward / calibrated forward
+    calibrated_steps: int  # steps whose shape has a calibrated forward
+    calibration: str  # where the calibrated forwards come from
     host_total_ms: float
-    host_hidden_ms: float                  # covered by some forward (before the stretch)
+    host_hidden_ms: float  # covered by some forward (before the stretch)
     host_exposed_ms: float
-    host_hidden_net_share: float | None    # hidden less the stretch, over total
+    host_hidden_net_share: float | None  # hidden less the stretch, over total
     schedule_total_ms: float
     schedule_exposed_ms: float
     stretched_forward_over_interval: float  # the old figure: rewards stretched forwards
@@ -85,7 +85,7 @@ class OverlapReport:
     bottleneck_stage: int = 0
     stages: list[dict] = field(default_factory=list)
     steps_without_overlap: dict[str, int] = field(default_factory=dict)
-    serialized_steps: int = 0              # by the timestamps: nothing in flight beside them
+    serialized_steps: int = 0  # by the timestamps: nothing in flight beside them
     warning: str | None = None
 
     def to_dict(self) -> dict:
@@ -97,31 +97,42 @@ class OverlapReport:
             ("Mean model forward time (ms):", f"{self.mean_forward_ms:.2f}"),
             ("Mean step launch interval (ms):", f"{self.mean_launch_interval_ms:.2f}"),
             ("Forward slowdown under overlap:", _fmt(self.forward_slowdown, 3)),
-            ("Overlap efficiency (calibrated fwd / interval):",
-             _fmt(self.overlap_efficiency, 3)),
-            (f"  calibrated on {self.calibration}:",
-             f"{self.calibrated_steps}/{self.num_steps} steps" if self.calibrated_steps
-             else "none (--compare-sync calibrates)"),
+            ("Overlap efficiency (calibrated fwd / interval):", _fmt(self.overlap_efficiency, 3)),
+            (
+                f"  calibrated on {self.calibration}:",
+                f"{self.calibrated_steps}/{self.num_steps} steps"
+                if self.calibrated_steps
+                else "none (--compare-sync calibrates)",
+            ),
             ("Host time hidden, net of the slowdown:", _fmt(self.host_hidden_net_share, 3)),
             ("Host time total (schedule + commit, ms):", f"{self.host_total_ms:.2f}"),
             ("  under a forward (ms):", f"{self.host_hidden_ms:.2f}"),
             ("  exposed (ms):", f"{self.host_exposed_ms:.2f}"),
-            ("Scheduler time total / exposed (ms):",
-             f"{self.schedule_total_ms:.2f} / {self.schedule_exposed_ms:.2f}"),
-            ("Stretched fwd / interval (old, not a score):",
-             f"{self.stretched_forward_over_interval:.3f}"),
+            (
+                "Scheduler time total / exposed (ms):",
+                f"{self.schedule_total_ms:.2f} / {self.schedule_exposed_ms:.2f}",
+            ),
+            (
+                "Stretched fwd / interval (old, not a score):",
+                f"{self.stretched_forward_over_interval:.3f}",
+            ),
         ]
         if len(self.stages) > 1:
             rows += _stage_rows(self.stages, self.bottleneck_stage)
-        rows += [("TPOT p50 (ms):", _fmt(self.tpot_p50_ms)),
-                 ("TPOT p99 (ms):", _fmt(self.tpot_p99_ms)),
-                 ("Steps without overlap:", str(sum(self.steps_without_overlap.values())))]
-        rows += [(f"  {reason}", str(n))
-                 for reason, n in sorted(self.steps_without_overlap.items())]
+        rows += [
+            ("TPOT p50 (ms):", _fmt(self.tpot_p50_ms)),
+            ("TPOT p99 (ms):", _fmt(self.tpot_p99_ms)),
+            ("Steps without overlap:", str(sum(self.steps_without_overlap.values()))),
+        ]
+        rows += [
+            (f"  {reason}", str(n)) for reason, n in sorted(self.steps_without_overlap.items())
+        ]
         rows.append(("  by the timestamps (no step in flight):", str(self.serialized_steps)))
         lines = ["{s:{c}^64}".format(s=" Overlap report ", c="=")]
-        lines += [f"{label:<50}{value:>14}" if len(label) <= 50 else f"{label}  {value}"
-                  for label, value in rows]
+        lines += [
+            f"{label:<50}{value:>14}" if len(label) <= 50 else f"{label}  {value}"
+            for label, value in rows
+        ]
         if self.warning:
             lines.append(f"Warning: {self.warning}")
         return "\n".join(lines + ["=" * 64])
@@ -131,8 +142,12 @@ def _stage_rows(stages: list[dict], bottleneck: int) -> list[tuple[str, str]]:
     rows = [("PP stage: forward / interval (ms):", "")]
     for s in stages:
         mark = " *" if s["stage"] == bottleneck else ""
-        rows.append((f"  stage {s['stage']}{mark}:",
-                     f"{s['mean_forward_ms']:.2f} / {s['mean_interval_ms']:.2f}"))
+        rows.append(
+            (
+                f"  stage {s['stage']}{mark}:",
+                f"{s['mean_forward_ms']:.2f} / {s['mean_interval_ms']:.2f}",
+            )
+        )
     return rows
 
 
@@ -190,8 +205,9 @@ def warm_steps(records: list[StepRecord]) -> list[StepRecord]:
 
 
 # -- the report ------------------------------------------------------------------------------------
-def overlap_report(records: list[StepRecord], request_outputs=(),
-                   calibration: list[StepRecord] | None = None) -> OverlapReport:
+def overlap_report(
+    records: list[StepRecord], request_outputs=(), calibration: list[StepRecord] | None = None
+) -> OverlapReport:
     """`calibration`: the records of a sync run of the same workload (see the module doc);
     without it the run's own quiet steps calibrate."""
     records = sorted(records, key=lambda r: r.step_id)
@@ -213,25 +229,36 @@ def overlap_report(records: list[StepRecord], request_outputs=(),
     mean_int = statistics.fmean(intervals) if intervals else 0.0
     tpots = request_tpots(request_outputs)
     return OverlapReport(
-        num_steps=len(steps), mean_forward_ms=mean_fwd * 1e3,
+        num_steps=len(steps),
+        mean_forward_ms=mean_fwd * 1e3,
         mean_launch_interval_ms=mean_int * 1e3,
         overlap_efficiency=_efficiency(steps[1:], following, bottleneck, calib),
-        forward_slowdown=slowdown, calibrated_steps=matched,
+        forward_slowdown=slowdown,
+        calibrated_steps=matched,
         calibration="the sync run" if calibration is not None else "this run's quiet steps",
-        host_total_ms=host[0] * 1e3, host_hidden_ms=host[1] * 1e3,
-        host_exposed_ms=(host[0] - host[1]) * 1e3, host_hidden_net_share=net,
-        schedule_total_ms=host[2] * 1e3, schedule_exposed_ms=host[3] * 1e3,
+        host_total_ms=host[0] * 1e3,
+        host_hidden_ms=host[1] * 1e3,
+        host_exposed_ms=(host[0] - host[1]) * 1e3,
+        host_hidden_net_share=net,
+        schedule_total_ms=host[2] * 1e3,
+        schedule_exposed_ms=host[3] * 1e3,
         stretched_forward_over_interval=(mean_fwd / mean_int) if mean_int else 0.0,
-        tpot_p50_ms=percentile(tpots, 50), tpot_p99_ms=percentile(tpots, 99),
-        bottleneck_stage=bottleneck, stages=[asdict(s) for s in stages],
+        tpot_p50_ms=percentile(tpots, 50),
+        tpot_p99_ms=percentile(tpots, 99),
+        bottleneck_stage=bottleneck,
+        stages=[asdict(s) for s in stages],
         steps_without_overlap=_no_overlap_reasons(steps),
-        serialized_steps=serialized_steps(steps), warning=_warning(slowdown))
+        serialized_steps=serialized_steps(steps),
+        warning=_warning(slowdown),
+    )
 
 
 def _warning(slowdown: float | None) -> str | None:
     if slowdown is not None and slowdown < FASTER_THAN_CALIBRATION:
-        return ("forwards ran faster than their calibration (a busier machine or a cold "
-                "start during it): the calibrated figures are not to be trusted")
+        return (
+            "forwards ran faster than their calibration (a busier machine or a cold "
+            "start during it): the calibrated figures are not to be trusted"
+        )
     return None
 
 
@@ -251,8 +278,7 @@ def _slowdown(steps: list[StepRecord], calib: dict) -> tuple[float | None, int]:
     return (measured / base if base > 0 else None), matched
 
 
-def _efficiency(steps: list[StepRecord], following: dict, stage: int,
-                calib: dict) -> float | None:
+def _efficiency(steps: list[StepRecord], following: dict, stage: int, calib: dict) -> float | None:
     """Calibrated forwards of `stage` over the time from each step's launch to the next busy
     step's (empty steps launched in between count as part of the interval)."""
     base = interval = 0.0
@@ -284,24 +310,30 @@ def _host_figures(records: list[StepRecord], steps: list[StepRecord]) -> tuple[f
     sched_hidden = sum(forwards.covered(s, e) for s, e in schedules)
     commit_total = sum(e - s for s, e in commits)
     commit_hidden = sum(forwards.covered(s, e) for s, e in commits)
-    return (sched_total + commit_total, sched_hidden + commit_hidden, sched_total,
-            sched_total - sched_hidden)
+    return (
+        sched_total + commit_total,
+        sched_hidden + commit_hidden,
+        sched_total,
+        sched_total - sched_hidden,
+    )
 
 
-def _stage_figures(steps: list[StepRecord], following: dict,
-                   calib: dict) -> list[StageFigures]:
+def _stage_figures(steps: list[StepRecord], following: dict, calib: dict) -> list[StageFigures]:
     """Per PP stage: mean forward, mean start-to-start interval, mean calibrated forward."""
     num_stages = max((len(stage_spans(r)) for r in steps), default=0)
     out = []
     for stage in range(num_stages):
         rows = [r for r in steps if len(stage_spans(r)) > stage]
         fwd = [stage_spans(r)[stage][1] - stage_spans(r)[stage][0] for r in rows]
-        gaps = [stage_spans(following[r.step_id])[stage][0] - stage_spans(r)[stage][0]
-                for r in rows if r.step_id in following
-                and len(stage_spans(following[r.step_id])) > stage]
+        gaps = [
+            stage_spans(following[r.step_id])[stage][0] - stage_spans(r)[stage][0]
+            for r in rows
+            if r.step_id in following and len(stage_spans(following[r.step_id])) > stage
+        ]
         base = [calib[_key(r, stage)] for r in rows if _key(r, stage) in calib]
-        out.append(StageFigures(stage, _mean_ms(fwd), _mean_ms(gaps),
-                                _mean_ms(base) if base else None))
+        out.append(
+            StageFigures(stage, _mean_ms(fwd), _mean_ms(gaps), _mean_ms(base) if base else None)
+        )
     return out
 
 
@@ -310,7 +342,7 @@ def _following_busy(records: list[StepRecord]) -> dict[int, StepRecord]:
     out, prev = {}, None
     for r in records:
         if prev is not None and r.launch_interval <= 0:
-            prev = None            # launched after idle: no interval spans the gap
+            prev = None  # launched after idle: no interval spans the gap
         if is_busy(r):
             if prev is not None:
                 out[prev.step_id] = r

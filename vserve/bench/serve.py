@@ -71,16 +71,24 @@ def run(args) -> int:
 async def _main(args) -> int:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat"
-                                 else "/v1/completions")
+    endpoint = args.endpoint or (
+        "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
+    )
     limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=None,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=base, headers=headers, timeout=None, limits=limits
+    ) as client:
         model, root = await _model(client, args.model)
         tokenizer = _tokenizer(args.tokenizer or root)
         samples = load_samples(args, tokenizer, len(tokenizer))
-        prompts = [(s.prompt_text or tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
-                    len(s.prompt_ids), s.output_len) for s in samples]
+        prompts = [
+            (
+                s.prompt_text or tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
+                len(s.prompt_ids),
+                s.output_len,
+            )
+            for s in samples
+        ]
         print("Starting initial single prompt test run...")
         first = await _one(client, endpoint, args, model, prompts[0], None)
         if not first.success:
@@ -94,9 +102,17 @@ async def _main(args) -> int:
     if args.save_result or args.result_filename:
         name = args.result_filename or f"vserve-bench-serve-{int(time.time())}.json"
         with open(name, "w") as f:
-            json.dump({**metrics, "model": model, "backend": args.backend,
-                       "request_rate": args.request_rate,
-                       "max_concurrency": args.max_concurrency}, f, indent=2)
+            json.dump(
+                {
+                    **metrics,
+                    "model": model,
+                    "backend": args.backend,
+                    "request_rate": args.request_rate,
+                    "max_concurrency": args.max_concurrency,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -114,11 +130,12 @@ def _tokenizer(path: str | None):
 
     if not path:
         raise SystemExit("no tokenizer: pass --tokenizer (the server's model root is unknown)")
-    try:   # the server names its model (the embedded one by its alias), never its path
+    try:  # the server names its model (the embedded one by its alias), never its path
         return load_tokenizer(resolve_model_path(path))
     except ValueError as e:
-        raise SystemExit(f"no tokenizer for the served model {path!r}: pass --tokenizer "
-                         f"({e})") from None
+        raise SystemExit(
+            f"no tokenizer for the served model {path!r}: pass --tokenizer ({e})"
+        ) from None
 
 
 async def _drive(client, endpoint, args, model, prompts) -> list[RequestResult]:
@@ -142,8 +159,13 @@ async def _one(client, endpoint, args, model, prompt, sem, bar=None) -> RequestR
         async with sem:
             return await _one(client, endpoint, args, model, prompt, None, bar)
     text, prompt_len, output_len = prompt
-    body = {"model": model, "max_tokens": output_len, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.backend == "openai-chat":
@@ -168,7 +190,7 @@ async def _stream(client, endpoint, body, result: RequestResult) -> None:
             result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return
         last = result.start
-        async for line in sse_lines(resp):   # not aiter_lines: see vserve.bench.sse
+        async for line in sse_lines(resp):  # not aiter_lines: see vserve.bench.sse
             line = line.strip()
             if not line or line.startswith(":") or not line.startswith("data:"):
                 continue
@@ -210,16 +232,24 @@ def compute_metrics(results: list[RequestResult], duration: float, args) -> dict
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     ttfts = [r.ttft * 1e3 for r in ok]
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1e3 for r in ok
-             if r.output_tokens > 1]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1e3 for r in ok if r.output_tokens > 1]
     itls = [x * 1e3 for r in ok for x in r.itl]
     e2els = [r.latency * 1e3 for r in ok]
-    m = {"duration": duration, "completed": len(ok), "failed": len(failed),
-         "total_input_tokens": total_in, "total_output_tokens": total_out,
-         "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
-         "total_token_throughput": (total_in + total_out) / duration,
-         "input_lens": [r.prompt_len for r in ok], "output_lens": [r.output_tokens for r in ok],
-         "ttfts": ttfts, "itls": itls, "errors": [r.error for r in failed]}
+    m = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(failed),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        "input_lens": [r.prompt_len for r in ok],
+        "output_lens": [r.output_tokens for r in ok],
+        "ttfts": ttfts,
+        "itls": itls,
+        "errors": [r.error for r in failed],
+    }
     m.update(_peaks(ok, results))
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         m[f"mean_{name}_ms"] = statistics.fmean(values) if values else 0.0
@@ -242,8 +272,9 @@ def _peaks(ok: list[RequestResult], results: list[RequestResult]) -> dict:
         for t in r.chunk_times:
             key = int(t - t0)
             buckets[key] = buckets.get(key, 0) + per_chunk
-    events = sorted([(r.start, 1) for r in results] + [(r.start + max(r.latency, 0), -1)
-                                                         for r in results])
+    events = sorted(
+        [(r.start, 1) for r in results] + [(r.start + max(r.latency, 0), -1) for r in results]
+    )
     current = peak = 0
     for _, delta in events:
         current += delta
@@ -256,8 +287,11 @@ def _goodput(ok: list[RequestResult], specs: list[str]) -> int:
     good = 0
     for r in ok:
         tpot = (r.latency - r.ttft) / (r.output_tokens - 1) * 1e3 if r.output_tokens > 1 else 0
-        if (r.ttft * 1e3 <= slo.get("ttft", float("inf")) and tpot <= slo.get("tpot", float("inf"))
-                and r.latency * 1e3 <= slo.get("e2el", float("inf"))):
+        if (
+            r.ttft * 1e3 <= slo.get("ttft", float("inf"))
+            and tpot <= slo.get("tpot", float("inf"))
+            and r.latency * 1e3 <= slo.get("e2el", float("inf"))
+        ):
             good += 1
     return good
 
@@ -281,20 +315,28 @@ def print_result(m: dict, args) -> None:
         rows.append(("Maximum request concurrency:", args.max_concurrency))
     if args.request_rate != float("inf"):
         rows.append(("Request rate configured (RPS):", f"{args.request_rate:.2f}"))
-    rows += [("Benchmark duration (s):", f"{m['duration']:.2f}"),
-             ("Total input tokens:", m["total_input_tokens"]),
-             ("Total generated tokens:", m["total_output_tokens"]),
-             ("Request throughput (req/s):", f"{m['request_throughput']:.2f}")]
+    rows += [
+        ("Benchmark duration (s):", f"{m['duration']:.2f}"),
+        ("Total input tokens:", m["total_input_tokens"]),
+        ("Total generated tokens:", m["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
+    ]
     if "request_goodput" in m:
         rows.append(("Request goodput (req/s):", f"{m['request_goodput']:.2f}"))
-    rows += [("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
-             ("Peak output token throughput (tok/s):", f"{m['max_output_tokens_per_s']:.2f}"),
-             ("Peak concurrent requests:", f"{m['max_concurrent_requests']:.2f}"),
-             ("Total token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")]
+    rows += [
+        ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
+        ("Peak output token throughput (tok/s):", f"{m['max_output_tokens_per_s']:.2f}"),
+        ("Peak concurrent requests:", f"{m['max_concurrent_requests']:.2f}"),
+        ("Total token throughput (tok/s):", f"{m['total_token_throughput']:.2f}"),
+    ]
     for label, value in rows:
         print(f"{label:<40}{value:<10}")
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for name in args.percentile_metrics.split(","):
         name = name.strip()
         print("{s:{c}^50}".format(s=titles[name], c="-"))

@@ -20,8 +20,12 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: off")
-    p.add_argument("--min-tokens", type=int, default=0,
-                   help="min_tokens of every request (below it a request gets no drafts)")
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="min_tokens of every request (below it a request gets no drafts)",
+    )
     p.add_argument("--output-json", default=None)
     p.add_argument("--trace", default=None, help="write a Chrome trace (JSON) of the run")
     p.add_argument("--plot", default=None, help="PNG of forward time and launch interval")
@@ -37,8 +41,9 @@ def run(args) -> int:
         if args.compare_sync:
             raise ValueError("--compare-sync needs --backend vserve")
         return _run_hf(args, engine_args)
-    result, records, spans = run_maybe_compared(args, engine_args, _run_vserve,
-                                                "output_throughput", True, "output tok/s")
+    result, records, spans = run_maybe_compared(
+        args, engine_args, _run_vserve, "output_throughput", True, "output tok/s"
+    )
     _write_outputs(args, result, records, spans)
     return 0
 
@@ -51,11 +56,18 @@ def _run_vserve(args, engine_args, calibration=None) -> tuple[dict, list, list]:
     try:
         samples = load_samples(args, llm.get_tokenizer(), llm.config.model.vocab_size)
         _check_lengths(samples, llm.config.model.max_model_len)
-        params = [SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                                 top_k=args.top_k,
-                                 ignore_eos=True, max_tokens=s.output_len,
-                                 min_tokens=min(args.min_tokens, s.output_len))
-                  for s in samples]
+        params = [
+            SamplingParams(
+                n=args.n,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                ignore_eos=True,
+                max_tokens=s.output_len,
+                min_tokens=min(args.min_tokens, s.output_len),
+            )
+            for s in samples
+        ]
         prompts = [{"prompt_token_ids": s.prompt_ids} for s in samples]
         llm.engine.take_step_records()
         llm.engine.take_detokenize_spans()
@@ -87,8 +99,9 @@ def _run_hf(args, engine_args) -> int:
     config = engine_args.create_engine_config()
     tokenizer = load_tokenizer(config.model.tokenizer)
     samples = load_samples(args, tokenizer, config.model.vocab_size)
-    elapsed, num_out = run_hf(config.model.model, config.model.dtype, samples,
-                              args.hf_max_batch_size, args.temperature)
+    elapsed, num_out = run_hf(
+        config.model.model, config.model.dtype, samples, args.hf_max_batch_size, args.temperature
+    )
     num_in = sum(len(s.prompt_ids) for s in samples)
     result = summary(elapsed, len(samples), num_in, num_out, "hf", engine_args)
     result["hf_max_batch_size"] = args.hf_max_batch_size
@@ -97,12 +110,16 @@ def _run_hf(args, engine_args) -> int:
     return 0
 
 
-def summary(elapsed: float, num_requests: int, num_in: int, num_out: int, backend: str,
-            engine_args) -> dict:
+def summary(
+    elapsed: float, num_requests: int, num_in: int, num_out: int, backend: str, engine_args
+) -> dict:
     return {
-        "backend": backend, "model": engine_args.model or "gemma-3-270m",
-        "elapsed_time": elapsed, "num_requests": num_requests,
-        "total_num_tokens": num_in + num_out, "total_num_prompt_tokens": num_in,
+        "backend": backend,
+        "model": engine_args.model or "gemma-3-270m",
+        "elapsed_time": elapsed,
+        "num_requests": num_requests,
+        "total_num_tokens": num_in + num_out,
+        "total_num_prompt_tokens": num_in,
         "total_num_output_tokens": num_out,
         "requests_per_second": num_requests / elapsed,
         "tokens_per_second": (num_in + num_out) / elapsed,
@@ -114,32 +131,39 @@ def spec_figures(stats) -> dict:
     """Acceptance of n-gram drafts over the run (the engine's counters are cumulative)."""
     if stats is None or not stats.spec_num_drafts:
         return {}
-    return {"spec_num_drafts": stats.spec_num_drafts,
-            "spec_num_draft_tokens": stats.spec_num_draft_tokens,
-            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
-            "spec_acceptance_rate": stats.spec_num_accepted_tokens
-            / max(1, stats.spec_num_draft_tokens),
-            "spec_mean_accepted_per_draft": stats.spec_num_accepted_tokens
-            / stats.spec_num_drafts}
+    return {
+        "spec_num_drafts": stats.spec_num_drafts,
+        "spec_num_draft_tokens": stats.spec_num_draft_tokens,
+        "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
+        "spec_acceptance_rate": stats.spec_num_accepted_tokens
+        / max(1, stats.spec_num_draft_tokens),
+        "spec_mean_accepted_per_draft": stats.spec_num_accepted_tokens / stats.spec_num_drafts,
+    }
 
 
 def print_summary(r: dict) -> None:
-    print(f"Throughput: {r['requests_per_second']:.2f} requests/s, "
-          f"{r['tokens_per_second']:.2f} total tokens/s, "
-          f"{r['output_throughput']:.2f} output tokens/s")
+    print(
+        f"Throughput: {r['requests_per_second']:.2f} requests/s, "
+        f"{r['tokens_per_second']:.2f} total tokens/s, "
+        f"{r['output_throughput']:.2f} output tokens/s"
+    )
     print(f"Total num prompt tokens:  {r['total_num_prompt_tokens']}")
     print(f"Total num output tokens:  {r['total_num_output_tokens']}")
     if "spec_acceptance_rate" in r:
-        print(f"Draft acceptance rate:    {r['spec_acceptance_rate']:.3f} "
-              f"({r['spec_num_accepted_tokens']} of {r['spec_num_draft_tokens']} draft tokens, "
-              f"{r['spec_mean_accepted_per_draft']:.2f} per speculative step)")
+        print(
+            f"Draft acceptance rate:    {r['spec_acceptance_rate']:.3f} "
+            f"({r['spec_num_accepted_tokens']} of {r['spec_num_draft_tokens']} draft tokens, "
+            f"{r['spec_mean_accepted_per_draft']:.2f} per speculative step)"
+        )
 
 
 def _check_lengths(samples, max_model_len: int) -> None:
     for s in samples:
         if len(s.prompt_ids) + s.output_len > max_model_len:
-            raise ValueError(f"a request needs {len(s.prompt_ids) + s.output_len} tokens, more "
-                             f"than max_model_len={max_model_len}")
+            raise ValueError(
+                f"a request needs {len(s.prompt_ids) + s.output_len} tokens, more "
+                f"than max_model_len={max_model_len}"
+            )
 
 
 def _write_outputs(args, result: dict, records, spans) -> None:

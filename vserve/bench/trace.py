@@ -23,7 +23,7 @@ def busy_steps(records: list[StepRecord]) -> list[StepRecord]:
 
 
 FRONTEND_PID, ENGINE_PID, WORKER_PID = 1, 2, 3
-STAGE_TID = 10   # worker lanes of the PP stages' own forwards, when the stages report them
+STAGE_TID = 10  # worker lanes of the PP stages' own forwards, when the stages report them
 
 
 def chrome_trace(records: list[StepRecord], detokenize_spans=()) -> dict:
@@ -34,9 +34,17 @@ def chrome_trace(records: list[StepRecord], detokenize_spans=()) -> dict:
     events = _lane_names()
 
     def slice_(name, pid, tid, start, end, **args):
-        events.append({"name": name, "ph": "X", "pid": pid, "tid": tid,
-                       "ts": (start - t0) * 1e6, "dur": max(0.0, end - start) * 1e6,
-                       "args": args})
+        events.append(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": pid,
+                "tid": tid,
+                "ts": (start - t0) * 1e6,
+                "dur": max(0.0, end - start) * 1e6,
+                "args": args,
+            }
+        )
 
     for r in steps:
         info = dict(step=r.step_id, tokens=r.num_tokens, reqs=r.num_reqs)
@@ -47,8 +55,16 @@ def chrome_trace(records: list[StepRecord], detokenize_spans=()) -> dict:
         for stage, (start, end) in enumerate(r.stage_forwards):
             slice_("stage forward", WORKER_PID, STAGE_TID + stage, start, end, **info)
     num_stages = max((len(r.stage_forwards) for r in steps), default=0)
-    events += [{"name": "thread_name", "ph": "M", "pid": WORKER_PID, "tid": STAGE_TID + i,
-                "args": {"name": f"PP stage {i}"}} for i in range(num_stages)]
+    events += [
+        {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": WORKER_PID,
+            "tid": STAGE_TID + i,
+            "args": {"name": f"PP stage {i}"},
+        }
+        for i in range(num_stages)
+    ]
     for start, end in detokenize_spans:
         slice_("detokenize", FRONTEND_PID, 1, start, end)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -56,13 +72,21 @@ def chrome_trace(records: list[StepRecord], detokenize_spans=()) -> dict:
 
 def _lane_names() -> list[dict]:
     meta = []
-    for pid, name in ((FRONTEND_PID, "front end (CPU)"), (ENGINE_PID, "engine core (CPU)"),
-                      (WORKER_PID, "worker (device)")):
+    for pid, name in (
+        (FRONTEND_PID, "front end (CPU)"),
+        (ENGINE_PID, "engine core (CPU)"),
+        (WORKER_PID, "worker (device)"),
+    ):
         meta.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
-    for pid, tid, name in ((FRONTEND_PID, 1, "detokenize"), (ENGINE_PID, 1, "schedule"),
-                           (ENGINE_PID, 2, "update"), (WORKER_PID, 1, "forward")):
-        meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                     "args": {"name": name}})
+    for pid, tid, name in (
+        (FRONTEND_PID, 1, "detokenize"),
+        (ENGINE_PID, 1, "schedule"),
+        (ENGINE_PID, 2, "update"),
+        (WORKER_PID, 1, "forward"),
+    ):
+        meta.append(
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+        )
     return meta
 
 
@@ -81,10 +105,17 @@ def write_plot(path: str, records: list[StepRecord]) -> None:
         raise SystemExit("--plot needs matplotlib: pip install 'vserve[plot]'") from e
     steps = busy_steps(records)
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.plot([r.step_id for r in steps], [(r.forward_end - r.forward_start) * 1e3 for r in steps],
-            label="model forward (ms)")
-    ax.plot([r.step_id for r in steps], [r.launch_interval * 1e3 for r in steps],
-            label="step launch interval (ms)", alpha=0.8)
+    ax.plot(
+        [r.step_id for r in steps],
+        [(r.forward_end - r.forward_start) * 1e3 for r in steps],
+        label="model forward (ms)",
+    )
+    ax.plot(
+        [r.step_id for r in steps],
+        [r.launch_interval * 1e3 for r in steps],
+        label="step launch interval (ms)",
+        alpha=0.8,
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
     ax.legend()

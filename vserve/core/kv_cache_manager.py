@@ -22,7 +22,7 @@ from vserve.core.block_pool import BlockPool, KVCacheBlock
 from vserve.core.request import Request
 from vserve.core.sliding_window import SlidingWindowGroup
 
-BlockIds = tuple[list[int], ...]   # one list per KV group
+BlockIds = tuple[list[int], ...]  # one list per KV group
 
 
 def hash_block(parent: bytes, token_ids: list[int], salt: str | None) -> bytes:
@@ -36,17 +36,26 @@ def hash_block(parent: bytes, token_ids: list[int], salt: str | None) -> bytes:
 @dataclass
 class PrefixHit:
     full: list[KVCacheBlock] = field(default_factory=list)
-    local: list[KVCacheBlock | None] = field(default_factory=list)   # sliding-window group
+    local: list[KVCacheBlock | None] = field(default_factory=list)  # sliding-window group
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 sliding_window: int | None = None, num_local_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        sliding_window: int | None = None,
+        num_local_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=True)
-        self.local = (SlidingWindowGroup(num_local_blocks, block_size, sliding_window)
-                      if sliding_window is not None else None)
+        self.local = (
+            SlidingWindowGroup(num_local_blocks, block_size, sliding_window)
+            if sliding_window is not None
+            else None
+        )
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.num_queried_tokens = 0
@@ -75,7 +84,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
         """Longest cached prefix of full blocks; at least one token is left to compute."""
         if not self.uses_cache(request) or request.sampling_params.prompt_logprobs is not None:
-            return PrefixHit(), 0   # (prompt logprobs need every prompt position computed)
+            return PrefixHit(), 0  # (prompt logprobs need every prompt position computed)
         max_hit_tokens = request.num_tokens - 1
         hashes = self._hashes_upto(request, max_hit_tokens)
         hits: list[KVCacheBlock] = []
@@ -86,7 +95,7 @@ class KVCacheManager:
             hits.append(block)
         if self.local is None:
             return PrefixHit(hits), len(hits) * self.block_size
-        for num in range(len(hits), 0, -1):   # the longest hit whose window is cached too
+        for num in range(len(hits), 0, -1):  # the longest hit whose window is cached too
             local = self.local.prefix_hit(hashes, num)
             if local is not None:
                 return PrefixHit(hits[:num], local), num * self.block_size
@@ -118,8 +127,9 @@ class KVCacheManager:
         if local is not None:
             first_pos = request.num_computed_tokens + len(hit.full) * self.block_size
             local.release_dead(req_id, first_pos)
-        if num_new + num_free_hits > self.pool.num_free_blocks or \
-                (local is not None and not local.can_allocate(num_new, hit.local)):
+        if num_new + num_free_hits > self.pool.num_free_blocks or (
+            local is not None and not local.can_allocate(num_new, hit.local)
+        ):
             if not held:
                 del self.req_blocks[req_id]
             return None
@@ -140,7 +150,7 @@ class KVCacheManager:
             return
         start = self.num_cached_blocks.get(request.request_id, 0)
         if min(num_settled_tokens, request.num_tokens) // self.block_size <= start:
-            return   # no new full block (most calls: a decode step fills one token)
+            return  # no new full block (most calls: a decode step fills one token)
         hashes = self._hashes_upto(request, num_settled_tokens)
         end = min(len(hashes), len(blocks))
         for i in range(start, end):
@@ -169,8 +179,9 @@ class KVCacheManager:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else b""
-            hashes.append(hash_block(parent, request.all_token_ids[i * bs:(i + 1) * bs],
-                                     request.cache_salt))
+            hashes.append(
+                hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs], request.cache_salt)
+            )
         return hashes[:num_full]
 
     def check_invariants(self, live_request_ids: set[str]) -> None:

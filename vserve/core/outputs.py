@@ -29,7 +29,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     # prompt tokens 1.. (index 0 has none), sent once, with the first token
     prompt_logprobs: LogprobsDelta | None = None
-    incarnation: int = 0   # the request's (EngineCoreRequest.incarnation)
+    incarnation: int = 0  # the request's (EngineCoreRequest.incarnation)
 
     @property
     def finished(self) -> bool:
@@ -41,18 +41,18 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_kv_blocks: int = 0
-    prefix_cache_queries: int = 0      # cumulative tokens looked up
-    prefix_cache_hits: int = 0         # cumulative tokens hit
-    num_preemptions: int = 0           # cumulative
-    num_prompt_tokens: int = 0         # this step: prompt tokens scheduled
-    num_generation_tokens: int = 0     # this step: tokens confirmed
+    prefix_cache_queries: int = 0  # cumulative tokens looked up
+    prefix_cache_hits: int = 0  # cumulative tokens hit
+    num_preemptions: int = 0  # cumulative
+    num_prompt_tokens: int = 0  # this step: prompt tokens scheduled
+    num_generation_tokens: int = 0  # this step: tokens confirmed
     step_id: int = 0
     # steps committed since the previous stats message (overlap figures), seconds
-    forward_times: list[float] = []     # device forward time of each step
+    forward_times: list[float] = []  # device forward time of each step
     launch_intervals: list[float] = []  # time from the previous step's launch to this one's
-    schedule_times: list[float] = []    # scheduler busy time of each step
+    schedule_times: list[float] = []  # scheduler busy time of each step
     schedule_exposed: list[float] = []  # part of it that no forward was running under
     no_overlap_steps: dict[str, int] = {}  # steps launched with none in flight, by reason
-    spec_num_drafts: int = 0            # cumulative: speculative steps, draft tokens, accepted
+    spec_num_drafts: int = 0  # cumulative: speculative steps, draft tokens, accepted
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

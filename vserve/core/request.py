@@ -69,11 +69,11 @@ class Request:
     num_preemptions: int = field(init=False, default=0)
     block_hashes: list[bytes] = field(init=False, default_factory=list)
     stop_reason: int | str | None = field(init=False, default=None)
-    grammar_future: Future | None = field(init=False, default=None)   # compiling
+    grammar_future: Future | None = field(init=False, default=None)  # compiling
     grammar: GrammarMatcher | None = field(init=False, default=None)  # once compiled
     error: str | None = field(init=False, default=None)
-    add_seq: int = field(init=False, default=0)   # engine core arrival number (aborts)
-    incarnation: int = field(init=False, default=0)   # the front end's number, echoed
+    add_seq: int = field(init=False, default=0)  # engine core arrival number (aborts)
+    incarnation: int = field(init=False, default=0)  # the front end's number, echoed
     # prompt logprobs: entries for prompt tokens 1..num_prompt_logprobs-1 have arrived; those
     # not yet sent wait in `prompt_logprobs` for the request's first output
     num_prompt_logprobs: int = field(init=False, default=1)
@@ -96,7 +96,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_uncomputed(self) -> int:

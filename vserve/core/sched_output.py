@@ -19,19 +19,19 @@ from vserve.sampling_params import SamplingParams
 class NewRequestData:
     req_id: str
     epoch: int
-    token_ids: list[int]          # prompt + confirmed outputs
+    token_ids: list[int]  # prompt + confirmed outputs
     num_prompt_tokens: int
     sampling_params: SamplingParams
     sampling_seed: int
-    stop_token_ids: list[int]     # EOS and stop ids, masked while output < min_tokens
-    block_ids: tuple[list[int], ...]   # per KV group (full, then sliding window); -1: none
-    num_computed_tokens: int      # prefix-cache hits; positions already in the KV cache
+    stop_token_ids: list[int]  # EOS and stop ids, masked while output < min_tokens
+    block_ids: tuple[list[int], ...]  # per KV group (full, then sliding window); -1: none
+    num_computed_tokens: int  # prefix-cache hits; positions already in the KV cache
 
 
 @dataclass
 class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)   # per KV group
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)  # per KV group
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
 
 
@@ -42,13 +42,13 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    req_epochs: dict[str, int]           # epoch of each scheduled request at schedule time
-    sampling_req_ids: set[str]           # scheduled requests whose step yields a token
+    req_epochs: dict[str, int]  # epoch of each scheduled request at schedule time
+    sampling_req_ids: set[str]  # scheduled requests whose step yields a token
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # n-gram drafts
     grammar_req_ids: list[str] = field(default_factory=list)  # sampling, structured output
-    pending_grammar: bool = False   # a grammar request has tokens in flight: defer sampling
+    pending_grammar: bool = False  # a grammar request has tokens in flight: defer sampling
     grammar_bitmask: np.ndarray | None = None  # int32 [len(grammar_req_ids), ceil(vocab / 32)]
 
     @property
@@ -57,8 +57,9 @@ class SchedulerOutput:
 
     @staticmethod
     def empty(step_id: int, finished: set[str], preempted: set[str]) -> SchedulerOutput:
-        return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0, {}, set(), finished,
-                               preempted)
+        return SchedulerOutput(
+            step_id, [], CachedRequestData(), {}, 0, {}, set(), finished, preempted
+        )
 
 
 @dataclass

@@ -32,7 +32,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
-    async_scheduling: bool = False   # let a request sit in consecutive in-flight steps
+    async_scheduling: bool = False  # let a request sit in consecutive in-flight steps
     pipeline_parallel_size: int = 1  # PP: a decoding request joins at most every pp-th step
 
 
@@ -54,17 +54,21 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 spec: SpeculativeConfig | None = None,
-                 structured: StructuredOutputs | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        spec: SpeculativeConfig | None = None,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.spec = spec
-        self.structured = structured   # grammar states and bitmasks (xgrammar in the engine)
+        self.structured = structured  # grammar states and bitmasks (xgrammar in the engine)
         self._error_outputs: list[EngineCoreOutput] = []
         self.spec_stats = SpecDecodeStats()
-        self._lag_cache: dict[str, tuple[int, bool]] = {}   # req id -> (length, n-gram match)
-        self.num_draft_waits = 0   # requests held back for their previous step (cumulative)
+        self._lag_cache: dict[str, tuple[int, bool]] = {}  # req id -> (length, n-gram match)
+        self.num_draft_waits = 0  # requests held back for their previous step (cumulative)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -119,8 +123,9 @@ class Scheduler:
         while i < len(self.running):
             req = self.running[i]
             decode = req.num_uncomputed == 1
-            num_new = 0 if self._pp_defers(req, decode, plan) else \
-                self._num_new_tokens(req, plan.budget)
+            num_new = (
+                0 if self._pp_defers(req, decode, plan) else self._num_new_tokens(req, plan.budget)
+            )
             if num_new == 0:
                 i += 1
                 continue
@@ -146,8 +151,7 @@ class Scheduler:
             return True
         return plan.num_decodes >= -(-len(self.running) // pp)
 
-    def _allocate_or_preempt(self, req: Request, num_new: int,
-                             plan: _StepPlan) -> BlockIds | None:
+    def _allocate_or_preempt(self, req: Request, num_new: int, plan: _StepPlan) -> BlockIds | None:
         while True:
             block_ids = self.kv.allocate_slots(req, req.num_computed_tokens + num_new)
             if block_ids is not None:
@@ -159,9 +163,8 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        compiling: list[Request] = []   # grammars not ready yet: they keep their place
-        while (self.waiting and plan.budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        compiling: list[Request] = []  # grammars not ready yet: they keep their place
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self._grammar_ready(req):
                 compiling.append(self.waiting.popleft())
@@ -204,9 +207,15 @@ class Scheduler:
 
     def _fail(self, req: Request) -> None:
         self._free(req, RequestStatus.FINISHED_ERROR)
-        self._error_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error",
-                                                    error=req.error,
-                                                    incarnation=req.incarnation))
+        self._error_outputs.append(
+            EngineCoreOutput(
+                req.request_id,
+                [],
+                finish_reason="error",
+                error=req.error,
+                incarnation=req.incarnation,
+            )
+        )
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to schedule for a running request; 0 when no wanted token can come of it."""
@@ -220,7 +229,7 @@ class Scheduler:
             return 0
         if self.spec is not None and ph > 0 and self._waits_for_drafts(req, ph):
             self.num_draft_waits += 1
-            return 0   # its next step may carry drafts: they need every earlier id on the host
+            return 0  # its next step may carry drafts: they need every earlier id on the host
         pending = req.num_tokens - req.num_computed_tokens
         if self.config.async_scheduling:
             pending += ph
@@ -236,22 +245,28 @@ class Scheduler:
         """N-gram drafts for a decoding request whose ids are all known (no step in flight).
         Never more than can yield wanted tokens (max_tokens, max_model_len, the budget)."""
         spec = self.spec
-        if spec is None or num_new != 1 or req.num_output_placeholders or \
-                req.num_computed_tokens != req.num_tokens - 1 or self._never_drafts(req, 0):
+        if (
+            spec is None
+            or num_new != 1
+            or req.num_output_placeholders
+            or req.num_computed_tokens != req.num_tokens - 1
+            or self._never_drafts(req, 0)
+        ):
             return []
         room = min(self._draft_room(req, 0), budget - 1)
         if room <= 0 or not self._lagged_match(req, 0):
             return []
-        return propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                             room)
+        return propose_ngram(
+            req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room
+        )
 
     def _waits_for_drafts(self, req: Request, ph: int) -> bool:
         """A request with `ph` placeholders in flight waits for them iff its next step may
         carry drafts (or a step in flight may carry some: its positions are not known yet)."""
         if self._never_drafts(req, ph):
-            return False   # no step of it carried drafts, and this one will not either
+            return False  # no step of it carried drafts, and this one will not either
         if ph > 1:
-            return True    # several steps in flight, or one with drafts (it reserved 1 + k)
+            return True  # several steps in flight, or one with drafts (it reserved 1 + k)
         return self._draft_room(req, ph) > 0 and self._lagged_match(req, ph)
 
     def _never_drafts(self, req: Request, ph: int) -> bool:
@@ -263,9 +278,10 @@ class Scheduler:
         return num_out == 0 or num_out < sp.min_tokens or sp.needs_penalties or req.use_grammar
 
     def _draft_room(self, req: Request, ph: int) -> int:
-        assert self.spec is not None   # asked only while drafting
-        room = min(self.spec.num_speculative_tokens,
-                   self.config.max_model_len - (req.num_tokens + ph) - 1)
+        assert self.spec is not None  # asked only while drafting
+        room = min(
+            self.spec.num_speculative_tokens, self.config.max_model_len - (req.num_tokens + ph) - 1
+        )
         if req.max_tokens is not None:
             room = min(room, req.max_tokens - (req.num_output_tokens + ph) - 1)
         return room
@@ -276,15 +292,15 @@ class Scheduler:
         cached = self._lag_cache.get(req.request_id)
         if cached is None or cached[0] != length:
             spec = self.spec
-            assert spec is not None   # asked only while drafting
-            tokens = req.all_token_ids if length == req.num_tokens else \
-                req.all_token_ids[:length]
+            assert spec is not None  # asked only while drafting
+            tokens = req.all_token_ids if length == req.num_tokens else req.all_token_ids[:length]
             found = bool(propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, 1))
             cached = self._lag_cache[req.request_id] = (length, found)
         return cached[1]
 
-    def _schedule_req(self, req: Request, num_new: int, plan: _StepPlan,
-                      drafts: Sequence[int] = ()) -> None:
+    def _schedule_req(
+        self, req: Request, num_new: int, plan: _StepPlan, drafts: Sequence[int] = ()
+    ) -> None:
         prompt_left = req.num_prompt_tokens - req.num_computed_tokens
         plan.num_prompt_tokens += max(0, min(num_new, prompt_left))
         num_new += len(drafts)
@@ -371,9 +387,7 @@ class Scheduler:
         self._lag_cache.pop(req.request_id, None)
 
     # -- commit ----------------------------------------------------------------------------------
-    def update_from_output(
-        self, so: SchedulerOutput, ro: RunnerOutput
-    ) -> list[EngineCoreOutput]:
+    def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:
         index = {req_id: i for i, req_id in enumerate(ro.req_ids)}
         outputs, self._error_outputs = self._error_outputs, []
         for req_id in so.num_scheduled_tokens:
@@ -416,11 +430,14 @@ class Scheduler:
             status = self._check_stop(req, token_id)
             if status is not None:
                 break
-        out = EngineCoreOutput(req.request_id, emitted,
-                               new_logprobs=_logprobs_delta(logprobs, len(emitted)),
-                               num_cached_tokens=max(req.num_cached_tokens, 0),
-                               prompt_logprobs=req.prompt_logprobs,
-                               incarnation=req.incarnation)
+        out = EngineCoreOutput(
+            req.request_id,
+            emitted,
+            new_logprobs=_logprobs_delta(logprobs, len(emitted)),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=req.prompt_logprobs,
+            incarnation=req.incarnation,
+        )
         req.prompt_logprobs = None
         if status is not None:
             self.running.remove(req)
@@ -436,7 +453,7 @@ class Scheduler:
         (the sampler masks those ids for them as well)."""
         sp = req.sampling_params
         if req.grammar is not None and req.grammar.is_terminated():
-            return RequestStatus.FINISHED_STOPPED   # nothing can follow, whatever ignore_eos
+            return RequestStatus.FINISHED_STOPPED  # nothing can follow, whatever ignore_eos
         if req.num_output_tokens > sp.min_tokens:
             if not sp.ignore_eos and token_id in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -458,14 +475,13 @@ class Scheduler:
         bitmask = self.structured.allocate_bitmask(len(so.grammar_req_ids))
         for row, req_id in enumerate(so.grammar_req_ids):
             req = self.requests.get(req_id)
-            if req is not None and req.grammar is not None and \
-                    req.epoch == so.req_epochs[req_id]:
+            if req is not None and req.grammar is not None and req.epoch == so.req_epochs[req_id]:
                 try:
                     self.structured.fill(req.grammar, bitmask, row)
                 except Exception as e:  # noqa: BLE001 -- fails this request only
                     req.error = f"structured outputs: cannot compute the token mask: {e}"
                     self.running.remove(req)
-                    self._fail(req)   # its row's sample is dropped: the request is gone
+                    self._fail(req)  # its row's sample is dropped: the request is gone
         so.grammar_bitmask = bitmask
 
     def grammar_behind(self, so: SchedulerOutput) -> bool:
@@ -473,8 +489,11 @@ class Scheduler:
         its grammar has not accepted yet (its bitmask must wait for that step's commit)."""
         for req_id in so.grammar_req_ids:
             req = self.requests.get(req_id)
-            if req is not None and req.epoch == so.req_epochs[req_id] and \
-                    req.inflight_step_ids[0] != so.step_id:
+            if (
+                req is not None
+                and req.epoch == so.req_epochs[req_id]
+                and req.inflight_step_ids[0] != so.step_id
+            ):
                 return True
         return False
 
@@ -505,7 +524,8 @@ class Scheduler:
         """Assert the invariants of DESIGN.md; tests call this after every schedule/commit."""
         assert len(self.running) <= self.config.max_num_seqs
         assert set(r.request_id for r in self.running) | set(
-            r.request_id for r in self.waiting) == set(self.requests)
+            r.request_id for r in self.waiting
+        ) == set(self.requests)
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
             assert req.num_output_placeholders >= 0, req
@@ -532,8 +552,9 @@ def _grammar_accept(grammar, token_id: int) -> str | None:
 def _logprobs_delta(logprobs: LogprobsDelta | None, num_tokens: int) -> LogprobsDelta | None:
     if logprobs is None or len(logprobs.ranks) == num_tokens:
         return logprobs
-    return LogprobsDelta(logprobs.token_ids[:num_tokens], logprobs.logprobs[:num_tokens],
-                         logprobs.ranks[:num_tokens])
+    return LogprobsDelta(
+        logprobs.token_ids[:num_tokens], logprobs.logprobs[:num_tokens], logprobs.ranks[:num_tokens]
+    )
 
 
 def _add_prompt_logprobs(req: Request, first: int, entries: LogprobsDelta) -> None:
@@ -543,8 +564,9 @@ def _add_prompt_logprobs(req: Request, first: int, entries: LogprobsDelta) -> No
     if skip >= len(entries.ranks):
         return
     if skip > 0:
-        entries = LogprobsDelta(entries.token_ids[skip:], entries.logprobs[skip:],
-                                entries.ranks[skip:])
+        entries = LogprobsDelta(
+            entries.token_ids[skip:], entries.logprobs[skip:], entries.ranks[skip:]
+        )
     req.num_prompt_logprobs += len(entries.ranks)
     held = req.prompt_logprobs
     if held is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from vserve.core.block_pool import BlockPool, KVCacheBlock
 
-NO_BLOCK = -1   # block id sent to the workers for a dead entry
+NO_BLOCK = -1  # block id sent to the workers for a dead entry
 
 
 def out_of_window(first_pos: int, window: int, block_size: int) -> int:
@@ -30,8 +30,9 @@ def out_of_window(first_pos: int, window: int, block_size: int) -> int:
     return max(0, (first_pos - window + 1) // block_size)
 
 
-def local_block_cap(window: int, block_size: int, max_num_seqs: int,
-                    max_num_batched_tokens: int, depth: int) -> int:
+def local_block_cap(
+    window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, depth: int
+) -> int:
     """Sliding-window blocks the engine can hold at once: each running request its window and
     a block of slack, plus the new tokens of the `depth` steps in flight."""
     per_seq = -(-(window - 1) // block_size) + 2
@@ -50,8 +51,7 @@ class SlidingWindowGroup:
         return out_of_window(first_pos, self.window, self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [NO_BLOCK if b is None else b.block_id
-                for b in self.req_blocks.get(request_id, ())]
+        return [NO_BLOCK if b is None else b.block_id for b in self.req_blocks.get(request_id, ())]
 
     # -- prefix hits -----------------------------------------------------------------------------
     def prefix_hit(self, hashes: list[bytes], num_blocks: int) -> list[KVCacheBlock | None] | None:
@@ -72,8 +72,7 @@ class SlidingWindowGroup:
         blocks = self.req_blocks.get(request_id)
         if not blocks:
             return
-        start, end = self.num_dead.get(request_id, 0), min(self.first_live(first_pos),
-                                                            len(blocks))
+        start, end = self.num_dead.get(request_id, 0), min(self.first_live(first_pos), len(blocks))
         if end <= start:
             return
         dead = [b for b in blocks[start:end] if b is not None]
@@ -85,8 +84,7 @@ class SlidingWindowGroup:
         num_free_hits = sum(1 for b in hit if b is not None and b.ref_cnt == 0)
         return num_new + num_free_hits <= self.pool.num_free_blocks
 
-    def allocate(self, request_id: str, num_new: int,
-                 hit: list[KVCacheBlock | None]) -> list[int]:
+    def allocate(self, request_id: str, num_new: int, hit: list[KVCacheBlock | None]) -> list[int]:
         """Append the hit's entries and `num_new` fresh blocks; returns their ids."""
         held = self.req_blocks.setdefault(request_id, [])
         if hit:
@@ -119,7 +117,7 @@ class SlidingWindowGroup:
         held: dict[int, int] = {}
         for req_id, blocks in self.req_blocks.items():
             assert len(blocks) == len(full_blocks[req_id]), req_id
-            assert all(b is None for b in blocks[:self.num_dead.get(req_id, 0)]), req_id
+            assert all(b is None for b in blocks[: self.num_dead.get(req_id, 0)]), req_id
             for b in blocks:
                 if b is not None:
                     held[b.block_id] = held.get(b.block_id, 0) + 1

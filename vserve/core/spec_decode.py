@@ -42,8 +42,9 @@ class SpeculativeConfig:
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
         unknown = set(value) - known
         if unknown:
-            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; "
-                             f"expected {sorted(known)}")
+            raise ValueError(
+                f"unknown speculative_config keys {sorted(unknown)}; expected {sorted(known)}"
+            )
         cfg = SpeculativeConfig(**value)
         if cfg.method != "ngram":
             raise ValueError(f"speculative method {cfg.method!r} is not supported; use 'ngram'")
@@ -60,20 +61,20 @@ def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int
     length = len(tokens)
     if k <= 0 or length < 2:
         return []
-    data = array("i", tokens).tobytes()   # the search runs in C: bytes.rfind, 4-byte aligned
+    data = array("i", tokens).tobytes()  # the search runs in C: bytes.rfind, 4-byte aligned
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = data[_WIDTH * (length - n):]
-        end = _WIDTH * (length - 1)       # a match ends before the last id: it has a follower
+        suffix = data[_WIDTH * (length - n) :]
+        end = _WIDTH * (length - 1)  # a match ends before the last id: it has a follower
         best: list[int] = []
         while True:
             pos = data.rfind(suffix, 0, end)
             if pos < 0:
                 break
-            end = pos + len(suffix) - 1   # the next search finds matches starting before pos
+            end = pos + len(suffix) - 1  # the next search finds matches starting before pos
             if pos % _WIDTH:
                 continue
             start = pos // _WIDTH + n
-            follow = tokens[start:start + k]
+            follow = tokens[start : start + k]
             if len(follow) == k:
                 return follow
             if len(follow) > len(best):

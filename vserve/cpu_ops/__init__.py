@@ -50,8 +50,7 @@ def _cpu_flags() -> bytes:
 
 
 def build_dir(source: Path = SOURCE) -> Path:
-    key = (source.read_bytes() + torch.__version__.encode() + sys.version.encode()
-           + _cpu_flags())
+    key = source.read_bytes() + torch.__version__.encode() + sys.version.encode() + _cpu_flags()
     digest = hashlib.sha256(key).hexdigest()[:12]
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "vserve" / "cpu_ops" / digest
@@ -74,7 +73,7 @@ def _load(key: str, build):
     if enabled_by_env():
         try:
             module = build()
-        except Exception as exc:   # no compiler, headers or linker: the eager path still works
+        except Exception as exc:  # no compiler, headers or linker: the eager path still works
             log.warning("vserve CPU kernels unavailable, using eager torch ops: %s", exc)
     _state[key] = module
     return module
@@ -89,14 +88,17 @@ def _compile(source: Path, name: str):
 
     folder = build_dir(source)
     folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.glob("*.so")):   # shown at the default log level: a 30 s pause
-        log.warning("building vserve's CPU kernels into %s (once per machine, about 30 s)",
-                    folder)
+    if not any(folder.glob("*.so")):  # shown at the default log level: a 30 s pause
+        log.warning("building vserve's CPU kernels into %s (once per machine, about 30 s)", folder)
     _ninja_on_path()
-    return load_extension(f"{name}_{folder.name}", [str(source)],
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                          verbose=False)
+    return load_extension(
+        f"{name}_{folder.name}",
+        [str(source)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        verbose=False,
+    )
 
 
 def _ninja_on_path() -> None:

@@ -23,9 +23,17 @@ from vserve.config import (
 )
 from vserve.models.hf_config import layer_windows, load_hf_config
 
-_DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
-           "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
-           "fp16": "float16"}
+_DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+}
 # CPU defaults that suit a small machine (2 cores): a batch of 64 already saturates the
 # matmuls, and an 8k-token prompt takes seconds to prefill. The KV budget follows from them.
 CPU_DEFAULT_MAX_NUM_SEQS = 64
@@ -40,7 +48,7 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_seqs: int | None = None   # None: 64 on CPU, 256 on CUDA
+    max_num_seqs: int | None = None  # None: 64 on CPU, 256 on CUDA
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -77,8 +85,10 @@ class EngineArgs:
         backend = self.attention_backend or ("triton" if device == "cuda" else "torch")
         from vserve.attention import available_backends
 
-        _require(backend in available_backends(),
-                 f"attention_backend must be one of {available_backends()}, got {backend!r}")
+        _require(
+            backend in available_backends(),
+            f"attention_backend must be one of {available_backends()}, got {backend!r}",
+        )
         async_on, reason = self._async_decision()
         parallel = self._parallel_config(device, async_on, hf_config, model_cfg.max_model_len)
         max_num_seqs = self.max_num_seqs
@@ -87,19 +97,36 @@ class EngineArgs:
         _require(max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}")
         batched = self.max_num_batched_tokens or 2048
         _require(batched >= 1, f"max_num_batched_tokens must be >= 1, got {batched}")
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
-                 f"block_size must be a power of two up to 128, got {self.block_size}")
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two up to 128, got {self.block_size}",
+        )
         scheduler = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
-            max_model_len=model_cfg.max_model_len, async_scheduling=async_on,
-            pipeline_parallel_size=parallel.pipeline_parallel_size)
-        cache = CacheConfig(self.block_size, self.enable_prefix_caching,
-                            self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
-                            self.gpu_memory_utilization,
-                            kv_sliding_window(hf_config, backend, model_cfg.max_model_len))
-        return EngineConfig(model_cfg, cache, scheduler, parallel,
-                            DeviceConfig(device, backend, self.enforce_eager), async_on, reason,
-                            self._speculative(), _watchdog_timeout(self.watchdog_timeout))
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=model_cfg.max_model_len,
+            async_scheduling=async_on,
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+        )
+        cache = CacheConfig(
+            self.block_size,
+            self.enable_prefix_caching,
+            self.num_gpu_blocks_override,
+            self.kv_cache_memory_bytes,
+            self.gpu_memory_utilization,
+            kv_sliding_window(hf_config, backend, model_cfg.max_model_len),
+        )
+        return EngineConfig(
+            model_cfg,
+            cache,
+            scheduler,
+            parallel,
+            DeviceConfig(device, backend, self.enforce_eager),
+            async_on,
+            reason,
+            self._speculative(),
+            _watchdog_timeout(self.watchdog_timeout),
+        )
 
     def _speculative(self) -> SpeculativeConfig | None:
         value = self.speculative_config
@@ -111,16 +138,20 @@ class EngineArgs:
             except ValueError as e:
                 raise ValueError(f"speculative_config must be JSON: {e}") from e
         spec = SpeculativeConfig.from_dict(value)
-        _require(spec is None or self.pipeline_parallel_size == 1,
-                 "speculative decoding with pipeline parallel is not supported")
+        _require(
+            spec is None or self.pipeline_parallel_size == 1,
+            "speculative decoding with pipeline parallel is not supported",
+        )
         return spec
 
     def _model_config(self, model_path: str, hf_config, device: str) -> ModelConfig:
         from vserve.models.registry import resolve_architecture
 
         arch = resolve_architecture(getattr(hf_config, "architectures", None))
-        _require(self.dtype in _DTYPES,
-                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        _require(
+            self.dtype in _DTYPES,
+            f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}",
+        )
         dtype = _DTYPES[self.dtype]
         if dtype == "auto":
             dtype = str(getattr(hf_config, "dtype", None) or "float32").replace("torch.", "")
@@ -132,38 +163,61 @@ class EngineArgs:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         default_len = min(limit, CPU_DEFAULT_MAX_MODEL_LEN) if device == "cpu" else limit
         max_len = self.max_model_len or default_len
-        _require(isinstance(max_len, int) and 1 < max_len <= limit,
-                 f"max_model_len must be in [2, {limit}] (the model's "
-                 f"max_position_embeddings), got {self.max_model_len!r}")
+        _require(
+            isinstance(max_len, int) and 1 < max_len <= limit,
+            f"max_model_len must be in [2, {limit}] (the model's "
+            f"max_position_embeddings), got {self.max_model_len!r}",
+        )
         names = self.served_model_name or [self.model or "gemma-3-270m"]
         if isinstance(names, str):
             names = [names]
         return ModelConfig(
-            model=model_path, tokenizer=self.tokenizer or model_path, architecture=arch,
-            dtype=dtype, seed=int(self.seed), max_model_len=max_len,
-            vocab_size=hf_config.vocab_size, eos_token_ids=eos_ids(model_path, hf_config),
-            served_model_name=names[0], max_logprobs=self.max_logprobs)
+            model=model_path,
+            tokenizer=self.tokenizer or model_path,
+            architecture=arch,
+            dtype=dtype,
+            seed=int(self.seed),
+            max_model_len=max_len,
+            vocab_size=hf_config.vocab_size,
+            eos_token_ids=eos_ids(model_path, hf_config),
+            served_model_name=names[0],
+            max_logprobs=self.max_logprobs,
+        )
 
-    def _parallel_config(self, device: str, async_on: bool, hf_config,
-                         max_model_len: int) -> ParallelConfig:
+    def _parallel_config(
+        self, device: str, async_on: bool, hf_config, max_model_len: int
+    ) -> ParallelConfig:
         pp = self.pipeline_parallel_size
-        _require(isinstance(pp, int) and pp >= 1,
-                 f"pipeline_parallel_size must be >= 1, got {pp!r}")
+        _require(
+            isinstance(pp, int) and pp >= 1, f"pipeline_parallel_size must be >= 1, got {pp!r}"
+        )
         backend = self.distributed_executor_backend or default_executor(pp, device, async_on)
-        _require(backend in ("uni", "mp"),
-                 f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
-        _require(not (pp > 1 and backend == "uni"),
-                 "pipeline_parallel_size > 1 needs distributed_executor_backend='mp'")
-        _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
-                 f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        _require(
+            backend in ("uni", "mp"),
+            f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}",
+        )
+        _require(
+            not (pp > 1 and backend == "uni"),
+            "pipeline_parallel_size > 1 needs distributed_executor_backend='mp'",
+        )
+        _require(
+            self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}",
+        )
         from vserve import envs
         from vserve.models.partition import stage_layer_counts
 
         # stages balanced by estimated cost (the lm_head counts), or VSERVE_PP_LAYER_PARTITION
-        partition = stage_layer_counts(hf_config, pp, min(max_model_len, 2048) // 2,
-                                       envs.ENV.pp_layer_partition) if pp > 1 else ()
-        return ParallelConfig(pp, backend, self.master_addr, self.master_port, self.nnodes,
-                              self.node_rank, partition)
+        partition = (
+            stage_layer_counts(
+                hf_config, pp, min(max_model_len, 2048) // 2, envs.ENV.pp_layer_partition
+            )
+            if pp > 1
+            else ()
+        )
+        return ParallelConfig(
+            pp, backend, self.master_addr, self.master_port, self.nnodes, self.node_rank, partition
+        )
 
     def _async_decision(self) -> tuple[bool, str | None]:
         if self.async_scheduling is False:
@@ -191,8 +245,10 @@ def default_executor(pp: int, device: str, async_on: bool) -> str:
 
 def _watchdog_timeout(value) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    _require(ok and math.isfinite(value) and value >= 0,
-             f"watchdog_timeout must be a finite number of seconds >= 0 (0: off), got {value!r}")
+    _require(
+        ok and math.isfinite(value) and value >= 0,
+        f"watchdog_timeout must be a finite number of seconds >= 0 (0: off), got {value!r}",
+    )
     return float(value)
 
 
@@ -217,7 +273,7 @@ def eos_ids(model_path: str, hf_config) -> tuple[int, ...]:
 
 def _resolve_device(device: str) -> str:
     if device == "auto" and _cpu_only_torch():
-        return "cpu"   # known without importing torch (a second of start-up, 300 MB)
+        return "cpu"  # known without importing torch (a second of start-up, 300 MB)
     import torch
 
     if device == "auto":

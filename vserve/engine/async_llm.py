@@ -35,8 +35,9 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.client: AsyncEngineCoreClient
-        self.tokenizer, self.client = start_with_tokenizer(config.model.tokenizer,
-                                                           lambda: AsyncMPClient(config))
+        self.tokenizer, self.client = start_with_tokenizer(
+            config.model.tokenizer, lambda: AsyncMPClient(config)
+        )
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.dead_error: str | None = None
@@ -44,7 +45,7 @@ class AsyncLLM:
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
         self.output_listeners: list[Callable[[RequestState, RequestOutput], None]] = []
         self._handler: asyncio.Task | None = None
-        self._pending_aborts: list[str] = []   # sent before the next ADD, in order
+        self._pending_aborts: list[str] = []  # sent before the next ADD, in order
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -61,14 +62,24 @@ class AsyncLLM:
         return len(self.output_processor.requests)
 
     # -- requests ----------------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       kind: OutputKind = OutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        kind: OutputKind = OutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
         state = await self.add_request(prompt, params, request_id, kind)
         async for out in self.stream(state):
             yield out
 
-    async def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                          kind: OutputKind = OutputKind.DELTA) -> RequestState:
+    async def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        kind: OutputKind = OutputKind.DELTA,
+    ) -> RequestState:
         """Validate and submit; raises ValueError for bad input, EngineDeadError if dead."""
         self._start()
         if self.dead_error is not None:
@@ -76,16 +87,22 @@ class AsyncLLM:
         text, ids = self.processor.tokenize_prompt(prompt)
         requests = self.processor.make_requests(request_id, ids, params)
         state = self.output_processor.add_request(
-            request_id, text, ids, params, [r.request_id for r in requests], kind,
-            queue=OutputCollector(kind),   # slow readers pin one (merged) output
-            incarnations=[r.incarnation for r in requests])
+            request_id,
+            text,
+            ids,
+            params,
+            [r.request_id for r in requests],
+            kind,
+            queue=OutputCollector(kind),  # slow readers pin one (merged) output
+            incarnations=[r.incarnation for r in requests],
+        )
         sent: list[str] = []
         try:
-            await self._flush_aborts()   # an earlier request of this id is aborted first
+            await self._flush_aborts()  # an earlier request of this id is aborted first
             for r in requests:
                 await self.client.add_request_async(r)
                 sent.append(r.request_id)
-        except BaseException:   # not admitted: forget its state, abort what was sent
+        except BaseException:  # not admitted: forget its state, abort what was sent
             self.output_processor.abort_request(request_id)
             self._queue_aborts(sent)
             raise
@@ -130,7 +147,7 @@ class AsyncLLM:
             try:
                 await self.client.abort_requests_async(ids)
             except EngineDeadError:
-                pass   # every request has its error already
+                pass  # every request has its error already
 
     def _abort_state(self, request_id: str) -> list[str]:
         # listeners see every request finish, aborts included (metrics count them), and a
@@ -142,7 +159,7 @@ class AsyncLLM:
                 if child.finish_reason is None:
                     child.finish_reason = "abort"
             out = self.output_processor._make_output(state)
-            assert out is not None   # every choice is finished
+            assert out is not None  # every choice is finished
             _queue(state).put_nowait(out)
             for listener in self.output_listeners:
                 listener(state, out)
@@ -208,5 +225,5 @@ class AsyncLLM:
 
 
 def _queue(state: RequestState) -> OutputCollector:
-    assert state.queue is not None   # AsyncLLM gives every request one
+    assert state.queue is not None  # AsyncLLM gives every request one
     return state.queue

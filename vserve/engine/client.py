@@ -69,7 +69,7 @@ class InprocClient:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.core = EngineCore(config, executor)
         self.num_kv_blocks = self.core.num_kv_blocks
-        self.num_adds = 0   # so that an abort never reaches a later request of the same id
+        self.num_adds = 0  # so that an abort never reaches a later request of the same id
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_adds += 1
@@ -94,7 +94,7 @@ class InprocClient:
 
     def call_utility(self, method: str, *args: Any) -> Any:
         value = self.core.call_utility(method, *args)
-        return msgspec.msgpack.decode(msgspec.msgpack.encode(value))   # as the wire gives it
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(value))  # as the wire gives it
 
     def process_memory(self) -> dict[str, int]:
         """The worker processes (if any): the engine core is the caller's own process."""

@@ -44,13 +44,19 @@ class EngineCore:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens, less than one "
                 f"sequence of max_model_len={config.model.max_model_len}; lower max_model_len "
-                "or give the cache more memory (kv_cache_memory_bytes, num_gpu_blocks_override)")
+                "or give the cache more memory (kv_cache_memory_bytes, num_gpu_blocks_override)"
+            )
         with phase("KV cache", "engine_core"):
             self.executor.init_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         self.num_local_kv_blocks = min(num_blocks, config.local_block_cap)
-        kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                            config.cache.sliding_window, self.num_local_kv_blocks)
+        kv = KVCacheManager(
+            num_blocks,
+            block_size,
+            config.cache.enable_prefix_caching,
+            config.cache.sliding_window,
+            self.num_local_kv_blocks,
+        )
         m = config.model
         self.structured = StructuredOutputManager(m.tokenizer, m.vocab_size, m.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, kv, config.speculative, self.structured)
@@ -59,9 +65,9 @@ class EngineCore:
         self.step_fn = self.step_with_batch_queue if self.depth > 1 else self.step
         self._aborts: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
         self.recorder = StepRecorder()
-        self._idle = True   # nothing ran since the engine last ran out of work
-        self._draft_waits = 0   # the scheduler's count of requests held back for drafts ...
-        self._held_for_drafts = False   # ... and whether the last schedule held one back
+        self._idle = True  # nothing ran since the engine last ran out of work
+        self._draft_waits = 0  # the scheduler's count of requests held back for drafts ...
+        self._held_for_drafts = False  # ... and whether the last schedule held one back
         self.debug_invariants = read_env().debug_invariants
         self._log_mode()
 
@@ -70,24 +76,39 @@ class EngineCore:
         if cfg.async_scheduling:
             logger.info("Asynchronous scheduling is enabled (batch queue depth %d).", self.depth)
         else:
-            logger.info("Asynchronous scheduling is off: %s (batch queue depth %d).",
-                        cfg.async_off_reason, self.depth)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens).", self.num_kv_blocks,
-                    cfg.cache.block_size, self.num_kv_blocks * cfg.cache.block_size)
+            logger.info(
+                "Asynchronous scheduling is off: %s (batch queue depth %d).",
+                cfg.async_off_reason,
+                self.depth,
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens).",
+            self.num_kv_blocks,
+            cfg.cache.block_size,
+            self.num_kv_blocks * cfg.cache.block_size,
+        )
         if cfg.cache.sliding_window is not None:
-            logger.info("KV cache of the sliding-window layers: %d blocks (window %d).",
-                        self.num_local_kv_blocks, cfg.cache.sliding_window)
+            logger.info(
+                "KV cache of the sliding-window layers: %d blocks (window %d).",
+                self.num_local_kv_blocks,
+                cfg.cache.sliding_window,
+            )
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, seq: int = 0) -> None:
         """`seq`: the ADD's arrival number; an eager abort sent before it never applies."""
         request = Request(
-            req.request_id, list(req.prompt_token_ids), req.sampling_params,
-            eos_token_ids=tuple(req.eos_token_ids), sampling_seed=req.sampling_seed,
-            cache_salt=req.cache_salt, arrival_time=req.arrival_time)
+            req.request_id,
+            list(req.prompt_token_ids),
+            req.sampling_params,
+            eos_token_ids=tuple(req.eos_token_ids),
+            sampling_seed=req.sampling_seed,
+            cache_salt=req.cache_salt,
+            arrival_time=req.arrival_time,
+        )
         request.add_seq, request.incarnation = seq, req.incarnation
-        constraint = req.sampling_params.structured_outputs   # request.use_grammar
-        if constraint is not None:   # compiles on a worker thread; admitted once ready
+        constraint = req.sampling_params.structured_outputs  # request.use_grammar
+        if constraint is not None:  # compiles on a worker thread; admitted once ready
             request.grammar_future = self.structured.submit(constraint)
         self.scheduler.add_request(request)
 
@@ -111,11 +132,19 @@ class EngineCore:
         """True when the only work left is requests whose grammars still compile: a step
         now would be empty, so the loops wait for a compile instead (no busy spin)."""
         s = self.scheduler
-        if self.batch_queue or s.running or s.finished_req_ids or s.preempted_req_ids or \
-                s.has_error_outputs() or not s.waiting:
+        if (
+            self.batch_queue
+            or s.running
+            or s.finished_req_ids
+            or s.preempted_req_ids
+            or s.has_error_outputs()
+            or not s.waiting
+        ):
             return False
-        return all(r.grammar is None and r.grammar_future is not None
-                   and not r.grammar_future.done() for r in s.waiting)
+        return all(
+            r.grammar is None and r.grammar_future is not None and not r.grammar_future.done()
+            for r in s.waiting
+        )
 
     def has_work(self) -> bool:
         busy = self.scheduler.has_requests() or bool(self.batch_queue)
@@ -148,8 +177,16 @@ class EngineCore:
         return {"engine_core": resident_bytes(), **self.executor.worker_memory()}
 
     # -- utilities: what a client may call by name; values are plain (msgpack) data ------------
-    UTILITY_METHODS = frozenset({"reset_prefix_cache", "take_step_records", "ping",
-                                 "num_kv_blocks_info", "stats", "process_memory"})
+    UTILITY_METHODS = frozenset(
+        {
+            "reset_prefix_cache",
+            "take_step_records",
+            "ping",
+            "num_kv_blocks_info",
+            "stats",
+            "process_memory",
+        }
+    )
 
     def call_utility(self, method: str, *args):
         if method not in self.UTILITY_METHODS:
@@ -180,7 +217,7 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return []
         so = self._schedule()
-        return self._commit(so, self._launch(so).result())   # nothing in flight before it
+        return self._commit(so, self._launch(so).result())  # nothing in flight before it
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput] | None:
         """Fill the queue first; when full (or nothing more to schedule), commit the oldest.
@@ -203,12 +240,11 @@ class EngineCore:
             return None
         outputs = self._commit_oldest()
         if deferred is not None:
-            while self.scheduler.grammar_behind(deferred):   # at depth >= 3: in later ones too
+            while self.scheduler.grammar_behind(deferred):  # at depth >= 3: in later ones too
                 assert self.batch_queue, "a grammar request's older step is not in the queue"
                 outputs += self._commit_oldest()
             self.scheduler.fill_grammar_bitmask(deferred)
-            self.batch_queue.append(
-                (self.executor.sample_tokens(deferred), deferred))
+            self.batch_queue.append((self.executor.sample_tokens(deferred), deferred))
         return outputs
 
     def _launch(self, so):
@@ -230,8 +266,14 @@ class EngineCore:
         # leaving only an empty step in the queue): this step starts after idle
         self._idle |= not self.scheduler.running
         so = self.scheduler.schedule()
-        self.recorder.scheduled(so, start, time.perf_counter(), len(self.batch_queue),
-                                self._no_overlap_reason(so), self._idle)
+        self.recorder.scheduled(
+            so,
+            start,
+            time.perf_counter(),
+            len(self.batch_queue),
+            self._no_overlap_reason(so),
+            self._idle,
+        )
         self._idle = False
         waits = self.scheduler.num_draft_waits
         self._held_for_drafts, self._draft_waits = waits != self._draft_waits, waits
@@ -269,12 +311,14 @@ class EngineCore:
             stats.forward_times = [r.forward_end - r.forward_start for r in recent]
             stats.launch_intervals = [r.launch_interval for r in recent if r.launch_interval]
             stats.schedule_times = [r.schedule_end - r.schedule_start for r in recent]
-            stats.schedule_exposed = [exposed_time(r.schedule_start, r.schedule_end, forwards)
-                                      for r in recent]
+            stats.schedule_exposed = [
+                exposed_time(r.schedule_start, r.schedule_end, forwards) for r in recent
+            ]
             for r in recent:
                 if r.no_overlap and r.num_tokens:
                     stats.no_overlap_steps[r.no_overlap] = (
-                        stats.no_overlap_steps.get(r.no_overlap, 0) + 1)
+                        stats.no_overlap_steps.get(r.no_overlap, 0) + 1
+                    )
         return stats
 
     def reset_prefix_cache(self) -> bool:
@@ -291,6 +335,7 @@ def _pool_problem(pool) -> str | None:
     cached = sum(b.block_hash is not None for b in pool.blocks if b.ref_cnt == 0)
     uncached_free = pool.num_free_blocks - cached
     if uncached_free + cached + in_use != pool.num_blocks:
-        return (f"free {uncached_free} + cached {cached} + in use {in_use} != "
-                f"total {pool.num_blocks}")
+        return (
+            f"free {uncached_free} + cached {cached} + in use {in_use} != total {pool.num_blocks}"
+        )
     return f"{in_use} KV blocks in use at idle" if in_use else None

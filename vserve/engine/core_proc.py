@@ -49,13 +49,14 @@ logger = logging.getLogger("vserve.engine")
 FRAME_READY, FRAME_OUTPUTS, FRAME_DEAD = b"R", b"O", b"D"
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
-                    log_level: str) -> None:
+def run_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: str
+) -> None:
     """Process entry point (spawn)."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
-    os.environ.setdefault("VSERVE_LOG_LEVEL", log_level)   # workers log at the same level
+    os.environ.setdefault("VSERVE_LOG_LEVEL", log_level)  # workers log at the same level
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    started: list[EngineCoreProc] = []   # the front end may die while we start or are stuck
+    started: list[EngineCoreProc] = []  # the front end may die while we start or are stuck
 
     def shut_down_started() -> None:
         for p in started:
@@ -71,13 +72,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
 class LocalInput(enum.Enum):
     """Inputs of the busy loop that come from this process, never from the wire."""
 
-    WAKE = "wake"     # a grammar finished compiling
-    FATAL = "fatal"   # a thread or a worker failed: the engine core dies with this message
+    WAKE = "wake"  # a grammar finished compiling
+    FATAL = "fatal"  # a thread or a worker failed: the engine core dies with this message
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
-                 parent_pid: int) -> None:
+    def __init__(
+        self, config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
+    ) -> None:
         self.ctx = zmq.Context()
         self.out_sock = self.ctx.socket(zmq.PUSH)
         self.out_sock.setsockopt(zmq.LINGER, 5000)
@@ -97,14 +99,18 @@ class EngineCoreProc:
         self.core.structured.on_compiled = lambda: self.input_queue.put((LocalInput.WAKE, None))
         executor = self.core.executor
         executor.on_failure = lambda msg: self.input_queue.put((LocalInput.FATAL, msg))
-        executor.add_host_process(parent_pid)   # the front end works beside the forward
-        self._send_now(FRAME_READY, self.encoder.encode(
-            {"num_kv_blocks": self.core.num_kv_blocks, "pid": os.getpid()}))
-        self.num_adds = 0   # ADD frames seen by the input thread (orders eager aborts)
-        self.in_thread = threading.Thread(target=self._input_loop, args=(input_addr,),
-                                          daemon=True, name="vserve-input")
-        self.out_thread = threading.Thread(target=self._output_loop, daemon=True,
-                                           name="vserve-output")
+        executor.add_host_process(parent_pid)  # the front end works beside the forward
+        self._send_now(
+            FRAME_READY,
+            self.encoder.encode({"num_kv_blocks": self.core.num_kv_blocks, "pid": os.getpid()}),
+        )
+        self.num_adds = 0  # ADD frames seen by the input thread (orders eager aborts)
+        self.in_thread = threading.Thread(
+            target=self._input_loop, args=(input_addr,), daemon=True, name="vserve-input"
+        )
+        self.out_thread = threading.Thread(
+            target=self._output_loop, daemon=True, name="vserve-output"
+        )
         self.in_thread.start()
         self.out_thread.start()
 
@@ -128,14 +134,16 @@ class EngineCoreProc:
                 busy = self.core.has_work()
                 if outputs is not None or (was_busy and not busy):
                     # publish stats on every commit and once more when going idle
-                    self.output_queue.put(EngineCoreOutputs(
-                        outputs or [], self.core.make_stats(), time.time()))
+                    self.output_queue.put(
+                        EngineCoreOutputs(outputs or [], self.core.make_stats(), time.time())
+                    )
                 was_busy = busy
         except BaseException as e:
             code = 1
             logger.error("engine core failed:\n%s", traceback.format_exc())
             self.output_queue.put(
-                EngineCoreOutputs(engine_error=_error_text("engine core failed", e)))
+                EngineCoreOutputs(engine_error=_error_text("engine core failed", e))
+            )
         finally:
             self._stop.set()
             self.output_queue.put(None)
@@ -172,19 +180,22 @@ class EngineCoreProc:
         output of its own and the engine carries on."""
         request_id = request.request_id
         if request_id in self.core.scheduler.requests:
-            self._fail_request(request_id, f"request id {request_id!r} is already running",
-                               request.incarnation)
+            self._fail_request(
+                request_id, f"request id {request_id!r} is already running", request.incarnation
+            )
             return
         try:
             self.core.add_request(request, seq)
         except Exception as e:  # noqa: BLE001 -- belongs to this request only
             logger.exception("request %s could not be added", request_id)
-            self._fail_request(request_id, f"the engine could not add the request: {e}",
-                               request.incarnation)
+            self._fail_request(
+                request_id, f"the engine could not add the request: {e}", request.incarnation
+            )
 
     def _fail_request(self, request_id: str, message: str, incarnation: int = 0) -> None:
-        out = EngineCoreOutput(request_id, [], finish_reason="error", error=message,
-                               incarnation=incarnation)
+        out = EngineCoreOutput(
+            request_id, [], finish_reason="error", error=message, incarnation=incarnation
+        )
         self.output_queue.put(EngineCoreOutputs([out], None, time.time()))
 
     def _run_utility(self, call_id: int, method: str, args: list) -> None:
@@ -231,8 +242,8 @@ class EngineCoreProc:
             ids = decoder.decode(payload)
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                 raise ValueError(f"an abort needs a list of request ids, got {ids!r:.80}")
-            self.core.abort_requests(ids, self.num_adds)   # before the next commit
-            self.input_queue.put((RequestType.ABORT, ids))           # in order with the ADDs
+            self.core.abort_requests(ids, self.num_adds)  # before the next commit
+            self.input_queue.put((RequestType.ABORT, ids))  # in order with the ADDs
         elif kind == RequestType.UTILITY:
             call_id, method, args = decoder.decode(payload)
             self.input_queue.put((RequestType.UTILITY, (call_id, method, args)))
@@ -268,7 +279,7 @@ def _add_request_id(frames: list[bytes], decoder) -> str | None:
         kind, payload = frames
         if kind[:1] != bytes([RequestType.ADD]):
             return None
-        fields = decoder.decode(payload)   # EngineCoreRequest is array-like
+        fields = decoder.decode(payload)  # EngineCoreRequest is array-like
         return fields[0] if isinstance(fields, list) and isinstance(fields[0], str) else None
     except Exception:  # noqa: BLE001 -- nothing to recover
         return None

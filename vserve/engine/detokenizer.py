@@ -58,21 +58,22 @@ class IncrementalDetokenizer:
         return self._find_stop(start)
 
     def _decode_next(self) -> None:
-        if self._stream is not None and self._backend is not None:   # a stream has a backend
+        if self._stream is not None and self._backend is not None:  # a stream has a backend
             try:
                 text = self._stream.step(self._backend, self.ids[-1])
-            except Exception:   # the Rust stream refuses some byte-fallback sequences
+            except Exception:  # the Rust stream refuses some byte-fallback sequences
                 self._leave_stream()
             else:
                 if text:
                     self.output_text += text
                 return
         decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset],
-                        skip_special_tokens=self.skip_special)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        prefix = decode(
+            self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special
+        )
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip_special)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.output_text += full[len(prefix):]
+            self.output_text += full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
 
@@ -94,13 +95,14 @@ class IncrementalDetokenizer:
         if found is None:
             return None
         idx, stop = found
-        self.output_text = text[:idx + len(stop) if self.include_stop else idx]
+        self.output_text = text[: idx + len(stop) if self.include_stop else idx]
         return stop
 
     def take_delta(self, finished: bool) -> str:
         """Text not sent yet, holding back a possible stop-string prefix unless finished."""
-        end = len(self.output_text) if finished else max(self.sent,
-                                                         len(self.output_text) - self.hold)
-        delta = self.output_text[self.sent:end]
+        end = (
+            len(self.output_text) if finished else max(self.sent, len(self.output_text) - self.hold)
+        )
+        delta = self.output_text[self.sent : end]
         self.sent = end
         return delta

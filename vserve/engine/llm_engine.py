@@ -21,7 +21,7 @@ from vserve.outputs import RequestOutput
 from vserve.sampling_params import SamplingParams
 from vserve.startup import phase, resident_bytes, start_with_tokenizer
 
-if TYPE_CHECKING:   # the in-process client is imported only when used
+if TYPE_CHECKING:  # the in-process client is imported only when used
     from vserve.engine.client import EngineCoreClient
 
 logger = logging.getLogger("vserve")
@@ -32,7 +32,8 @@ class LLMEngine:
         self.config = config
         self.client: EngineCoreClient
         self.tokenizer, self.client = start_with_tokenizer(
-            config.model.tokenizer, lambda: _make_client(config, multiprocess))
+            config.model.tokenizer, lambda: _make_client(config, multiprocess)
+        )
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._finalizer = weakref.finalize(self, self.client.shutdown)
@@ -50,19 +51,30 @@ class LLMEngine:
         they run in their own."""
         return {"frontend": resident_bytes(), **self.client.process_memory()}
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        kind: OutputKind = OutputKind.FINAL_ONLY,
+    ) -> None:
         text, ids = self.processor.tokenize_prompt(prompt)
         requests = self.processor.make_requests(request_id, ids, params)
-        self.output_processor.add_request(request_id, text, ids, params,
-                                          [r.request_id for r in requests], kind,
-                                          incarnations=[r.incarnation for r in requests])
+        self.output_processor.add_request(
+            request_id,
+            text,
+            ids,
+            params,
+            [r.request_id for r in requests],
+            kind,
+            incarnations=[r.incarnation for r in requests],
+        )
         sent: list[str] = []
         try:
             for r in requests:
                 self.client.add_request(r)
                 sent.append(r.request_id)
-        except BaseException:   # not admitted: forget its state, abort what was sent
+        except BaseException:  # not admitted: forget its state, abort what was sent
             self.output_processor.abort_request(request_id)
             if sent:
                 self.client.abort_requests(sent)

@@ -15,8 +15,14 @@ import msgspec
 from vserve.core.outputs import EngineCoreOutput, LogprobsDelta, SchedulerStats
 from vserve.sampling_params import SamplingParams
 
-__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "LogprobsDelta",
-           "RequestType", "SchedulerStats"]
+__all__ = [
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "LogprobsDelta",
+    "RequestType",
+    "SchedulerStats",
+]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -38,7 +44,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     utility_call_id: int = -1
     utility_result: bytes | None = None
-    engine_error: str | None = None    # fatal: the engine core is dead
+    engine_error: str | None = None  # fatal: the engine core is dead
 
 
 class RequestType(enum.IntEnum):

@@ -44,7 +44,7 @@ from vserve.envs import ENV
 
 logger = logging.getLogger("vserve")
 READY_TIMEOUT_S = ENV.engine_ready_timeout
-WATCHDOG_GRACE_S = 2.0   # lets the engine core's own step deadline report first
+WATCHDOG_GRACE_S = 2.0  # lets the engine core's own step deadline report first
 
 
 def watchdog_periods(timeout: float) -> tuple[float, float]:
@@ -68,7 +68,7 @@ class _EngineProcess:
     scripts without a `__main__` guard, in notebooks and under `python -c`."""
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
-        self._cpus = process_cpus(os.getpid())   # the engine core may pin us beside it
+        self._cpus = process_cpus(os.getpid())  # the engine core may pin us beside it
         self.tmpdir = tempfile.mkdtemp(prefix="vserve-")
         os.chmod(self.tmpdir, 0o700)
         input_addr = f"ipc://{self.tmpdir}/input"
@@ -80,16 +80,27 @@ class _EngineProcess:
         level = logging.getLevelName(logging.getLogger("vserve").getEffectiveLevel())
         # its own process group, which its workers join: one signal ends the whole tree
         self.proc: subprocess.Popen[bytes] = subprocess.Popen(
-            [sys.executable, "-m", "vserve.engine.core_proc", input_addr, output_addr,
-             str(os.getpid()), level], stdin=subprocess.PIPE, **_NEW_GROUP)
+            [
+                sys.executable,
+                "-m",
+                "vserve.engine.core_proc",
+                input_addr,
+                output_addr,
+                str(os.getpid()),
+                level,
+            ],
+            stdin=subprocess.PIPE,
+            **_NEW_GROUP,
+        )
         stdin = self.proc.stdin
-        assert stdin is not None   # stdin=PIPE
+        assert stdin is not None  # stdin=PIPE
         stdin.write(pickle.dumps(config))
         stdin.close()
-        self.stopping = threading.Event()   # set once we stop it: its exit is no error
+        self.stopping = threading.Event()  # set once we stop it: its exit is no error
         # stop the engine core when the client is collected or the interpreter exits
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.tmpdir,
-                                           self.stopping)
+        self._finalizer = weakref.finalize(
+            self, _stop_process, self.proc, self.tmpdir, self.stopping
+        )
         self.info = self._handshake(ctx, output_addr)
 
     @property
@@ -112,8 +123,10 @@ class _EngineProcess:
                     raise RuntimeError(payload.decode())
             if not self.alive():
                 self.close()
-                raise RuntimeError(f"the engine core exited during start-up (exit code "
-                                   f"{self.proc.returncode}); see the log above")
+                raise RuntimeError(
+                    f"the engine core exited during start-up (exit code "
+                    f"{self.proc.returncode}); see the log above"
+                )
         self.close()
         raise TimeoutError(f"the engine core was not ready within {READY_TIMEOUT_S:.0f} s")
 
@@ -132,8 +145,9 @@ class _EngineProcess:
         self.stopping.set()
         if self.alive():
             try:
-                self.input_sock.send_multipart([bytes([RequestType.SHUTDOWN]), b""],
-                                               flags=zmq.NOBLOCK)
+                self.input_sock.send_multipart(
+                    [bytes([RequestType.SHUTDOWN]), b""], flags=zmq.NOBLOCK
+                )
             except zmq.ZMQError:
                 pass
             _wait(self.proc, 20)
@@ -167,8 +181,9 @@ def _stop_process(proc: subprocess.Popen, tmpdir: str, stopping: threading.Event
 
 
 # Python 3.11 names it; before, a new session does the same for a non-interactive child
-_NEW_GROUP: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
-                              else {"start_new_session": True})
+_NEW_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -205,8 +220,7 @@ class _ClientBase(abc.ABC):
         return [bytes([RequestType.ABORT]), self._encoder.encode(list(request_ids))]
 
     def _frames_utility(self, call_id: int, method: str, args):
-        return [bytes([RequestType.UTILITY]), self._encoder.encode([call_id, method,
-                                                                    list(args)])]
+        return [bytes([RequestType.UTILITY]), self._encoder.encode([call_id, method, list(args)])]
 
     def _decode(self, frames) -> EngineCoreOutputs:
         frame, payload = frames
@@ -227,10 +241,13 @@ class _ClientBase(abc.ABC):
     def _watchdog_fired(self, waited: float) -> None:
         if self.engine.closing or self.dead_message is not None:
             return
-        self._die(f"watchdog: the engine core did not answer for {waited:g} s "
-                  f"(watchdog_timeout={self.watchdog_timeout:g} s); it and its workers were "
-                  "killed")
+        self._die(
+            f"watchdog: the engine core did not answer for {waited:g} s "
+            f"(watchdog_timeout={self.watchdog_timeout:g} s); it and its workers were "
+            "killed"
+        )
         self.engine.kill()
+
     def _route_frames(self, frames) -> bool:
         """Decode and route one message; an unexpected error marks the engine dead (a reader
         that stopped silently would hang every request). Returns False when reading ends."""
@@ -244,7 +261,7 @@ class _ClientBase(abc.ABC):
 
     @staticmethod
     def _utility_value(outs: EngineCoreOutputs):
-        assert outs.utility_result is not None   # the engine core answers every call with one
+        assert outs.utility_result is not None  # the engine core answers every call with one
         result = msgspec.msgpack.decode(outs.utility_result)
         if "error" in result:
             raise ValueError(result["error"])
@@ -260,16 +277,19 @@ class SyncMPClient(_ClientBase):
         self.outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
         self._utility: dict[int, queue.Queue] = {}
         self._send_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
-                                        name="vserve-client-reader")
+        self._reader = threading.Thread(
+            target=self._read_loop, daemon=True, name="vserve-client-reader"
+        )
         self._reader.start()
-        self._monitor = threading.Thread(target=self._watch, daemon=True,
-                                         name="vserve-client-monitor")
+        self._monitor = threading.Thread(
+            target=self._watch, daemon=True, name="vserve-client-monitor"
+        )
         self._monitor.start()
         self.watchdog_timeout = config.watchdog_timeout
         if self.watchdog_timeout:
-            threading.Thread(target=self._ping_loop, daemon=True,
-                             name="vserve-client-watchdog").start()
+            threading.Thread(
+                target=self._ping_loop, daemon=True, name="vserve-client-watchdog"
+            ).start()
 
     def _ping_loop(self) -> None:
         interval, limit = watchdog_periods(self.watchdog_timeout)
@@ -279,7 +299,7 @@ class SyncMPClient(_ClientBase):
             except queue.Empty:
                 self._watchdog_fired(limit)
                 return
-            except (EngineDeadError, zmq.ZMQError):   # dead, or shut down meanwhile
+            except (EngineDeadError, zmq.ZMQError):  # dead, or shut down meanwhile
                 return
 
     def _read_loop(self) -> None:
@@ -356,7 +376,7 @@ class SyncMPClient(_ClientBase):
         if not self.engine.closing:
             self.engine.close()
             self._reader.join(timeout=2)
-            for waiter in list(self._utility.values()):   # a ping in flight, for one
+            for waiter in list(self._utility.values()):  # a ping in flight, for one
                 waiter.put(EngineCoreOutputs(engine_error="the engine was shut down"))
             self.ctx.term()
 
@@ -390,8 +410,9 @@ class AsyncMPClient(_ClientBase):
         self._reader_task = self._loop.create_task(self._read_loop())
         if self.watchdog_timeout:
             self._ping_task = self._loop.create_task(self._ping_loop())
-        self._monitor = threading.Thread(target=self._watch, daemon=True,
-                                         name="vserve-async-monitor")
+        self._monitor = threading.Thread(
+            target=self._watch, daemon=True, name="vserve-async-monitor"
+        )
         self._monitor.start()
 
     async def _ping_loop(self) -> None:
@@ -423,7 +444,7 @@ class AsyncMPClient(_ClientBase):
             if fut is not None and not fut.done():
                 fut.set_result(outs)
         else:
-            assert self.outputs is not None   # read only after start()
+            assert self.outputs is not None  # read only after start()
             self.outputs.put_nowait(outs)
 
     def _watch(self) -> None:
@@ -432,14 +453,14 @@ class AsyncMPClient(_ClientBase):
         if not self.engine.closing:
             time.sleep(0.2)
             message = f"the engine core process died (exit code {self.engine.exitcode})"
-            assert self._loop is not None   # watched only after start()
+            assert self._loop is not None  # watched only after start()
             self._loop.call_soon_threadsafe(self._die, message)
 
     def _die(self, message: str) -> None:
         if self.dead_message is None:
             self.dead_message = message
             logger.error("engine core dead: %s", message)
-            assert self.outputs is not None   # its callers run after start()
+            assert self.outputs is not None  # its callers run after start()
             self.outputs.put_nowait(EngineCoreOutputs(engine_error=message))
             for fut in self._utility.values():
                 if not fut.done():

@@ -31,7 +31,7 @@ class OutputCollector:
         if pending is None or isinstance(item, BaseException):
             self._item = item
         elif isinstance(pending, BaseException):
-            pass   # the error stands; nothing after it is read
+            pass  # the error stands; nothing after it is read
         elif self.kind == OutputKind.DELTA:
             self._item = merge_deltas(pending, item)
         else:
@@ -53,15 +53,28 @@ def merge_deltas(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         prev = by_index.get(c.index)
         by_index[c.index] = c if prev is None else _merge_choice(prev, c)
     outputs = [by_index[i] for i in sorted(by_index)]
-    return RequestOutput(new.request_id, new.prompt, new.prompt_token_ids, outputs,
-                         new.finished, new.num_cached_tokens, new.metrics,
-                         old.prompt_logprobs or new.prompt_logprobs)
+    return RequestOutput(
+        new.request_id,
+        new.prompt,
+        new.prompt_token_ids,
+        outputs,
+        new.finished,
+        new.num_cached_tokens,
+        new.metrics,
+        old.prompt_logprobs or new.prompt_logprobs,
+    )
 
 
 def _merge_choice(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
     logprobs = None
     if old.logprobs is not None or new.logprobs is not None:
         logprobs = (old.logprobs or []) + (new.logprobs or [])
-    return CompletionOutput(new.index, old.text + new.text, old.token_ids + new.token_ids,
-                            new.cumulative_logprob, logprobs, new.finish_reason,
-                            new.stop_reason)
+    return CompletionOutput(
+        new.index,
+        old.text + new.text,
+        old.token_ids + new.token_ids,
+        new.cumulative_logprob,
+        logprobs,
+        new.finish_reason,
+        new.stop_reason,
+    )

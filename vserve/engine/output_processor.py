@@ -17,14 +17,14 @@ from vserve.engine.messages import EngineCoreOutput, LogprobsDelta
 from vserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:   # the collector imports this module
+if TYPE_CHECKING:  # the collector imports this module
     from vserve.engine.output_collector import OutputCollector
 
 
 class OutputKind(enum.Enum):
-    CUMULATIVE = 0   # every output carries everything so far
-    DELTA = 1        # every output carries only what is new (streaming)
-    FINAL_ONLY = 2   # one output, when the request finished
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output, when the request finished
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ChildState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     sent_finish: bool = False
-    incarnation: int = 0   # its engine request's; outputs of another are dropped
+    incarnation: int = 0  # its engine request's; outputs of another are dropped
 
 
 @dataclass
@@ -54,8 +54,8 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
-    queue: OutputCollector | None = None   # AsyncLLM: one per request
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [None, token 1, ...]
+    queue: OutputCollector | None = None  # AsyncLLM: one per request
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, token 1, ...]
     sent_prompt_logprobs: bool = False
 
     @property
@@ -72,22 +72,42 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                    params: SamplingParams, child_ids: list[str], kind: OutputKind,
-                    arrival_time: float | None = None, queue=None,
-                    incarnations: list[int] | None = None) -> RequestState:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+        kind: OutputKind,
+        arrival_time: float | None = None,
+        queue=None,
+        incarnations: list[int] | None = None,
+    ) -> RequestState:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         children = {}
         for i, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
             lp: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-            children[child_id] = ChildState(i, detok, logprobs=lp,
-                                            cumulative_logprob=0.0 if lp is not None else None,
-                                            incarnation=incarnations[i] if incarnations else 0)
+            children[child_id] = ChildState(
+                i,
+                detok,
+                logprobs=lp,
+                cumulative_logprob=0.0 if lp is not None else None,
+                incarnation=incarnations[i] if incarnations else 0,
+            )
             self.child_to_parent[child_id] = request_id
-        state = RequestState(request_id, prompt, prompt_ids, params, kind, children,
-                             arrival_time or time.time(), queue=queue)
+        state = RequestState(
+            request_id,
+            prompt,
+            prompt_ids,
+            params,
+            kind,
+            children,
+            arrival_time or time.time(),
+            queue=queue,
+        )
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.requests[request_id] = state
@@ -117,9 +137,9 @@ class OutputProcessor:
                 continue  # the front end already finished or aborted it
             child = state.children[out.request_id]
             if child.finish_reason is not None or (
-                    out.incarnation and child.incarnation
-                    and out.incarnation != child.incarnation):
-                continue   # finished here, or a late output of an aborted request of this id
+                out.incarnation and child.incarnation and out.incarnation != child.incarnation
+            ):
+                continue  # finished here, or a late output of an aborted request of this id
             self._apply(state, child, out, now)
             if child.finish_reason is not None and not out.finished:
                 to_abort.append(out.request_id)  # stopped by a stop string
@@ -140,14 +160,15 @@ class OutputProcessor:
                 if child.finish_reason is None:
                     child.finish_reason, child.stop_reason = "error", message
             ro = self._make_output(state)
-            assert ro is not None   # every choice is finished
+            assert ro is not None  # every choice is finished
             delivered.append((state, ro))
         self.requests.clear()
         self.child_to_parent.clear()
         return delivered
 
-    def _apply(self, state: RequestState, child: ChildState, out: EngineCoreOutput,
-               now: float) -> None:
+    def _apply(
+        self, state: RequestState, child: ChildState, out: EngineCoreOutput, now: float
+    ) -> None:
         if out.new_token_ids:
             if state.first_token_time is None:
                 state.first_token_time = now
@@ -190,9 +211,12 @@ class OutputProcessor:
         finished = state.finished
         if state.kind == OutputKind.FINAL_ONLY and not finished:
             return None
-        if not finished and state.prompt_logprobs is not None and \
-                len(state.prompt_logprobs) < len(state.prompt_token_ids):
-            return None   # the first output carries the prompt logprobs (also for n > 1)
+        if (
+            not finished
+            and state.prompt_logprobs is not None
+            and len(state.prompt_logprobs) < len(state.prompt_token_ids)
+        ):
+            return None  # the first output carries the prompt logprobs (also for n > 1)
         outs = []
         for child in sorted(state.children.values(), key=lambda c: c.index):
             if state.kind == OutputKind.DELTA and child.sent_finish:
@@ -205,14 +229,24 @@ class OutputProcessor:
             outs.append(out)
         metrics = {"arrival_time": state.arrival_time}
         if state.first_token_time is not None:
-            assert state.last_token_time is not None   # set with the first token
+            assert state.last_token_time is not None  # set with the first token
             metrics["first_token_time"] = state.first_token_time
             metrics["last_token_time"] = state.last_token_time
-        ro = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                           finished, state.num_cached_tokens, metrics)
-        if state.prompt_logprobs is not None and not state.sent_prompt_logprobs and \
-                len(state.prompt_logprobs) == len(state.prompt_token_ids):
-            ro.prompt_logprobs = state.prompt_logprobs   # (once, when streaming)
+        ro = RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            outs,
+            finished,
+            state.num_cached_tokens,
+            metrics,
+        )
+        if (
+            state.prompt_logprobs is not None
+            and not state.sent_prompt_logprobs
+            and len(state.prompt_logprobs) == len(state.prompt_token_ids)
+        ):
+            ro.prompt_logprobs = state.prompt_logprobs  # (once, when streaming)
             state.sent_prompt_logprobs = state.kind == OutputKind.DELTA
         return ro
 
@@ -220,13 +254,22 @@ class OutputProcessor:
         done = child.finish_reason is not None
         if state.kind == OutputKind.DELTA:
             text = child.detok.take_delta(done)
-            token_ids = child.token_ids[child.sent_tokens:]
-            logprobs = child.logprobs[child.sent_logprobs:] if child.logprobs is not None \
-                else None
+            token_ids = child.token_ids[child.sent_tokens :]
+            logprobs = child.logprobs[child.sent_logprobs :] if child.logprobs is not None else None
             child.sent_tokens = len(child.token_ids)
             child.sent_logprobs = len(child.logprobs or [])
         else:
-            text, token_ids, logprobs = child.detok.output_text, list(child.token_ids), \
-                child.logprobs
-        return CompletionOutput(child.index, text, token_ids, child.cumulative_logprob,
-                                logprobs, child.finish_reason, child.stop_reason)
+            text, token_ids, logprobs = (
+                child.detok.output_text,
+                list(child.token_ids),
+                child.logprobs,
+            )
+        return CompletionOutput(
+            child.index,
+            text,
+            token_ids,
+            child.cumulative_logprob,
+            logprobs,
+            child.finish_reason,
+            child.stop_reason,
+        )

@@ -43,16 +43,19 @@ class InputProcessor:
             raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, self._check_ids(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}; pass a str, "
-                         "a list of token ids or {'prompt_token_ids': [...]}")
+        raise ValueError(
+            f"unsupported prompt type {type(prompt).__name__}; pass a str, "
+            "a list of token ids or {'prompt_token_ids': [...]}"
+        )
 
     def _check_ids(self, ids) -> list[int]:
         if not isinstance(ids, list) or not ids:
             raise ValueError("prompt_token_ids must be a non-empty list of ints")
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"Token id {t!r} is out of vocabulary (vocab size "
-                                 f"{self.vocab_size})")
+                raise ValueError(
+                    f"Token id {t!r} is out of vocabulary (vocab size {self.vocab_size})"
+                )
         return list(ids)
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
@@ -62,7 +65,8 @@ class InputProcessor:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt contains {num_prompt_tokens} input tokens, which leaves no room "
-                "for output; shorten the prompt or raise max_model_len.")
+                "for output; shorten the prompt or raise max_model_len."
+            )
         max_lp = self.config.model.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -70,8 +74,10 @@ class InputProcessor:
                 raise ValueError(f"{name} must be at most {max_lp} (max_logprobs), got {value}")
         for t in list(params.logit_bias or {}) + list(params.stop_token_ids or []):
             if not 0 <= t < self.vocab_size:
-                raise ValueError(f"Token id {t} in logit_bias / stop_token_ids is out of "
-                                 f"vocabulary (vocab size {self.vocab_size})")
+                raise ValueError(
+                    f"Token id {t} in logit_bias / stop_token_ids is out of "
+                    f"vocabulary (vocab size {self.vocab_size})"
+                )
         _check_wire(params)
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)
@@ -86,8 +92,13 @@ class InputProcessor:
             changes["top_k"] = 0
         return params.clone(**changes) if changes else params
 
-    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      arrival_time: float | None = None) -> list[EngineCoreRequest]:
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> list[EngineCoreRequest]:
         """One engine request per choice; children of `n > 1` share the prompt's KV blocks."""
         self.check_params(params, len(prompt_ids))
         arrival = arrival_time or time.time()
@@ -101,11 +112,20 @@ class InputProcessor:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = base_seed if i == 0 else splitmix64((base_seed + i) & ((1 << 64) - 1))
-            if i == 1 and params.prompt_logprobs is not None:   # the first child's suffice
+            if i == 1 and params.prompt_logprobs is not None:  # the first child's suffice
                 child_params = child_params.clone(prompt_logprobs=None)
-            out.append(EngineCoreRequest(child_id, list(prompt_ids), child_params, eos,
-                                         seed & ((1 << 63) - 1), arrival, salt,
-                                         next(self._incarnations)))
+            out.append(
+                EngineCoreRequest(
+                    child_id,
+                    list(prompt_ids),
+                    child_params,
+                    eos,
+                    seed & ((1 << 63) - 1),
+                    arrival,
+                    salt,
+                    next(self._incarnations),
+                )
+            )
         return out
 
 

@@ -19,7 +19,7 @@ class StepRecord:
     step_id: int
     num_tokens: int
     num_reqs: int
-    queue_len: int            # steps already in flight when this one was scheduled
+    queue_len: int  # steps already in flight when this one was scheduled
     schedule_start: float
     schedule_end: float
     commit_start: float = 0.0
@@ -31,7 +31,7 @@ class StepRecord:
     # (start, end) of each PP stage's own forward, first to last; empty: one stage, whose
     # forward is forward_start..forward_end
     stage_forwards: tuple[tuple[float, float], ...] = ()
-    launch_interval: float = 0.0   # since the previous launch (0 for the first after idle)
+    launch_interval: float = 0.0  # since the previous launch (0 for the first after idle)
     no_overlap: str | None = None  # why the device waited for the host: no other step with
     #                                tokens in flight at launch, or its sampling waited for older
     #                                steps (a grammar)
@@ -41,18 +41,31 @@ class StepRecorder:
     def __init__(self, enabled: bool = True, max_records: int = 100_000) -> None:
         self.enabled = enabled
         self.max_records = max_records
-        self.records: dict[int, StepRecord] = {}   # by step id, oldest first
+        self.records: dict[int, StepRecord] = {}  # by step id, oldest first
         # committed since the last `drain_recent`
         self.recent: deque[StepRecord] = deque(maxlen=max_records)
         self._last_launch = 0.0
 
-    def scheduled(self, so, start: float, end: float, queue_len: int,
-                  no_overlap: str | None = None, after_idle: bool = False) -> None:
+    def scheduled(
+        self,
+        so,
+        start: float,
+        end: float,
+        queue_len: int,
+        no_overlap: str | None = None,
+        after_idle: bool = False,
+    ) -> None:
         if self.enabled:
-            if len(self.records) >= self.max_records:   # drop the oldest
+            if len(self.records) >= self.max_records:  # drop the oldest
                 del self.records[next(iter(self.records))]
-            rec = StepRecord(so.step_id, so.total_num_scheduled_tokens,
-                             len(so.num_scheduled_tokens), queue_len, start, end)
+            rec = StepRecord(
+                so.step_id,
+                so.total_num_scheduled_tokens,
+                len(so.num_scheduled_tokens),
+                queue_len,
+                start,
+                end,
+            )
             if self._last_launch and not after_idle:
                 rec.launch_interval = end - self._last_launch
             rec.no_overlap = no_overlap

@@ -23,7 +23,7 @@ import numpy as np
 from vserve.core.structured import GrammarMatcher
 from vserve.sampling_params import StructuredOutputsParams
 
-if TYPE_CHECKING:   # imported when first used
+if TYPE_CHECKING:  # imported when first used
     import xgrammar as xgr
 
 logger = logging.getLogger("vserve.engine")
@@ -48,17 +48,23 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 max_workers: int = 2) -> None:
+    def __init__(
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        max_workers: int = 2,
+    ) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers,
-                                        thread_name_prefix="vserve-grammar")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="vserve-grammar"
+        )
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
-        self._compiled = threading.Event()   # a compile finished since the last wait
-        self.on_compiled: Callable[[], None] | None = None   # the engine core's wake-up
+        self._compiled = threading.Event()  # a compile finished since the last wait
+        self.on_compiled: Callable[[], None] | None = None  # the engine core's wake-up
         self._compile_delay = _injected_delay()
 
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -90,7 +96,7 @@ class StructuredOutputManager:
     def fill(self, state: GrammarMatcher, bitmask: np.ndarray, row: int) -> None:
         import torch
 
-        cast(GrammarState, state).fill(torch.from_numpy(bitmask), row)   # made by new_state
+        cast(GrammarState, state).fill(torch.from_numpy(bitmask), row)  # made by new_state
 
     # -- compile -----------------------------------------------------------------------------------
     def _get_compiler(self):
@@ -101,8 +107,10 @@ class StructuredOutputManager:
                 from vserve.tokenizer import load_tokenizer
 
                 info = xgr.TokenizerInfo.from_huggingface(
-                    load_tokenizer(self.tokenizer_path), vocab_size=self.vocab_size,
-                    stop_token_ids=self.eos_token_ids)
+                    load_tokenizer(self.tokenizer_path),
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self.eos_token_ids,
+                )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
@@ -135,7 +143,7 @@ def grammar_source(params: StructuredOutputsParams) -> tuple[str, str]:
     if kind == "json_object":
         return "json", '{"type": "object"}'
     if kind == "choice":
-        assert params.choice is not None   # what `key` said
+        assert params.choice is not None  # what `key` said
         return "regex", "|".join(_regex_escape(c) for c in params.choice)
     return ("ebnf", value) if kind == "grammar" else (kind, value)
 
@@ -150,17 +158,19 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     check(kind, source)
 
 
-_MAX_CACHED_SOURCE = 64 * 1024   # the cache holds at most 256 x 64 KB
+_MAX_CACHED_SOURCE = 64 * 1024  # the cache holds at most 256 x 64 KB
 
 
 # xgrammar (0.2.9) writes a string with minLength / maxLength as a bounded repeat of this
 # character class: it lets raw control characters in (JSON parsers refuse them) and escapes out.
-_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+_BOUNDED_STRING_CHAR = r"(([^\"\\\r\n]))"
 # what a JSON string character is: anything but a control character, quote or backslash, or
 # an escape (one character of the string, as minLength / maxLength count it)
 _JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" vserve_json_escape))'
-_JSON_ESCAPE_RULE = (r'vserve_json_escape ::= (([\"\\/bfnrt]) | '
-                     r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))')
+_JSON_ESCAPE_RULE = (
+    r"vserve_json_escape ::= (([\"\\/bfnrt]) | "
+    r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+)
 
 
 def json_schema_grammar(source: str):
@@ -173,8 +183,10 @@ def json_schema_grammar(source: str):
     bad = " ::= " + _BOUNDED_STRING_CHAR
     if not any(line.endswith(bad) for line in lines):
         return grammar
-    mended = [line[: -len(_BOUNDED_STRING_CHAR)] + _JSON_STRING_CHAR if line.endswith(bad)
-              else line for line in lines]
+    mended = [
+        line[: -len(_BOUNDED_STRING_CHAR)] + _JSON_STRING_CHAR if line.endswith(bad) else line
+        for line in lines
+    ]
     return xgr.Grammar.from_ebnf("\n".join([*mended, _JSON_ESCAPE_RULE]))
 
 
@@ -182,14 +194,18 @@ def _check_source(kind: str, source: str) -> None:
     import xgrammar as xgr
 
     if kind == "json" and _depth(json.loads(source)) > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"structured outputs: the JSON schema is nested deeper than "
-                         f"{MAX_SCHEMA_DEPTH} levels")
+        raise ValueError(
+            f"structured outputs: the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels"
+        )
     builds: dict[str, Callable[[str], Any]] = {
-        "json": json_schema_grammar, "regex": xgr.Grammar.from_regex, "ebnf": xgr.Grammar.from_ebnf}
+        "json": json_schema_grammar,
+        "regex": xgr.Grammar.from_regex,
+        "ebnf": xgr.Grammar.from_ebnf,
+    }
     build = builds[kind]
     try:
         build(source)
-    except RuntimeError as e:   # xgrammar's parse errors; the last line says what is wrong
+    except RuntimeError as e:  # xgrammar's parse errors; the last line says what is wrong
         reason = str(e).strip().splitlines()[-1].split("] ", 1)[-1].split(": ", 1)[-1]
         name = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar"}[kind]
         raise ValueError(f"structured outputs: invalid {name}: {reason}") from None

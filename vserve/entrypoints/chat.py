@@ -15,10 +15,15 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-def render_chat(tokenizer, conversation: list[dict], chat_template: str | None = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: dict | None = None, tools: list[dict] | None = None
-                ) -> list[int]:
+def render_chat(
+    tokenizer,
+    conversation: list[dict],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+) -> list[int]:
     """Token ids of the rendered conversation; `tools` (OpenAI function definitions) go to
     the template's `tools` variable."""
     if not conversation:
@@ -33,10 +38,13 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
         add_generation_prompt = False
     try:
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False,
+            conversation,
+            chat_template=template,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            **{**(template_kwargs or {}), **({"tools": tools} if tools else {})})
+            **{**(template_kwargs or {}), **({"tools": tools} if tools else {})},
+        )
     except Exception as e:  # jinja errors, raise_exception() in templates
         raise ValueError(f"cannot apply the chat template: {e}") from e
     # the template writes the BOS token itself

@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _bench_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     return args.func(args) or 0
 
 
@@ -41,8 +42,9 @@ def _generate(args) -> int:
 
     llm = LLM(**vars(engine_args_from(args)))
     log_ready("frontend")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p
+    )
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
     else:

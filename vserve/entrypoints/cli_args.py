@@ -13,12 +13,14 @@ _HELP = {
     "model": "model folder, .gguf file, or 'gemma-3-270m' (the embedded default)",
     "dtype": "auto, float32, bfloat16 or float16",
     "max_model_len": "context length (prompt + output) per request (CPU default: the "
-                     "model's, at most 8192)",
+    "model's, at most 8192)",
     "max_num_seqs": "most requests in one batch (default: 64 on CPU, 256 on CUDA)",
     "max_num_batched_tokens": "token budget per step (prefills are chunked to fit)",
     "num_gpu_blocks_override": "number of KV blocks, whatever the device",
-    "kv_cache_memory_bytes": ("KV cache budget in bytes (CPU default: what max_num_seqs x "
-                              "max_model_len use, at most 4 GiB)"),
+    "kv_cache_memory_bytes": (
+        "KV cache budget in bytes (CPU default: what max_num_seqs x "
+        "max_model_len use, at most 4 GiB)"
+    ),
     "async_scheduling": "schedule the next step while the current one runs (default: on)",
     "pipeline_parallel_size": "split the layers over this many worker processes",
     "distributed_executor_backend": "uni (model in the engine process) or mp (workers)",
@@ -28,7 +30,7 @@ _HELP = {
     "node_rank": "this host's index (0 runs the engine)",
     "attention_backend": "torch (CPU default) or triton (CUDA default)",
     "watchdog_timeout": "seconds a step may hang (or the engine core stay silent) before the "
-                        "engine is declared dead and the server exits (0: off)",
+    "engine is declared dead and the server exits (0: off)",
     "enforce_eager": "no CUDA graphs: decode steps run eagerly too (graphs need CUDA + triton)",
 }
 
@@ -60,7 +62,8 @@ def _base_type(hint):
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)
-              if hasattr(ns, f.name)}
+    values = {
+        f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)
+    }
     values.update(overrides)
     return EngineArgs(**values)

@@ -23,8 +23,9 @@ class LLM:
     stops the engine core and its workers.
     """
 
-    def __init__(self, model: str | None = None, *, multiprocess: bool = True,
-                 **engine_kwargs) -> None:
+    def __init__(
+        self, model: str | None = None, *, multiprocess: bool = True, **engine_kwargs
+    ) -> None:
         unknown = set(engine_kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine argument(s): {sorted(unknown)}")
@@ -37,39 +38,77 @@ class LLM:
         return self.engine.tokenizer
 
     # -- generate --------------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] |
-                 None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         prompts = _as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         processed = []
         for prompt, sp in zip(prompts, params):  # validate everything before adding anything
             text, ids = self.engine.processor.tokenize_prompt(prompt)
             self.engine.processor.check_params(sp, len(ids))
-            processed.append(({"prompt": text, "prompt_token_ids": ids}
-                              if text is not None else {"prompt_token_ids": ids}, sp))
+            processed.append(
+                (
+                    {"prompt": text, "prompt_token_ids": ids}
+                    if text is not None
+                    else {"prompt_token_ids": ids},
+                    sp,
+                )
+            )
         return self._run(processed, use_tqdm)
 
-    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, chat_template, add_generation_prompt,
-                                            continue_final_message, chat_template_kwargs,
-                                            tools)
-                   for c in conversations]
+        prompts = [
+            self.apply_chat_template(
+                c,
+                chat_template,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
+                tools,
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, conversation, chat_template=None, add_generation_prompt=True,
-                            continue_final_message=False, chat_template_kwargs=None,
-                            tools=None) -> dict:
+    def apply_chat_template(
+        self,
+        conversation,
+        chat_template=None,
+        add_generation_prompt=True,
+        continue_final_message=False,
+        chat_template_kwargs=None,
+        tools=None,
+    ) -> dict:
         from vserve.entrypoints.chat import render_chat
 
-        ids = render_chat(self.get_tokenizer(), conversation, chat_template,
-                          add_generation_prompt, continue_final_message,
-                          chat_template_kwargs or {}, tools)
+        ids = render_chat(
+            self.get_tokenizer(),
+            conversation,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs or {},
+            tools,
+        )
         return {"prompt_token_ids": ids}
 
     # -- internals -------------------------------------------------------------------------------
@@ -110,8 +149,10 @@ class LLM:
                     num_in += len(out.prompt_token_ids)
                     num_out += sum(len(o.token_ids) for o in out.outputs)
                     elapsed = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, "
-                                        f"output: {num_out / elapsed:.2f} toks/s")
+                    bar.set_postfix_str(
+                        f"est. speed input: {num_in / elapsed:.2f} toks/s, "
+                        f"output: {num_out / elapsed:.2f} toks/s"
+                    )
                     bar.update(1)
         if bar is not None:
             bar.close()

@@ -51,8 +51,7 @@ class Executor(abc.ABC):
     def init_kv_cache(self, num_blocks: int) -> None: ...
 
     @abc.abstractmethod
-    def execute_model(self, so: SchedulerOutput,
-                      defer_sampling: bool = False) -> StepFuture | None:
+    def execute_model(self, so: SchedulerOutput, defer_sampling: bool = False) -> StepFuture | None:
         """Launch a step; its future, or None with `defer_sampling` (only the forward runs:
         the step's result comes from `sample_tokens`)."""
 

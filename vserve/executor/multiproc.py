@@ -64,26 +64,38 @@ class MultiprocExecutor(Executor):
         self._closing = False
         self.replies: dict[int, RunnerOutput] = {}
         self.watchdog_timeout = config.watchdog_timeout
-        self._sent_at: dict[int, float] = {}   # step id -> when it was sent (monotonic)
-        self._last_reply_at = 0.0              # steps run in order: none starts before this
+        self._sent_at: dict[int, float] = {}  # step id -> when it was sent (monotonic)
+        self._last_reply_at = 0.0  # steps run in order: none starts before this
         port = par.master_port or free_port()
         ctx = mp.get_context("spawn")
         req_r, self.req_w = ctx.Pipe(duplex=False)
         self.resp_r, resp_w = ctx.Pipe(duplex=False)
         ranks = local_ranks(par.pipeline_parallel_size, par.nnodes, 0)
         self.placement = PlacementController(
-            len(ranks), overrides_from_env(), lambda p: self._send(wire.Place(_per_rank(p, ranks))),
-            measure_self=config.async_scheduling)
+            len(ranks),
+            overrides_from_env(),
+            lambda p: self._send(wire.Place(_per_rank(p, ranks))),
+            measure_self=config.async_scheduling,
+        )
         initial = self.placement.placement
         self.procs = []
         for i, rank in enumerate(ranks):
-            setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, port,
-                              initial.worker_threads[i], initial.worker_cpus[i])
+            setup = RankSetup(
+                rank,
+                par.pipeline_parallel_size,
+                par.master_addr,
+                port,
+                initial.worker_threads[i],
+                initial.worker_cpus[i],
+            )
             conns = (req_r, resp_w) if rank == 0 else (None, None)
-            proc = ctx.Process(target=worker_main, args=(RunnerConfig.of(config, rank), setup,
-                                                         *conns),
-                               name=f"vserve-worker-{rank}", daemon=True)
-            with _environment(WORKER_ENV_DEFAULTS):   # read by the child's runtime at start
+            proc = ctx.Process(
+                target=worker_main,
+                args=(RunnerConfig.of(config, rank), setup, *conns),
+                name=f"vserve-worker-{rank}",
+                daemon=True,
+            )
+            with _environment(WORKER_ENV_DEFAULTS):  # read by the child's runtime at start
                 proc.start()
             self.procs.append(proc)
         req_r.close()
@@ -101,8 +113,7 @@ class MultiprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self._call(wire.InitKvCache(num_blocks))
 
-    def execute_model(self, so: SchedulerOutput,
-                      defer_sampling: bool = False) -> StepFuture | None:
+    def execute_model(self, so: SchedulerOutput, defer_sampling: bool = False) -> StepFuture | None:
         self._send(wire.Execute(so, defer_sampling))
         self._sent_at[so.step_id] = time.monotonic()
         return None if defer_sampling else self._future(so.step_id)
@@ -127,8 +138,9 @@ class MultiprocExecutor(Executor):
     def check_health(self) -> None:
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise WorkerError(f"worker rank {rank} (pid {proc.pid}) died with exit code "
-                                  f"{proc.exitcode}")
+                raise WorkerError(
+                    f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+                )
 
     def shutdown(self) -> None:
         if self._closing:
@@ -168,8 +180,9 @@ class MultiprocExecutor(Executor):
         self._send(msg)
         reply = self._recv(timeout)
         if not isinstance(reply, wire.Ok):
-            raise WorkerError(f"the workers answered {type(reply).__name__} to "
-                              f"{type(msg).__name__}")
+            raise WorkerError(
+                f"the workers answered {type(reply).__name__} to {type(msg).__name__}"
+            )
         return reply.value
 
     def _reply_for(self, step_id: int, timeout: float | None) -> RunnerOutput:
@@ -211,9 +224,11 @@ class MultiprocExecutor(Executor):
         waited = time.monotonic() - since
         if waited >= self.watchdog_timeout:
             self.kill()
-            raise WorkerError(f"watchdog: step {step_id} got no reply from the workers in "
-                              f"{waited:.1f} s (watchdog_timeout={self.watchdog_timeout:g} s); "
-                              "the workers were killed")
+            raise WorkerError(
+                f"watchdog: step {step_id} got no reply from the workers in "
+                f"{waited:.1f} s (watchdog_timeout={self.watchdog_timeout:g} s); "
+                "the workers were killed"
+            )
 
     def _recv(self, timeout: float | None) -> wire.WorkerReply:
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs)}
@@ -225,7 +240,7 @@ class MultiprocExecutor(Executor):
                 self.check_health()
                 raise WorkerError("the workers closed their reply channel") from None
             try:
-                reply = wire.decode_reply(data)   # typed: the last rank may be on another host
+                reply = wire.decode_reply(data)  # typed: the last rank may be on another host
             except wire.MessageError as e:
                 raise WorkerError(str(e)) from None
             if isinstance(reply, wire.Error):
@@ -235,8 +250,9 @@ class MultiprocExecutor(Executor):
             raise TimeoutError("no reply from the workers")
         rank, proc = sentinels[ready[0]]
         proc.join(timeout=1)
-        raise WorkerError(f"worker rank {rank} (pid {proc.pid}) died with exit code "
-                          f"{proc.exitcode}")
+        raise WorkerError(
+            f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+        )
 
     def _watch(self) -> None:
         wait([p.sentinel for p in self.procs])
@@ -247,8 +263,10 @@ class MultiprocExecutor(Executor):
 
 def _per_rank(placement, ranks: range) -> dict[int, tuple[int, tuple[int, ...]]]:
     """What each local rank needs of a placement: {rank: (torch threads, CPUs)}."""
-    return {rank: (placement.worker_threads[i], placement.worker_cpus[i])
-            for i, rank in enumerate(ranks)}
+    return {
+        rank: (placement.worker_threads[i], placement.worker_cpus[i])
+        for i, rank in enumerate(ranks)
+    }
 
 
 @contextmanager

@@ -31,9 +31,9 @@ RELEASE_BELOW = 0.1
 
 @dataclass(frozen=True)
 class Placement:
-    worker_cpus: tuple[tuple[int, ...], ...]   # per local worker; () = unpinned
-    worker_threads: tuple[int, ...]            # torch intra-op threads per local worker
-    host_cpus: tuple[int, ...]                 # engine core and front end; () = unpinned
+    worker_cpus: tuple[tuple[int, ...], ...]  # per local worker; () = unpinned
+    worker_threads: tuple[int, ...]  # torch intra-op threads per local worker
+    host_cpus: tuple[int, ...]  # engine core and front end; () = unpinned
     num_reserved: int
 
     @property
@@ -46,8 +46,8 @@ class PlacementOverrides:
     """From VSERVE_CPU_NUM_RESERVED and VSERVE_CPU_THREADS_BIND (None: choose automatically)."""
 
     num_reserved: int | None = None
-    bind: tuple[tuple[int, ...], ...] | None = None   # one CPU group per local worker
-    nobind: bool = False                              # leave every thread where the OS puts it
+    bind: tuple[tuple[int, ...], ...] | None = None  # one CPU group per local worker
+    nobind: bool = False  # leave every thread where the OS puts it
 
     @property
     def fixed(self) -> bool:
@@ -55,7 +55,7 @@ class PlacementOverrides:
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """"0-3,6" -> (0, 1, 2, 3, 6)."""
+    """ "0-3,6" -> (0, 1, 2, 3, 6)."""
     cpus: list[int] = []
     for part in text.split(","):
         part = part.strip()
@@ -85,8 +85,12 @@ def parse_overrides(num_reserved: str | None, bind: str | None) -> PlacementOver
     return PlacementOverrides(reserved, tuple(parse_cpu_list(g) for g in bind.split("|")))
 
 
-def plan_placement(cpus: Sequence[int], num_workers: int, num_reserved: int,
-                   overrides: PlacementOverrides = PlacementOverrides()) -> Placement:
+def plan_placement(
+    cpus: Sequence[int],
+    num_workers: int,
+    num_reserved: int,
+    overrides: PlacementOverrides = PlacementOverrides(),
+) -> Placement:
     """The placement for `num_reserved` host cores (capped so every worker keeps a core)."""
     cpus = tuple(sorted(cpus))
     if overrides.nobind:
@@ -101,9 +105,14 @@ def plan_placement(cpus: Sequence[int], num_workers: int, num_reserved: int,
     return Placement(groups, tuple(len(g) for g in groups), host, reserved)
 
 
-def choose_num_reserved(host_cpu_s: float, worker_cpu_s: float, current: int,
-                        num_cpus: int, num_workers: int,
-                        overrides: PlacementOverrides = PlacementOverrides()) -> int:
+def choose_num_reserved(
+    host_cpu_s: float,
+    worker_cpu_s: float,
+    current: int,
+    num_cpus: int,
+    num_workers: int,
+    overrides: PlacementOverrides = PlacementOverrides(),
+) -> int:
     """How many cores to reserve, from one window of measurements.
 
     host_cpu_s: CPU seconds the host spent beside the forward (engine core and front end
@@ -126,15 +135,17 @@ def _unpinned(cpus: tuple[int, ...], num_workers: int) -> Placement:
     return Placement(((),) * num_workers, (threads,) * num_workers, (), 0)
 
 
-def _bound(cpus: tuple[int, ...], num_workers: int,
-           bind: tuple[tuple[int, ...], ...]) -> Placement:
+def _bound(cpus: tuple[int, ...], num_workers: int, bind: tuple[tuple[int, ...], ...]) -> Placement:
     if len(bind) != num_workers:
-        raise ValueError(f"VSERVE_CPU_THREADS_BIND names {len(bind)} CPU groups for "
-                         f"{num_workers} local workers ('|' separates the groups)")
+        raise ValueError(
+            f"VSERVE_CPU_THREADS_BIND names {len(bind)} CPU groups for "
+            f"{num_workers} local workers ('|' separates the groups)"
+        )
     unknown = sorted({c for g in bind for c in g} - set(cpus))
     if unknown:
-        raise ValueError(f"VSERVE_CPU_THREADS_BIND names CPUs {unknown} outside this "
-                         f"process's CPUs {list(cpus)}")
+        raise ValueError(
+            f"VSERVE_CPU_THREADS_BIND names CPUs {unknown} outside this process's CPUs {list(cpus)}"
+        )
     used = {c for g in bind for c in g}
     host = tuple(c for c in cpus if c not in used)
     return Placement(tuple(bind), tuple(len(g) for g in bind), host, len(host))

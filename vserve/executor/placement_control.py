@@ -27,10 +27,11 @@ from vserve.executor.placement import (
 
 logger = logging.getLogger("vserve.executor")
 
-WINDOW_STEPS = 8           # at least this many steps ...
-WINDOW_SECONDS = 0.15      # ... and this much wall time per decision (short: a host-bound
-                           # run of a second must not spend a third of it unplaced)
-MIN_BUSY_FRACTION = 0.5    # windows where the worker idled more than this are discarded
+WINDOW_STEPS = 8  # at least this many steps ...
+WINDOW_SECONDS = 0.15  # ... and this much wall time per decision (short: a host-bound
+# run of a second must not spend a third of it unplaced)
+MIN_BUSY_FRACTION = 0.5  # windows where the worker idled more than this are discarded
+
 
 def overrides_from_env() -> PlacementOverrides:
     from vserve.envs import read_env
@@ -42,24 +43,35 @@ def overrides_from_env() -> PlacementOverrides:
 class PlacementController:
     """Chooses the placement from measured figures and applies it (see the module doc)."""
 
-    def __init__(self, num_workers: int, overrides: PlacementOverrides,
-                 send_to_workers: Callable[[Placement], None], measure_self: bool,
-                 cpus: tuple[int, ...] | None = None, os_hooks=None) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        overrides: PlacementOverrides,
+        send_to_workers: Callable[[Placement], None],
+        measure_self: bool,
+        cpus: tuple[int, ...] | None = None,
+        os_hooks=None,
+    ) -> None:
         """`measure_self`: this process (the engine core) works beside the forward (async
         scheduling), so its CPU time counts as host work. `os_hooks` (tests): replacements for
         (pin_process, process_cpu_seconds, process_cpus, clock)."""
         self._pin, self._cpu_seconds, self._cpus_of, self._clock = os_hooks or (
-            pin_process, process_cpu_seconds, process_cpus, time.perf_counter)
+            pin_process,
+            process_cpu_seconds,
+            process_cpus,
+            time.perf_counter,
+        )
         self.cpus = cpus or available_cpus()
         self.num_workers = num_workers
         self.overrides = overrides
         self.send_to_workers = send_to_workers
-        self.host_pids: list[int] = [os.getpid()]   # pinned to the host CPUs
-        self._original = {os.getpid(): self.cpus}   # each host process's CPUs before us
-        self.measured_pids = [os.getpid()] if measure_self else []   # CPU time = host work
-        self.worker_pids: list[int] = []   # set once the workers run
-        self.placement = plan_placement(self.cpus, num_workers, overrides.num_reserved or 0,
-                                        overrides)
+        self.host_pids: list[int] = [os.getpid()]  # pinned to the host CPUs
+        self._original = {os.getpid(): self.cpus}  # each host process's CPUs before us
+        self.measured_pids = [os.getpid()] if measure_self else []  # CPU time = host work
+        self.worker_pids: list[int] = []  # set once the workers run
+        self.placement = plan_placement(
+            self.cpus, num_workers, overrides.num_reserved or 0, overrides
+        )
         self.num_changes = 0
         self._reset_window()
 
@@ -101,15 +113,21 @@ class PlacementController:
 
     def _decide(self, host_cpu_s: float, worker_cpu_s: float) -> None:
         current = self.placement.num_reserved
-        wanted = choose_num_reserved(host_cpu_s, worker_cpu_s, current, len(self.cpus),
-                                     self.num_workers, self.overrides)
+        wanted = choose_num_reserved(
+            host_cpu_s, worker_cpu_s, current, len(self.cpus), self.num_workers, self.overrides
+        )
         if wanted == current:
             return
         self.apply(plan_placement(self.cpus, self.num_workers, wanted, self.overrides))
-        logger.info("CPU placement: %d core(s) reserved for host work (host CPU %.2f x the "
-                    "workers'); workers on %s with %s threads, host on %s", wanted,
-                    host_cpu_s / max(worker_cpu_s, 1e-9), self.placement.worker_cpus or "any CPU",
-                    self.placement.worker_threads, self.placement.host_cpus or "any CPU")
+        logger.info(
+            "CPU placement: %d core(s) reserved for host work (host CPU %.2f x the "
+            "workers'); workers on %s with %s threads, host on %s",
+            wanted,
+            host_cpu_s / max(worker_cpu_s, 1e-9),
+            self.placement.worker_cpus or "any CPU",
+            self.placement.worker_threads,
+            self.placement.host_cpus or "any CPU",
+        )
 
     def apply(self, placement: Placement) -> None:
         self.placement = placement
@@ -125,8 +143,10 @@ class PlacementController:
                 self._pin(pid, self._original[pid])
 
     def _cpu_times(self) -> tuple[float, float]:
-        return (sum(self._cpu_seconds(pid) for pid in self.measured_pids),
-                sum(self._cpu_seconds(pid) for pid in self.worker_pids))
+        return (
+            sum(self._cpu_seconds(pid) for pid in self.measured_pids),
+            sum(self._cpu_seconds(pid) for pid in self.worker_pids),
+        )
 
     def _reset_window(self) -> None:
         self._steps, self._busy = 0, 0.0

@@ -28,8 +28,9 @@ STOP_GRACE_S = 3.0
 def run_remote_workers(config: EngineConfig) -> int:
     par = config.parallel
     if par.node_rank == 0 or par.nnodes < 2:
-        raise ValueError("`vserve worker` runs the stages of a host with --node-rank >= 1 "
-                         "of --nnodes >= 2")
+        raise ValueError(
+            "`vserve worker` runs the stages of a host with --node-rank >= 1 of --nnodes >= 2"
+        )
     if not par.master_port:
         raise ValueError("--master-port is required for multi-host pipeline parallel")
     ranks = local_ranks(par.pipeline_parallel_size, par.nnodes, par.node_rank)
@@ -37,14 +38,24 @@ def run_remote_workers(config: EngineConfig) -> int:
     ctx = mp.get_context("spawn")
     procs = []
     for rank in ranks:
-        setup = RankSetup(rank, par.pipeline_parallel_size, par.master_addr, par.master_port,
-                          threads)
-        proc = ctx.Process(target=worker_main, args=(RunnerConfig.of(config, rank), setup),
-                           name=f"vserve-worker-{rank}", daemon=True)
+        setup = RankSetup(
+            rank, par.pipeline_parallel_size, par.master_addr, par.master_port, threads
+        )
+        proc = ctx.Process(
+            target=worker_main,
+            args=(RunnerConfig.of(config, rank), setup),
+            name=f"vserve-worker-{rank}",
+            daemon=True,
+        )
         proc.start()
         procs.append(proc)
-    logger.warning("node %d: started ranks %s, waiting for the engine at %s:%d", par.node_rank,
-                   list(ranks), par.master_addr, par.master_port)
+    logger.warning(
+        "node %d: started ranks %s, waiting for the engine at %s:%d",
+        par.node_rank,
+        list(ranks),
+        par.master_addr,
+        par.master_port,
+    )
     return _supervise(procs)
 
 
@@ -52,8 +63,10 @@ def _supervise(procs: list) -> int:
     """Wait for the ranks; on SIGINT / SIGTERM stop them. Exit status: the first non-zero
     exit code of a rank, or 128 + signal number when stopped by a signal."""
     received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        s: signal.signal(s, lambda signum, _: received.append(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         while not received and any(p.is_alive() for p in procs):
             wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)

@@ -22,8 +22,7 @@ class UniProcExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
-    def execute_model(self, so: SchedulerOutput,
-                      defer_sampling: bool = False) -> StepFuture | None:
+    def execute_model(self, so: SchedulerOutput, defer_sampling: bool = False) -> StepFuture | None:
         out = self.worker.execute_model(so, defer_sampling)
         return None if defer_sampling else StepFuture(lambda timeout: out.get())
 

@@ -21,24 +21,32 @@ from vserve.models.layers import (
 )
 from vserve.models.stage import FusedLinear, StageInfo, check_all_loaded, load_weights
 
-STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def head_dim_of(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or (
-        hf_config.hidden_size // hf_config.num_attention_heads)
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, hf_config, spec: AttentionLayerSpec, layer_idx: int, qk_norm: bool,
-                 bias: bool) -> None:
+    def __init__(
+        self, hf_config, spec: AttentionLayerSpec, layer_idx: int, qk_norm: bool, bias: bool
+    ) -> None:
         super().__init__()
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         self.qkv_proj = FusedLinear(hf_config.hidden_size, [h * d, kv * d, kv * d], bias=bias)
-        self.o_proj = nn.Linear(h * d, hf_config.hidden_size,
-                                bias=getattr(hf_config, "attention_bias", False))
+        self.o_proj = nn.Linear(
+            h * d, hf_config.hidden_size, bias=getattr(hf_config, "attention_bias", False)
+        )
         eps = hf_config.rms_norm_eps
         self.q_norm = RMSNorm(d, eps) if qk_norm else None
         self.k_norm = RMSNorm(d, eps) if qk_norm else None
@@ -74,8 +82,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, rope, kv_caches, meta, backend):
         h = h + self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
-        return h + gated_mlp(self.post_attention_layernorm(h), self.mlp.gate_up_proj,
-                             self.mlp.down_proj, self.act, self.kernel)
+        return h + gated_mlp(
+            self.post_attention_layernorm(h),
+            self.mlp.gate_up_proj,
+            self.mlp.down_proj,
+            self.act,
+            self.kernel,
+        )
 
 
 class DecoderForCausalLM(nn.Module):
@@ -90,8 +103,13 @@ class DecoderForCausalLM(nn.Module):
         d = head_dim_of(hf_config)
         self.windows = layer_windows(hf_config)
         self.layer_specs = [
-            AttentionLayerSpec(hf_config.num_attention_heads, hf_config.num_key_value_heads, d,
-                               d ** -0.5, self.windows[i])
+            AttentionLayerSpec(
+                hf_config.num_attention_heads,
+                hf_config.num_key_value_heads,
+                d,
+                d**-0.5,
+                self.windows[i],
+            )
             for i in range(hf_config.num_hidden_layers)
         ]
         self.model = nn.Module()
@@ -99,17 +117,24 @@ class DecoderForCausalLM(nn.Module):
             self.model.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.model.layers = nn.ModuleList(
             DecoderLayer(hf_config, self.layer_specs[i], i, qk_norm, bias)
-            for i in range(stage.start_layer, stage.end_layer))
+            for i in range(stage.start_layer, stage.end_layer)
+        )
         if stage.is_last:
             self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         inv_freq, scaling = rope_inv_freq(hf_config)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
         self.kernel = None
-        self.fused = None   # FusedDecode, set when the CPU kernels are attached
+        self.fused = None  # FusedDecode, set when the CPU kernels are attached
 
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches,
-                meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches,
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, hidden states [T, hidden] otherwise."""
         h = self.model.embed_tokens(inputs) if self.stage.is_first else inputs
         rope = self.rotary.cos_sin(positions, h.dtype)
@@ -128,11 +153,12 @@ class DecoderForCausalLM(nn.Module):
         return [n.weight for n in norms], 0, 0, norms[0].eps
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)   # model dtype: the sampler widens only when needed
+        return self.lm_head(hidden)  # model dtype: the sampler widens only when needed
 
     def load_weights(self, weights) -> None:
-        loaded = load_weights(self, _tie(weights, self.tie, self.stage.is_last), STACKED,
-                              self._rename)
+        loaded = load_weights(
+            self, _tie(weights, self.tie, self.stage.is_last), STACKED, self._rename
+        )
         check_all_loaded(self, loaded)
 
     def _rename(self, name: str) -> str | None:
@@ -151,7 +177,7 @@ def rename_layer(name: str, stage: StageInfo) -> str | None:
     if "rotary_emb" in name:
         return None
     if name.startswith("model.layers."):
-        idx_str, _, rest = name[len("model.layers."):].partition(".")
+        idx_str, _, rest = name[len("model.layers.") :].partition(".")
         idx = int(idx_str)
         if not stage.owns(idx):
             return None

@@ -24,9 +24,9 @@ class LayerConsts(NamedTuple):
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    window: int                             # sliding window, or -1
+    window: int  # sliding window, or -1
     scale: float
-    softcap: float                          # 0: none
+    softcap: float  # 0: none
     eps: float
     norm_style: int
     activation: int
@@ -34,12 +34,12 @@ class LayerConsts(NamedTuple):
 
 @dataclass(frozen=True)
 class FusedLayer:
-    weights: list[torch.Tensor]             # packed qkv, o, gate_up, down
-    plain: list[torch.Tensor]               # the same, row-major (one-row gemv)
+    weights: list[torch.Tensor]  # packed qkv, o, gate_up, down
+    plain: list[torch.Tensor]  # the same, row-major (one-row gemv)
     biases: list[torch.Tensor | None]
-    norms: list[torch.Tensor]               # in the order decoder_layer documents per style
-    layer_idx: int                          # index into the KV cache list
-    rope: int                               # which of the step's rotary tables
+    norms: list[torch.Tensor]  # in the order decoder_layer documents per style
+    layer_idx: int  # index into the KV cache list
+    rope: int  # which of the step's rotary tables
     consts: LayerConsts
 
 
@@ -51,19 +51,35 @@ class FusedDecode:
     @staticmethod
     def can_run(meta: AttentionMetadata, backend) -> bool:
         # one token per request, in request order (decoder_layer pairs token r with row r)
-        return (meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs
-                and backend.name == "torch")
+        return (
+            meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs and backend.name == "torch"
+        )
 
     def run(self, h: torch.Tensor, ropes, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         seq_lens, layer_fn = meta.seq_lens.long(), self.kernel.decoder_layer
         full = (meta.slot_mapping, meta.block_tables.long())
-        local = full if meta.local_block_tables is None else \
-            (meta.local_slot_mapping, meta.local_block_tables.long())   # sliding-window group
+        local = (
+            full
+            if meta.local_block_tables is None
+            else (meta.local_slot_mapping, meta.local_block_tables.long())
+        )  # sliding-window group
         for f in self.layers:
             cos, sin = ropes[f.rope]
             slots, tables = local if f.consts.window > 0 else full
-            h = layer_fn(h, f.weights, f.plain, f.biases, f.norms, kv_caches[f.layer_idx], slots,
-                         tables, seq_lens, cos, sin, *f.consts)
+            h = layer_fn(
+                h,
+                f.weights,
+                f.plain,
+                f.biases,
+                f.norms,
+                kv_caches[f.layer_idx],
+                slots,
+                tables,
+                seq_lens,
+                cos,
+                sin,
+                *f.consts,
+            )
         return h
 
 
@@ -74,17 +90,35 @@ def build_fused(model, kernel) -> FusedDecode | None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if not all(isinstance(m, PackedLinear) and m.plain is not None for m in linears) or \
-                layer.act not in KERNEL_ACTIVATIONS:
+        if (
+            not all(isinstance(m, PackedLinear) and m.plain is not None for m in linears)
+            or layer.act not in KERNEL_ACTIVATIONS
+        ):
             return None
         norms, style, rope, eps = model.fused_norms(layer)
         spec = attn.attn.spec
-        consts = LayerConsts(spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                             spec.sliding_window or -1, spec.scale, spec.logit_softcap or 0.0,
-                             eps, style, KERNEL_ACTIVATIONS[layer.act])
-        layers.append(FusedLayer([m.packed for m in linears], [m.plain for m in linears],
-                                 [m.bias for m in linears], norms,
-                                 attn.attn.layer_idx, rope, consts))
+        consts = LayerConsts(
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.sliding_window or -1,
+            spec.scale,
+            spec.logit_softcap or 0.0,
+            eps,
+            style,
+            KERNEL_ACTIVATIONS[layer.act],
+        )
+        layers.append(
+            FusedLayer(
+                [m.packed for m in linears],
+                [m.plain for m in linears],
+                [m.bias for m in linears],
+                norms,
+                attn.attn.layer_idx,
+                rope,
+                consts,
+            )
+        )
     return FusedDecode(kernel, layers)
 
 

@@ -63,8 +63,13 @@ class Gemma3DecoderLayer(nn.Module):
         rope = ropes[1] if self.sliding else ropes[0]
         attn = self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
         h = h + self.post_attention_layernorm(attn)
-        mlp = gated_mlp(self.pre_feedforward_layernorm(h), self.mlp.gate_up_proj,
-                        self.mlp.down_proj, self.act, self.kernel)
+        mlp = gated_mlp(
+            self.pre_feedforward_layernorm(h),
+            self.mlp.gate_up_proj,
+            self.mlp.down_proj,
+            self.act,
+            self.kernel,
+        )
         return h + self.post_feedforward_layernorm(mlp)
 
 
@@ -75,34 +80,48 @@ class Gemma3ForCausalLM(nn.Module):
         self.stage = stage
         d = head_dim_of(hf_config)
         types = hf_config.layer_types
-        self.windows = [hf_config.sliding_window if t == "sliding_attention" else None
-                        for t in types]
+        self.windows = [
+            hf_config.sliding_window if t == "sliding_attention" else None for t in types
+        ]
         self.layer_specs = [
-            AttentionLayerSpec(hf_config.num_attention_heads, hf_config.num_key_value_heads, d,
-                               hf_config.query_pre_attn_scalar ** -0.5, self.windows[i],
-                               getattr(hf_config, "attn_logit_softcapping", None))
+            AttentionLayerSpec(
+                hf_config.num_attention_heads,
+                hf_config.num_key_value_heads,
+                d,
+                hf_config.query_pre_attn_scalar**-0.5,
+                self.windows[i],
+                getattr(hf_config, "attn_logit_softcapping", None),
+            )
             for i in range(hf_config.num_hidden_layers)
         ]
         self.model = nn.Module()
         if stage.is_first:
             self.model.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-            self.embed_scale = hf_config.hidden_size ** 0.5
+            self.embed_scale = hf_config.hidden_size**0.5
         self.model.layers = nn.ModuleList(
             Gemma3DecoderLayer(hf_config, self.layer_specs[i], i)
-            for i in range(stage.start_layer, stage.end_layer))
+            for i in range(stage.start_layer, stage.end_layer)
+        )
         if stage.is_last:
             self.model.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)
-        self.tie = True   # Gemma 3 always ties the head to the embedding
+        self.tie = True  # Gemma 3 always ties the head to the embedding
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(*rope_inv_freq(hf_config, t), max_positions)
-            for t in ("full_attention", "sliding_attention"))
+            for t in ("full_attention", "sliding_attention")
+        )
         self.kernel = None
-        self.fused = None   # FusedDecode, set when the CPU kernels are attached
+        self.fused = None  # FusedDecode, set when the CPU kernels are attached
 
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, kv_caches,
-                meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches,
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
         if self.stage.is_first:
             emb = self.model.embed_tokens(inputs)
             h = emb * torch.tensor(self.embed_scale, dtype=emb.dtype)
@@ -118,26 +137,34 @@ class Gemma3ForCausalLM(nn.Module):
 
     def fused_norms(self, layer: Gemma3DecoderLayer):
         """Norm scales, norm style, rotary table and eps of `layer` for the fused kernel."""
-        norms = [layer.input_layernorm, layer.post_attention_layernorm,
-                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm,
-                 layer.self_attn.q_norm, layer.self_attn.k_norm]
+        norms = [
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm,
+            layer.post_feedforward_layernorm,
+            layer.self_attn.q_norm,
+            layer.self_attn.k_norm,
+        ]
         return [n.scale for n in norms], 1, int(layer.sliding), norms[0].eps
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits   # model dtype: the sampler widens only when needed
+        return logits  # model dtype: the sampler widens only when needed
 
     def load_weights(self, weights) -> None:
-        loaded = load_weights(self, _tie(weights, self.tie, self.stage.is_last), STACKED,
-                              lambda name: rename_layer(_strip(name), self.stage))
+        loaded = load_weights(
+            self,
+            _tie(weights, self.tie, self.stage.is_last),
+            STACKED,
+            lambda name: rename_layer(_strip(name), self.stage),
+        )
         check_all_loaded(self, loaded)
 
 
 def _strip(name: str) -> str:
     # checkpoints of the multimodal wrapper prefix the text model
-    return name.replace("language_model.model.", "model.").replace("model.language_model.",
-                                                                   "model.")
-
-
+    return name.replace("language_model.model.", "model.").replace(
+        "model.language_model.", "model."
+    )

@@ -35,8 +35,11 @@ USER_DEFINED_SPECIAL: dict[str, frozenset[str]] = {
 def special_tokens(architecture: str, tokens: list[str], token_types: list[int]) -> list[str]:
     """The tokens to mark special, in vocabulary order."""
     extra = USER_DEFINED_SPECIAL.get(architecture, frozenset())
-    return [token for token, kind in zip(tokens, token_types)
-            if kind in SPECIAL_TYPES or (kind == USER_DEFINED and token in extra)]
+    return [
+        token
+        for token, kind in zip(tokens, token_types)
+        if kind in SPECIAL_TYPES or (kind == USER_DEFINED and token in extra)
+    ]
 
 
 def read_special_tokens(gguf: Path) -> list[str]:
@@ -48,8 +51,11 @@ def read_special_tokens(gguf: Path) -> list[str]:
     if "tokenizer.ggml.token_type" not in fields:
         return []
     architecture = fields["general.architecture"].contents()
-    return special_tokens(architecture, fields["tokenizer.ggml.tokens"].contents(),
-                          fields["tokenizer.ggml.token_type"].contents())
+    return special_tokens(
+        architecture,
+        fields["tokenizer.ggml.tokens"].contents(),
+        fields["tokenizer.ggml.token_type"].contents(),
+    )
 
 
 def mark_special(tokenizer, tokens: list[str]) -> None:
@@ -60,4 +66,5 @@ def mark_special(tokenizer, tokens: list[str]) -> None:
 
     vocab = tokenizer.get_vocab()
     tokenizer.backend_tokenizer.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token in tokens if token in vocab])
+        [AddedToken(token, special=True, normalized=False) for token in tokens if token in vocab]
+    )

@@ -45,7 +45,7 @@ def load_hf_config(model_path: str):
 
 
 def _from_json(values: dict) -> ModelHFConfig:
-    if isinstance(values.get("id2label"), dict):   # JSON made its integer keys strings
+    if isinstance(values.get("id2label"), dict):  # JSON made its integer keys strings
         values["id2label"] = {int(k): v for k, v in values["id2label"].items()}
     return ModelHFConfig(**values)
 
@@ -65,8 +65,7 @@ def _cache_path(folder: Path) -> Path:
         identity = f"{stat.st_size}:{stat.st_mtime_ns}"
     except OSError:
         identity = "-"
-    key = "\n".join([str(folder.resolve()), identity, _transformers_version(),
-                     str(CACHE_VERSION)])
+    key = "\n".join([str(folder.resolve()), identity, _transformers_version(), str(CACHE_VERSION)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "vserve" / "configs" / f"{digest}.json"
@@ -85,7 +84,7 @@ def _transformers_version() -> str:
 def _write(path: Path, values: dict) -> None:
     try:
         write_json_atomic(path, values)
-    except (OSError, TypeError, ValueError) as e:   # read-only cache or an odd value
+    except (OSError, TypeError, ValueError) as e:  # read-only cache or an odd value
         logger.debug("cannot cache the resolved config in %s: %s", path, e)
 
 

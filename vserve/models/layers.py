@@ -64,7 +64,8 @@ def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tenso
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         head_dim = getattr(hf_config, "head_dim", None) or (
-            hf_config.hidden_size // hf_config.num_attention_heads)
+            hf_config.hidden_size // hf_config.num_attention_heads
+        )
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         arange = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
         return 1.0 / (base ** (arange / dim)), 1.0
@@ -98,12 +99,15 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """Tables for this step's positions [T], once per step: [T, 1, rot] each."""
-        return (self.cos[positions].to(dtype).unsqueeze(1),
-                self.sin[positions].to(dtype).unsqueeze(1))
+        return (
+            self.cos[positions].to(dtype).unsqueeze(1),
+            self.sin[positions].to(dtype).unsqueeze(1),
+        )
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin,
-                 kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_sin, kernel=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D] rotated by the step's (cos, sin)."""
     cos, sin = cos_sin
     if kernel is not None:
@@ -129,16 +133,18 @@ class Attention(nn.Module):
         self.spec = spec
         self.layer_idx = layer_idx
 
-    def forward(self, q, k, v, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
+    def forward(
+        self, q, k, v, kv_caches: list[torch.Tensor], meta: AttentionMetadata, backend
+    ) -> torch.Tensor:
         return backend.forward(self.spec, q, k, v, kv_caches[self.layer_idx], meta)
 
 
 KERNEL_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
 
-def gated_mlp(x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, act: str,
-              kernel=None) -> torch.Tensor:
+def gated_mlp(
+    x: torch.Tensor, gate_up: nn.Linear, down: nn.Linear, act: str, kernel=None
+) -> torch.Tensor:
     if kernel is not None and act in KERNEL_ACTIVATIONS:
         return down(kernel.act_mul(gate_up(x), KERNEL_ACTIVATIONS[act]))
     gate, up = gate_up(x).chunk(2, dim=-1)

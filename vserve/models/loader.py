@@ -19,8 +19,14 @@ from vserve.models.stage import StageInfo
 logger = logging.getLogger("vserve")
 
 
-def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
-               device: torch.device, max_positions: int) -> nn.Module:
+def load_model(
+    model_path: str,
+    hf_config,
+    stage: StageInfo,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> nn.Module:
     cls = model_class(hf_config.architectures[0] if hf_config.architectures else "")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -33,7 +39,7 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
     _fill(model, model_path, dtype, device, stage)
     for module in model.modules():
         if hasattr(module, "post_load"):
-            module.post_load()   # tables: rotary cos/sin, and those derived from the weights
+            module.post_load()  # tables: rotary cos/sin, and those derived from the weights
     model = model.eval().requires_grad_(False)
     if can_pack(device, dtype):
         kernel = cpu_ops.load()
@@ -45,8 +51,9 @@ def load_model(model_path: str, hf_config, stage: StageInfo, dtype: torch.dtype,
     return model
 
 
-def _fill(model: nn.Module, model_path: str, dtype: torch.dtype, device: torch.device,
-          stage: StageInfo) -> None:
+def _fill(
+    model: nn.Module, model_path: str, dtype: torch.dtype, device: torch.device, stage: StageInfo
+) -> None:
     """The checkpoint's weights, or their memory-mapped copy from an earlier load."""
     files = _safetensors_files(Path(model_path))
     if not files or not weight_cache.enabled(device, files):

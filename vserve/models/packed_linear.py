@@ -26,7 +26,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, keep_plain: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.shard_sizes = getattr(linear, "shard_sizes", None)   # FusedLinear's split
+        self.shard_sizes = getattr(linear, "shard_sizes", None)  # FusedLinear's split
         # one reorder for every batch size: the hint only picks the packing, not the result
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         self.bias = None if linear.bias is None else linear.bias.detach()
@@ -44,17 +44,22 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16()
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and cpu_has_bf16()
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def pack_linears(model: nn.Module, keep_plain: bool = False) -> int:
     """Replace every nn.Linear of `model` by a PackedLinear; returns how many were packed.
     The original weights are released unless `keep_plain` (the CPU kernels' one-row gemv
     reads them; `share_tied_head` then drops the tied lm_head's copy)."""
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear)]
+    targets = [
+        (name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    ]
     for name, linear in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -67,6 +72,10 @@ def share_tied_head(model: nn.Module) -> None:
     checkpoint tensor into both): read the table instead of holding a second copy."""
     head = getattr(model, "lm_head", None)
     embed = getattr(model.model, "embed_tokens", None)
-    if (getattr(model, "tie", False) and isinstance(head, PackedLinear)
-            and head.plain is not None and embed is not None):
+    if (
+        getattr(model, "tie", False)
+        and isinstance(head, PackedLinear)
+        and head.plain is not None
+        and embed is not None
+    ):
         head.plain = embed.weight

@@ -20,13 +20,17 @@ def layer_costs(hf_config, context_len: int) -> list[float]:
     hidden = hf_config.hidden_size
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    linear = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-              + 3 * hidden * hf_config.intermediate_size)
+    linear = (
+        hidden * (heads + 2 * kv_heads) * head_dim
+        + heads * head_dim * hidden
+        + 3 * hidden * hf_config.intermediate_size
+    )
     window = getattr(hf_config, "sliding_window", None)
-    types = getattr(hf_config, "layer_types", None) or \
-        ["full_attention"] * hf_config.num_hidden_layers
+    types = (
+        getattr(hf_config, "layer_types", None) or ["full_attention"] * hf_config.num_hidden_layers
+    )
     costs = []
-    for kind in types[:hf_config.num_hidden_layers]:
+    for kind in types[: hf_config.num_hidden_layers]:
         ctx = min(context_len, window) if kind == "sliding_attention" and window else context_len
         costs.append(float(linear + 2 * heads * head_dim * ctx))
     return costs
@@ -37,8 +41,9 @@ def head_cost(hf_config) -> float:
     return float(hf_config.hidden_size * (hf_config.vocab_size + 1))
 
 
-def partition(costs: list[float], num_stages: int, first_extra: float = 0.0,
-              last_extra: float = 0.0) -> list[int]:
+def partition(
+    costs: list[float], num_stages: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[int]:
     """Layers per stage (contiguous, in order) minimizing the largest stage cost, where the
     first stage also pays `first_extra` and the last `last_extra`; among those, the most even
     one (smallest sum of squared stage costs; then layers on earlier stages). A stage may hold
@@ -51,8 +56,9 @@ def partition(costs: list[float], num_stages: int, first_extra: float = 0.0,
         prefix.append(prefix[-1] + c)
 
     def stage_cost(stage: int, start: int, end: int) -> float:
-        extra = (first_extra if stage == 0 else 0.0) + \
-            (last_extra if stage == num_stages - 1 else 0.0)
+        extra = (first_extra if stage == 0 else 0.0) + (
+            last_extra if stage == num_stages - 1 else 0.0
+        )
         return prefix[end] - prefix[start] + extra
 
     # best[s][i]: (max cost, sum of squares) of stages s.. holding layers i..n-1;
@@ -64,7 +70,7 @@ def partition(costs: list[float], num_stages: int, first_extra: float = 0.0,
     for s in range(num_stages - 1, -1, -1):
         for i in range(n, -1, -1):
             ends = [n] if s == num_stages - 1 else range(n, i - 1, -1)
-            for end in ends:   # most layers first: ties keep layers early
+            for end in ends:  # most layers first: ties keep layers early
                 cost, rest = stage_cost(s, i, end), best[s + 1][end]
                 value = (max(cost, rest[0]), cost * cost + rest[1])
                 if value < best[s][i]:
@@ -82,19 +88,25 @@ def parse_partition(spec: str, num_layers: int, num_stages: int) -> list[int]:
     try:
         counts = [int(part) for part in spec.split(",")]
     except ValueError:
-        raise ValueError(f"VSERVE_PP_LAYER_PARTITION must be comma-separated integers, got "
-                         f"{spec!r}") from None
+        raise ValueError(
+            f"VSERVE_PP_LAYER_PARTITION must be comma-separated integers, got {spec!r}"
+        ) from None
     if len(counts) != num_stages:
-        raise ValueError(f"VSERVE_PP_LAYER_PARTITION={spec!r} has {len(counts)} stages, but "
-                         f"pipeline_parallel_size is {num_stages}")
+        raise ValueError(
+            f"VSERVE_PP_LAYER_PARTITION={spec!r} has {len(counts)} stages, but "
+            f"pipeline_parallel_size is {num_stages}"
+        )
     if any(c < 0 for c in counts) or sum(counts) != num_layers:
-        raise ValueError(f"VSERVE_PP_LAYER_PARTITION={spec!r} must be counts >= 0 summing to "
-                         f"the model's {num_layers} layers")
+        raise ValueError(
+            f"VSERVE_PP_LAYER_PARTITION={spec!r} must be counts >= 0 summing to "
+            f"the model's {num_layers} layers"
+        )
     return counts
 
 
-def stage_layer_counts(hf_config, num_stages: int, context_len: int,
-                       override: str | None = None) -> tuple[int, ...]:
+def stage_layer_counts(
+    hf_config, num_stages: int, context_len: int, override: str | None = None
+) -> tuple[int, ...]:
     """The layers of each stage: the override if given, else the cost-balanced split."""
     num_layers = hf_config.num_hidden_layers
     if override:
@@ -102,5 +114,4 @@ def stage_layer_counts(hf_config, num_stages: int, context_len: int,
     if num_stages == 1:
         return (num_layers,)
     costs = layer_costs(hf_config, context_len)
-    return tuple(partition(costs, num_stages, float(hf_config.hidden_size),
-                           head_cost(hf_config)))
+    return tuple(partition(costs, num_stages, float(hf_config.hidden_size), head_cost(hf_config)))

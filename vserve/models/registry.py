@@ -23,7 +23,8 @@ def resolve_architecture(architectures: list[str] | None) -> str:
             return arch
     raise ValueError(
         f"unsupported model architecture {architectures}; vserve supports "
-        f"{', '.join(supported_architectures())}")
+        f"{', '.join(supported_architectures())}"
+    )
 
 
 def model_class(architecture: str):

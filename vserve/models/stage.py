@@ -19,8 +19,9 @@ class StageInfo:
     def split(num_layers: int, num_stages: int, rank: int) -> StageInfo:
         """Contiguous layer ranges; earlier stages take the remainder (they also embed)."""
         if num_stages > num_layers:
-            raise ValueError(f"pipeline_parallel_size {num_stages} exceeds the model's "
-                             f"{num_layers} layers")
+            raise ValueError(
+                f"pipeline_parallel_size {num_stages} exceeds the model's {num_layers} layers"
+            )
         base, extra = divmod(num_layers, num_stages)
         start = rank * base + min(rank, extra)
         end = start + base + (1 if rank < extra else 0)
@@ -51,11 +52,12 @@ class FusedLinear(nn.Linear):
         start = sum(self.shard_sizes[:shard])
         target = self.weight if param_name == "weight" else self.bias
         with torch.no_grad():
-            target[start:start + self.shard_sizes[shard]].copy_(tensor)
+            target[start : start + self.shard_sizes[shard]].copy_(tensor)
 
 
-def load_weights(model: nn.Module, weights, stacked: dict[str, tuple[str, int]],
-                 rename) -> set[str]:
+def load_weights(
+    model: nn.Module, weights, stacked: dict[str, tuple[str, int]], rename
+) -> set[str]:
     """Copy checkpoint tensors into `model`. `rename(name)` maps a checkpoint name to the
     model's parameter name (or None to skip); `stacked` maps a projection name to its fused
     module and shard index. Returns the parameter names that were filled."""
@@ -78,8 +80,10 @@ def load_weights(model: nn.Module, weights, stacked: dict[str, tuple[str, int]],
         if name in params:
             with torch.no_grad():
                 if params[name].shape != tensor.shape:
-                    raise ValueError(f"weight {ckpt_name}: shape {tuple(tensor.shape)} does not "
-                                     f"fit {tuple(params[name].shape)}")
+                    raise ValueError(
+                        f"weight {ckpt_name}: shape {tuple(tensor.shape)} does not "
+                        f"fit {tuple(params[name].shape)}"
+                    )
                 params[name].copy_(tensor)
             loaded.add(name)
     return loaded
@@ -97,5 +101,6 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
             elif full not in loaded:
                 missing.append(full)
     if missing:
-        raise ValueError(f"checkpoint is missing weights: {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )

@@ -31,14 +31,17 @@ logger = logging.getLogger("vserve")
 LAYOUT_VERSION = 2
 
 
-MIN_BYTES = 64 * 2**20   # smaller checkpoints load in moments: no copy on disk for them
+MIN_BYTES = 64 * 2**20  # smaller checkpoints load in moments: no copy on disk for them
 
 
 def enabled(device: torch.device, files: list[Path]) -> bool:
     from vserve.envs import read_env
 
-    return (device.type == "cpu" and read_env().weight_cache
-            and sum(f.stat().st_size for f in files) >= MIN_BYTES)
+    return (
+        device.type == "cpu"
+        and read_env().weight_cache
+        and sum(f.stat().st_size for f in files) >= MIN_BYTES
+    )
 
 
 def cache_file(model_path: str, files: list[Path], dtype: torch.dtype, stage) -> Path:
@@ -54,7 +57,7 @@ def _folder(model_path: Path) -> Path:
     from vserve.models.resolve import cache_root
 
     root = cache_root().resolve()
-    if root in model_path.resolve().parents:   # converted by vserve: keep it beside the model
+    if root in model_path.resolve().parents:  # converted by vserve: keep it beside the model
         return model_path
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "vserve" / "weights"
@@ -67,15 +70,17 @@ def load_into(model: nn.Module, path: Path) -> bool:
         return False
     try:
         tensors = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:   # truncated or from another torch: repack
+    except Exception as e:  # truncated or from another torch: repack
         logger.warning("ignoring the weight cache %s: %s", path, e)
         return False
     params = dict(model.named_parameters())
     if not isinstance(tensors, dict) or not isinstance(tensors.get("aliases"), dict):
         tensors = None
     else:
-        tensors = {**tensors["tensors"],
-                   **{a: tensors["tensors"].get(n) for a, n in tensors["aliases"].items()}}
+        tensors = {
+            **tensors["tensors"],
+            **{a: tensors["tensors"].get(n) for a, n in tensors["aliases"].items()},
+        }
     if tensors is None or not _fits(params, tensors):
         logger.warning("ignoring the weight cache %s: it does not fit the model", path)
         return False
@@ -88,8 +93,11 @@ def load_into(model: nn.Module, path: Path) -> bool:
 
 def _fits(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> bool:
     return set(params) == set(tensors) and all(
-        isinstance(tensors[n], torch.Tensor) and params[n].shape == tensors[n].shape
-        and params[n].dtype == tensors[n].dtype for n in params)
+        isinstance(tensors[n], torch.Tensor)
+        and params[n].shape == tensors[n].shape
+        and params[n].dtype == tensors[n].dtype
+        for n in params
+    )
 
 
 def save(model: nn.Module, path: Path) -> None:
@@ -111,7 +119,12 @@ def save(model: nn.Module, path: Path) -> None:
 def _tied(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """A tied head's weight is a copy of the embedding table: stored once, mapped twice."""
     head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-    if (getattr(model, "tie", False) and head is not None and embed is not None
-            and head.shape == embed.shape and torch.equal(head, embed)):
+    if (
+        getattr(model, "tie", False)
+        and head is not None
+        and embed is not None
+        and head.shape == embed.shape
+        and torch.equal(head, embed)
+    ):
         return {"lm_head.weight": "model.embed_tokens.weight"}
     return {}

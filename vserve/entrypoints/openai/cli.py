@@ -18,33 +18,59 @@ from vserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API")
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="model folder or .gguf file (default: the embedded Gemma-3-270M); "
-                        "same as --model")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model folder or .gguf file (default: the embedded Gemma-3-270M); same as --model",
+    )
     add_engine_args(p)
     server = p.add_argument_group("server arguments")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", nargs="+", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize "
-                             "and /detokenize (default: $VSERVE_API_KEY)")
-    server.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
-                        help="Host header values served (names or addresses, any port; '*' "
-                             "for all); others get 400, against DNS rebinding (default: "
-                             "localhost, 127.0.0.1 and [::1] when --host is a loopback "
-                             "address, else all)")
-    server.add_argument("--chat-template", default=None,
-                        help="chat template file or inline Jinja text (overrides the model's)")
-    server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='let the model call tools on its own (tool_choice "auto", the '
-                             "default when a request has tools); needs --tool-call-parser")
-    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="how tool calls are read from the model's text: hermes "
-                             "(<tool_call> blocks: Qwen 2/2.5/3, Hermes) or llama3_json")
-    server.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="seconds in-flight requests may run after SIGTERM")
-    server.add_argument("--log-level", default="info",
-                        help="debug, info, warning or error")
+    server.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize "
+        "and /detokenize (default: $VSERVE_API_KEY)",
+    )
+    server.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="Host header values served (names or addresses, any port; '*' "
+        "for all); others get 400, against DNS rebinding (default: "
+        "localhost, 127.0.0.1 and [::1] when --host is a loopback "
+        "address, else all)",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template file or inline Jinja text (overrides the model's)",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools on its own (tool_choice "auto", the '
+        "default when a request has tools); needs --tool-call-parser",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how tool calls are read from the model's text: hermes "
+        "(<tool_call> blocks: Qwen 2/2.5/3, Hermes) or llama3_json",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may run after SIGTERM",
+    )
+    server.add_argument("--log-level", default="info", help="debug, info, warning or error")
     add_limit_args(p)
     p.set_defaults(func=_serve)
     return p
@@ -56,8 +82,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
-            raise SystemExit(f"vserve serve: MODEL {args.model_tag!r} and --model "
-                             f"{args.model!r} disagree; give one")
+            raise SystemExit(
+                f"vserve serve: MODEL {args.model_tag!r} and --model "
+                f"{args.model!r} disagree; give one"
+            )
         args.model = args.model_tag
     try:
         AdmissionLimits.from_args(args)

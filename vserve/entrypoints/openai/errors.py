@@ -19,25 +19,39 @@ logger = logging.getLogger("vserve.server")
 
 # `type` of the error body: the `openai` client's exception class for the status, as vLLM
 # names them; other statuses get their HTTP reason phrase (as vLLM's HTTPException handler)
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError",
-               403: "PermissionDeniedError", 404: "NotFoundError", 409: "ConflictError",
-               413: "RequestTooLargeError", 422: "UnprocessableEntityError",
-               429: "RateLimitError", 500: "InternalServerError", 501: "NotImplementedError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
 
 
 class APIError(Exception):
     """An error with an HTTP status, turned into an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type(status),
-                      "param": param, "code": status}}
+    return {
+        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
+    }
 
 
 def error_type(status: int) -> str:
@@ -49,8 +63,9 @@ def error_type(status: int) -> str:
         return "APIError"
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
@@ -102,7 +117,7 @@ def _no_constant(name: str) -> float:
 def validation_error(e: ValidationError) -> APIError:
     errors = e.errors()
     parts = []
-    for err in errors[:3]:   # unions (prompt) report one error per alternative
+    for err in errors[:3]:  # unions (prompt) report one error per alternative
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)

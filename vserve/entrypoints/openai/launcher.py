@@ -30,8 +30,9 @@ STATS_LOG_INTERVAL_S = 5.0
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, ctx: ServerContext, shutdown_timeout: float,
-                 url: str) -> None:
+    def __init__(
+        self, config: uvicorn.Config, ctx: ServerContext, shutdown_timeout: float, url: str
+    ) -> None:
         super().__init__(config)
         self.ctx = ctx
         self.shutdown_timeout = shutdown_timeout
@@ -43,8 +44,12 @@ class _Server(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
-            logger.info("vserve ready: serving %s at %s (OpenAI API under %s/v1)",
-                        self.ctx.model_name, self.url, self.url)
+            logger.info(
+                "vserve ready: serving %s at %s (OpenAI API under %s/v1)",
+                self.ctx.model_name,
+                self.url,
+                self.url,
+            )
 
     def handle_exit(self, sig, frame) -> None:
         # runs as a signal handler: only flags and a thread-safe call into the loop
@@ -61,8 +66,9 @@ class _Server(uvicorn.Server):
 async def drain(ctx: ServerContext, timeout: float) -> None:
     """Let in-flight requests finish (up to `timeout`), abort the rest, then stop."""
     loop = asyncio.get_running_loop()
-    logger.info("shutting down: %d request(s) in flight, waiting up to %.1f s",
-                len(ctx.active), timeout)
+    logger.info(
+        "shutting down: %d request(s) in flight, waiting up to %.1f s", len(ctx.active), timeout
+    )
     deadline = loop.time() + timeout
     while ctx.active and loop.time() < deadline:
         await asyncio.sleep(0.05)
@@ -70,7 +76,7 @@ async def drain(ctx: ServerContext, timeout: float) -> None:
         logger.warning("aborting %d request(s) still running", len(ctx.active))
         for request_id in list(ctx.active):
             await ctx.engine.abort(request_id)
-        deadline = loop.time() + 2.0   # the handlers send their last (aborted) outputs
+        deadline = loop.time() + 2.0  # the handlers send their last (aborted) outputs
         while ctx.active and loop.time() < deadline:
             await asyncio.sleep(0.05)
     ctx.request_exit(0)
@@ -96,9 +102,13 @@ def serve(app, args: argparse.Namespace) -> int:
     """Serve until stopped; returns the exit status (0 after a drain, 1 if the engine died
     or the server never started)."""
     ctx: ServerContext = app.state.ctx
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=str(args.log_level).lower(),
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=str(args.log_level).lower(),
+        timeout_graceful_shutdown=5,
+    )
     url = f"http://{args.host}:{args.port}"
     server = _Server(config, ctx, float(args.shutdown_timeout), url)
 

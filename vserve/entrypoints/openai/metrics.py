@@ -19,57 +19,166 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from vserve.engine.messages import SchedulerStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-_STEP_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
-                 2.0, 5.0)
-_CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-               "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_STEP_BUCKETS = (
+    0.0001,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+)
+_CUMULATIVE = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "spec_num_drafts",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+)
 
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.gauges = {name: self._labelled(Gauge, name, doc) for name, doc in (
-            ("num_requests_running", "Requests in the model-execution batch"),
-            ("num_requests_waiting", "Requests waiting to be scheduled (preempted included)"),
-            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)"))}
-        self.counters = {name: self._labelled(Counter, name, doc) for name, doc in (
-            ("prompt_tokens", "Prefill tokens processed"),
-            ("generation_tokens", "Generation tokens produced"),
-            ("prefix_cache_queries", "Tokens looked up in the prefix cache"),
-            ("prefix_cache_hits", "Tokens found in the prefix cache"),
-            ("num_preemptions", "Requests preempted (recomputed later)"),
-            ("spec_num_drafts", "Speculative steps (requests verified with n-gram drafts)"),
-            ("spec_num_draft_tokens", "Draft tokens proposed"),
-            ("spec_num_accepted_tokens", "Draft tokens accepted"))}
-        self.no_overlap = Counter("vserve:steps_without_overlap",
-                                  "Steps launched with no other step in flight, by reason",
-                                  ["model_name", "reason"], registry=self.registry)
-        self.histograms = {name: self._labelled(Histogram, name, doc, buckets=buckets)
-                           for name, doc, buckets in (
-            ("time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS),
-            ("inter_token_latency_seconds", "Time between output batches", _ITL_BUCKETS),
-            ("e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS),
-            ("model_forward_time_seconds", "Device forward time per step", _STEP_BUCKETS),
-            ("step_launch_interval_seconds", "Time between step launches", _STEP_BUCKETS),
-            ("scheduler_busy_time_seconds", "Scheduler time per step", _STEP_BUCKETS),
-            ("scheduler_exposed_time_seconds",
-             "Scheduler time per step not hidden under a forward", _STEP_BUCKETS))}
-        self.memory = Gauge("vserve:process_resident_memory_bytes",
-                            "Resident memory of each process (frontend, engine_core, worker_N)",
-                            ["model_name", "process"], registry=self.registry)
-        self.request_success = Counter("vserve:request_success", "Finished requests by reason",
-                                       ["model_name", "finished_reason"],
-                                       registry=self.registry)
+        self.gauges = {
+            name: self._labelled(Gauge, name, doc)
+            for name, doc in (
+                ("num_requests_running", "Requests in the model-execution batch"),
+                ("num_requests_waiting", "Requests waiting to be scheduled (preempted included)"),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)"),
+            )
+        }
+        self.counters = {
+            name: self._labelled(Counter, name, doc)
+            for name, doc in (
+                ("prompt_tokens", "Prefill tokens processed"),
+                ("generation_tokens", "Generation tokens produced"),
+                ("prefix_cache_queries", "Tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", "Tokens found in the prefix cache"),
+                ("num_preemptions", "Requests preempted (recomputed later)"),
+                ("spec_num_drafts", "Speculative steps (requests verified with n-gram drafts)"),
+                ("spec_num_draft_tokens", "Draft tokens proposed"),
+                ("spec_num_accepted_tokens", "Draft tokens accepted"),
+            )
+        }
+        self.no_overlap = Counter(
+            "vserve:steps_without_overlap",
+            "Steps launched with no other step in flight, by reason",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        self.histograms = {
+            name: self._labelled(Histogram, name, doc, buckets=buckets)
+            for name, doc, buckets in (
+                ("time_to_first_token_seconds", "Arrival to first token", _LATENCY_BUCKETS),
+                ("inter_token_latency_seconds", "Time between output batches", _ITL_BUCKETS),
+                ("e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS),
+                ("model_forward_time_seconds", "Device forward time per step", _STEP_BUCKETS),
+                ("step_launch_interval_seconds", "Time between step launches", _STEP_BUCKETS),
+                ("scheduler_busy_time_seconds", "Scheduler time per step", _STEP_BUCKETS),
+                (
+                    "scheduler_exposed_time_seconds",
+                    "Scheduler time per step not hidden under a forward",
+                    _STEP_BUCKETS,
+                ),
+            )
+        }
+        self.memory = Gauge(
+            "vserve:process_resident_memory_bytes",
+            "Resident memory of each process (frontend, engine_core, worker_N)",
+            ["model_name", "process"],
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "vserve:request_success",
+            "Finished requests by reason",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self._seen = dict.fromkeys(_CUMULATIVE, 0)
         self._last_token_time: dict[str, float] = {}
-        self.totals = {"prompt_tokens": 0, "generation_tokens": 0}   # for the log line
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0}  # for the log line
         self.last_stats: SchedulerStats | None = None
         self._pending: asyncio.Future | None = None
 
@@ -95,10 +204,12 @@ class ServerMetrics:
             self._seen[name] = max(self._seen[name], value)
         for reason, count in stats.no_overlap_steps.items():
             self.no_overlap.labels(self.model_name, reason).inc(count)
-        for name, values in (("model_forward_time_seconds", stats.forward_times),
-                             ("step_launch_interval_seconds", stats.launch_intervals),
-                             ("scheduler_busy_time_seconds", stats.schedule_times),
-                             ("scheduler_exposed_time_seconds", stats.schedule_exposed)):
+        for name, values in (
+            ("model_forward_time_seconds", stats.forward_times),
+            ("step_launch_interval_seconds", stats.launch_intervals),
+            ("scheduler_busy_time_seconds", stats.schedule_times),
+            ("scheduler_exposed_time_seconds", stats.schedule_exposed),
+        ):
             for value in values:
                 self.histograms[name].observe(value)
 
@@ -118,7 +229,8 @@ class ServerMetrics:
             previous = self._last_token_time.get(request_id)
             if previous is None:
                 self.histograms["time_to_first_token_seconds"].observe(
-                    first - times["arrival_time"])
+                    first - times["arrival_time"]
+                )
             else:
                 self.histograms["inter_token_latency_seconds"].observe(last - previous)
             self._last_token_time[request_id] = last
@@ -129,7 +241,8 @@ class ServerMetrics:
             self._last_token_time.pop(request_id, None)
             if "abort" not in reasons and first is not None:
                 self.histograms["e2e_request_latency_seconds"].observe(
-                    times["last_token_time"] - times["arrival_time"])
+                    times["last_token_time"] - times["arrival_time"]
+                )
 
     async def refresh(self, engine, timeout: float = 0.25) -> None:
         """Ask the engine for fresh stats and wait briefly. A busy engine answers between
@@ -172,8 +285,10 @@ class StatsLogger:
         self.last_time, self.last_totals = now, dict(totals)
         s = self.metrics.last_stats or SchedulerStats()
         hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        return (f"Avg prompt throughput: {rates['prompt_tokens']:.1f} tokens/s, "
-                f"Avg generation throughput: {rates['generation_tokens']:.1f} tokens/s, "
-                f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
-                f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
-                f"Prefix cache hit rate: {100 * hit:.1f}%")
+        return (
+            f"Avg prompt throughput: {rates['prompt_tokens']:.1f} tokens/s, "
+            f"Avg generation throughput: {rates['generation_tokens']:.1f} tokens/s, "
+            f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+            f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hit:.1f}%"
+        )

@@ -24,7 +24,7 @@ from vserve.entrypoints.openai.protocol import random_id
 from vserve.entrypoints.openai.serving_base import ServerContext
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_KEYED_PATHS = ("/tokenize", "/detokenize")   # besides everything under /v1
+_KEYED_PATHS = ("/tokenize", "/detokenize")  # besides everything under /v1
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -51,8 +51,13 @@ def _digest(key: str) -> bytes:
 
 
 class FrontDoor:
-    def __init__(self, app, ctx: ServerContext, api_keys: list[str] | None = None,
-                 allowed_hosts: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        app,
+        ctx: ServerContext,
+        api_keys: list[str] | None = None,
+        allowed_hosts: list[str] | None = None,
+    ) -> None:
         self.app = app
         self.ctx = ctx
         self.digests = [_digest(k) for k in api_keys or []]
@@ -66,17 +71,24 @@ class FrontDoor:
         path = scope["path"]
         host = _header(scope, b"host")
         if self.hosts is not None and host is not None and _host_name(host) not in self.hosts:
-            await _send_json(send, 400, error_body(400, "Invalid Host header (see "
-                                                   "--allowed-hosts)."))
+            await _send_json(
+                send, 400, error_body(400, "Invalid Host header (see --allowed-hosts).")
+            )
             return
         if self.ctx.draining and path not in ("/metrics", "/health"):
-            await _send_json(send, 503, error_body(503, "The server is shutting down."),
-                             [(b"retry-after", b"1")])
+            await _send_json(
+                send, 503, error_body(503, "The server is shutting down."), [(b"retry-after", b"1")]
+            )
             return
-        if self.digests and (path.startswith("/v1") or path in _KEYED_PATHS) \
-                and scope["method"] != "OPTIONS" and not self._authorized(scope):
-            await _send_json(send, 401, error_body(401, "Unauthorized"),
-                             [(b"www-authenticate", b"Bearer")])
+        if (
+            self.digests
+            and (path.startswith("/v1") or path in _KEYED_PATHS)
+            and scope["method"] != "OPTIONS"
+            and not self._authorized(scope)
+        ):
+            await _send_json(
+                send, 401, error_body(401, "Unauthorized"), [(b"www-authenticate", b"Bearer")]
+            )
             return
         if self._declared_too_large(scope):
             await _send_json(send, 413, error_body(413, self._too_large_message()))
@@ -98,8 +110,7 @@ class FrontDoor:
         return length is not None and length.strip().isdigit() and int(length) > self.max_body
 
     def _too_large_message(self) -> str:
-        return (f"The request body is larger than {self.max_body} bytes "
-                "(--max-request-body-bytes).")
+        return f"The request body is larger than {self.max_body} bytes (--max-request-body-bytes)."
 
     def _counting(self, receive):
         """`receive` that fails the request (413) once the body passes the limit, for bodies
@@ -141,8 +152,15 @@ def _client_request_id(scope) -> str | None:
 
 async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
     payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})

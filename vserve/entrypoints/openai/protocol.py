@@ -25,7 +25,7 @@ from pydantic import (
 
 from vserve.sampling_params import StructuredOutputsParams
 
-MAX_N = 128            # most choices per request (vLLM has no limit; we refuse fan-out bombs)
+MAX_N = 128  # most choices per request (vLLM has no limit; we refuse fan-out bombs)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -154,7 +154,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None   # vLLM: top-k per prompt token, on each choice
+    prompt_logprobs: int | None = None  # vLLM: top-k per prompt token, on each choice
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
@@ -188,7 +188,7 @@ class TextPart(OpenAIBaseModel):
 class FunctionDefinition(OpenAIBaseModel):
     name: StrictStr
     description: str | None = None
-    parameters: dict[str, Any] | None = None   # a JSON schema of type object
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object
     strict: bool | None = None
 
 
@@ -208,7 +208,7 @@ class NamedToolChoice(OpenAIBaseModel):
 
 class FunctionCallParam(OpenAIBaseModel):
     name: str
-    arguments: str | dict[str, Any] | None = None   # JSON text (OpenAI) or an object
+    arguments: str | dict[str, Any] | None = None  # JSON text (OpenAI) or an object
 
 
 class ToolCallParam(OpenAIBaseModel):
@@ -223,8 +223,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallParam] | None = None   # assistant messages
-    tool_call_id: str | None = None                 # tool messages
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -253,17 +253,23 @@ class ChatCompletionRequest(SamplingRequest):
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs=true")
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
-                                 f"{self.top_logprobs}")
+                raise ValueError(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                )
         if self.chat_template is not None:
-            raise ValueError("a chat template in the request is not trusted; start the "
-                             "server with --chat-template instead")
+            raise ValueError(
+                "a chat template in the request is not trusted; start the "
+                "server with --chat-template instead"
+            )
         return self
 
     @property
     def output_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -297,7 +303,7 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokenUsageInfo | None = None   # null, as vLLM sends by default
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # null, as vLLM sends by default
 
 
 class CompletionLogprobs(BaseModel):
@@ -344,7 +350,7 @@ class ChatLogprobs(BaseModel):
 
 class FunctionCall(BaseModel):
     name: str
-    arguments: str   # JSON text
+    arguments: str  # JSON text
 
 
 class ToolCall(BaseModel):
@@ -408,7 +414,7 @@ class ChatChunkChoice(BaseModel):
 
     @field_serializer("delta")
     def _delta(self, delta: DeltaMessage) -> dict:
-        return delta.model_dump(exclude_none=True)   # OpenAI omits unset delta fields
+        return delta.model_dump(exclude_none=True)  # OpenAI omits unset delta fields
 
 
 class ChatCompletionChunk(BaseModel):
@@ -435,7 +441,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
-    token_strs: list[str] | None = None   # with return_token_strs
+    token_strs: list[str] | None = None  # with return_token_strs
 
 
 class DetokenizeResponse(BaseModel):

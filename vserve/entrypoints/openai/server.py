@@ -58,9 +58,14 @@ logger = logging.getLogger("vserve.server")
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     names, aliases = _model_names(engine, getattr(args, "served_model_name", None))
-    ctx = ServerContext(engine, names, load_chat_template(getattr(args, "chat_template", None)),
-                        aliases, AdmissionLimits.from_args(args),
-                        ToolSettings.from_args(args, engine.tokenizer))
+    ctx = ServerContext(
+        engine,
+        names,
+        load_chat_template(getattr(args, "chat_template", None)),
+        aliases,
+        AdmissionLimits.from_args(args),
+        ToolSettings.from_args(args, engine.tokenizer),
+    )
     metrics = ServerMetrics(ctx.model_name)
 
     @contextlib.asynccontextmanager
@@ -71,7 +76,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         log_ready("frontend")
         log_memory(await engine.process_memory())
         task = asyncio.create_task(
-            watchdog(ctx, metrics, not getattr(args, "disable_log_stats", True)))
+            watchdog(ctx, metrics, not getattr(args, "disable_log_stats", True))
+        )
         yield
         task.cancel()
         ctx.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -79,22 +85,31 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="vserve", version=vserve.__version__, lifespan=lifespan)
     app.state.ctx, app.state.metrics = ctx, metrics
     keys = getattr(args, "api_key", None) or ([ENV.api_key] if ENV.api_key else [])
-    hosts = default_allowed_hosts(getattr(args, "host", "127.0.0.1"),
-                                  getattr(args, "allowed_hosts", None))
-    app.add_middleware(FrontDoor, ctx=ctx, api_keys=[keys] if isinstance(keys, str) else keys,
-                       allowed_hosts=hosts)
+    hosts = default_allowed_hosts(
+        getattr(args, "host", "127.0.0.1"), getattr(args, "allowed_hosts", None)
+    )
+    app.add_middleware(
+        FrontDoor, ctx=ctx, api_keys=[keys] if isinstance(keys, str) else keys, allowed_hosts=hosts
+    )
     _add_error_handlers(app, ctx)
     _add_openai_routes(app, ctx)
     _add_service_routes(app, ctx, metrics)
-    document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          DetokenizeRequest],
-                    [CompletionResponse, CompletionChunk, ChatCompletionResponse,
-                     ChatCompletionChunk, TokenizeResponse, DetokenizeResponse])
+    document_bodies(
+        app,
+        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+        [
+            CompletionResponse,
+            CompletionChunk,
+            ChatCompletionResponse,
+            ChatCompletionChunk,
+            TokenizeResponse,
+            DetokenizeResponse,
+        ],
+    )
     return app
 
 
-def _model_names(engine: AsyncLLM, given: str | list[str] | None
-                 ) -> tuple[list[str], list[str]]:
+def _model_names(engine: AsyncLLM, given: str | list[str] | None) -> tuple[list[str], list[str]]:
     """The names the API lists, and names it also accepts: a model served by its path (no
     --served-model-name) is listed by its folder name, so that the server's filesystem stays
     private, and still accepted by the path."""
@@ -109,12 +124,13 @@ def _model_names(engine: AsyncLLM, given: str | list[str] | None
 def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
     def fail(exc: BaseException) -> JSONResponse:
         status, message = error_status(exc)
-        if ctx.engine.errored:   # a dead engine: answer, then stop the server (exit 1)
+        if ctx.engine.errored:  # a dead engine: answer, then stop the server (exit 1)
             ctx.request_exit(1)
         elif status == 500:
             logger.exception("request failed", exc_info=exc)
-        return error_response(status, message, getattr(exc, "param", None),
-                              getattr(exc, "headers", None))
+        return error_response(
+            status, message, getattr(exc, "param", None), getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -130,7 +146,7 @@ def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(_: Request, exc: ClientDisconnect):
-        return Response(status_code=499)   # nobody reads it; not worth a traceback
+        return Response(status_code=499)  # nobody reads it; not worth a traceback
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException):
@@ -145,13 +161,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx)
 
-    @app.post("/v1/completions", openapi_extra=body_doc(
-        CompletionRequest, CompletionResponse, CompletionChunk))
+    @app.post(
+        "/v1/completions",
+        openapi_extra=body_doc(CompletionRequest, CompletionResponse, CompletionChunk),
+    )
     async def create_completion(raw: Request):
         return await completions.create(await parse_body(raw, CompletionRequest), raw)
 
-    @app.post("/v1/chat/completions", openapi_extra=body_doc(
-        ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=body_doc(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def create_chat_completion(raw: Request):
         return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
 
@@ -159,8 +179,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def list_models():
         cfg = ctx.engine.config.model
         # root names the model, never its path on the server's disk
-        cards = [ModelCard(id=name, root=ctx.model_name, max_model_len=cfg.max_model_len)
-                 for name in ctx.served_model_names]
+        cards = [
+            ModelCard(id=name, root=ctx.model_name, max_model_len=cfg.max_model_len)
+            for name in ctx.served_model_names
+        ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest, TokenizeResponse))
@@ -169,13 +191,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.check_model(req.model)
         tok = ctx.engine.tokenizer
         if req.messages is not None:
-            ids = await chat.render(req.messages, req.add_generation_prompt,
-                                    req.continue_final_message,
-                                    tools=template_tools(req.tools))
+            ids = await chat.render(
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                tools=template_tools(req.tools),
+            )
         else:
             ctx.limits.check_prompt_chars(len(req.prompt), ctx.max_model_len, "prompt")
-            ids = await ctx.off_loop(tok.encode, req.prompt,
-                                     add_special_tokens=req.add_special_tokens)
+            ids = await ctx.off_loop(
+                tok.encode, req.prompt, add_special_tokens=req.add_special_tokens
+            )
         body = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
         if req.return_token_strs:
             body.token_strs = await ctx.off_loop(tok.convert_ids_to_tokens, ids)
@@ -187,13 +213,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.check_model(req.model)
         limit = ctx.limits.prompt_chars(ctx.max_model_len)
         if len(req.tokens) > limit:
-            raise APIError(400, f"tokens has {len(req.tokens)} entries; the limit is {limit} "
-                           "(--max-prompt-chars).", "tokens")
+            raise APIError(
+                400,
+                f"tokens has {len(req.tokens)} entries; the limit is {limit} (--max-prompt-chars).",
+                "tokens",
+            )
         vocab = ctx.engine.config.model.vocab_size
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
-            raise APIError(400, f"Token id {bad[0]} is out of vocabulary (vocab size {vocab})",
-                           "tokens")
+            raise APIError(
+                400, f"Token id {bad[0]} is out of vocabulary (vocab size {vocab})", "tokens"
+            )
         text = await ctx.off_loop(ctx.engine.tokenizer.decode, req.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
@@ -207,7 +237,7 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics
             return Response(status_code=503)
         return Response(status_code=200)
 
-    for method in ("GET", "POST"):   # one operation id each: generated clients need them unique
+    for method in ("GET", "POST"):  # one operation id each: generated clients need them unique
         app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}")
 
     @app.get("/metrics")

@@ -56,7 +56,7 @@ class ServerContext:
     engine: AsyncLLM
     served_model_names: list[str]
     chat_template: str | None = None
-    model_aliases: list[str] = field(default_factory=list)   # accepted, never listed
+    model_aliases: list[str] = field(default_factory=list)  # accepted, never listed
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     tools: ToolSettings = field(default_factory=ToolSettings)
     draining: bool = False
@@ -66,8 +66,9 @@ class ServerContext:
     num_active_seqs: int = 0
     request_exit: Callable[[int], None] = lambda code: None
     # one thread: HF fast tokenizers are not safe to call from several threads at once
-    tokenizer_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
-        1, thread_name_prefix="vserve-tokenizer"))
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="vserve-tokenizer")
+    )
 
     @property
     def model_name(self) -> str:
@@ -78,15 +79,19 @@ class ServerContext:
         return self.engine.config.model.max_model_len
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names \
-                and model not in self.model_aliases:
+        if (
+            model is not None
+            and model not in self.served_model_names
+            and model not in self.model_aliases
+        ):
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     async def off_loop(self, fn: Callable, *args, **kwargs):
         """Tokenizer work (encoding, chat templates, long decodes) on the tokenizer thread, so
         that the event loop keeps answering /health and feeding streams meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_pool, functools.partial(fn, *args, **kwargs))
+            self.tokenizer_pool, functools.partial(fn, *args, **kwargs)
+        )
 
     def admit(self, num_seqs: int) -> None:
         """Refuse when the waiting queue would exceed --max-num-queued-reqs. The count is the
@@ -97,8 +102,12 @@ class ServerContext:
         max_running = self.engine.config.scheduler.max_num_seqs
         queued = self.num_active_seqs + num_seqs - max_running
         if queued > limit:
-            raise APIError(503, f"The server is overloaded: the waiting queue is full "
-                           f"({limit} requests). Retry later.", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"The server is overloaded: the waiting queue is full "
+                f"({limit} requests). Retry later.",
+                headers={"Retry-After": "1"},
+            )
 
 
 def check_request(ctx: ServerContext, req: SamplingRequest, num_prompts: int) -> None:
@@ -118,35 +127,57 @@ def check_context(ctx: ServerContext, prompt_len: int, max_tokens: int | None) -
     limit = ctx.max_model_len
     if max_tokens is None:
         if prompt_len >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. "
-                           f"However, your prompt contains {prompt_len} tokens, which leaves "
-                           "no room for output. Please reduce the length of the input.",
-                           "messages")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. "
+                f"However, your prompt contains {prompt_len} tokens, which leaves "
+                "no room for output. Please reduce the length of the input.",
+                "messages",
+            )
         return limit - prompt_len
     if max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
     if prompt_len + max_tokens > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
-                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
-                       f"input, {max_tokens} in the completion). Please reduce the length of "
-                       "the input or the completion.", "max_tokens")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, "
+            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+            f"input, {max_tokens} in the completion). Please reduce the length of "
+            "the input or the completion.",
+            "max_tokens",
+        )
     return max_tokens
 
 
-_PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "seed")
+_PARAM_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
 
 
-def make_sampling_params(req: SamplingRequest, max_tokens: int,
-                         logprobs: int | None) -> SamplingParams:
-    kwargs = {name: getattr(req, name) for name in _PARAM_FIELDS
-              if getattr(req, name) is not None}
-    kwargs.update(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                  logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-                  skip_special_tokens=req.skip_special_tokens,
-                  spaces_between_special_tokens=req.spaces_between_special_tokens,
-                  logit_bias=_logit_bias(req.logit_bias))
+def make_sampling_params(
+    req: SamplingRequest, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    kwargs = {name: getattr(req, name) for name in _PARAM_FIELDS if getattr(req, name) is not None}
+    kwargs.update(
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias),
+    )
     try:
         kwargs["structured_outputs"] = req.structured_params()
         return SamplingParams(**kwargs)
@@ -161,8 +192,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     try:
         return {int(k): v for k, v in bias.items()}
     except ValueError as e:
-        raise APIError(400, "logit_bias keys must be token ids (integers written as strings)",
-                       "logit_bias") from e
+        raise APIError(
+            400, "logit_bias keys must be token ids (integers written as strings)", "logit_bias"
+        ) from e
 
 
 async def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
@@ -178,35 +210,42 @@ async def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: i
         raise APIError(400, str(e)) from e
 
 
-async def tokenize(ctx: ServerContext, prompt: str | list[int], add_special_tokens: bool = True
-                   ) -> tuple[str | None, list[int]]:
+async def tokenize(
+    ctx: ServerContext, prompt: str | list[int], add_special_tokens: bool = True
+) -> tuple[str | None, list[int]]:
     """A text prompt: its length checked, then encoded on the tokenizer thread; token ids:
     their count checked against the context, then each id against the vocabulary."""
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         ctx.limits.check_prompt_chars(len(prompt), ctx.max_model_len, "prompt")
-        ids = await ctx.off_loop(ctx.engine.tokenizer.encode, prompt,
-                                 add_special_tokens=add_special_tokens)
+        ids = await ctx.off_loop(
+            ctx.engine.tokenizer.encode, prompt, add_special_tokens=add_special_tokens
+        )
         return prompt, ids
     if len(prompt) >= ctx.max_model_len:
-        check_context(ctx, len(prompt), None)   # raises: no room for output
+        check_context(ctx, len(prompt), None)  # raises: no room for output
     try:
         return ctx.engine.processor.tokenize_prompt(prompt)
     except ValueError as e:
         raise APIError(400, str(e), "prompt") from e
 
 
-async def submit(ctx: ServerContext, prompts: list[tuple[str | None, list[int]]],
-                 params: list[SamplingParams], base_id: str) -> list[RequestState]:
+async def submit(
+    ctx: ServerContext,
+    prompts: list[tuple[str | None, list[int]]],
+    params: list[SamplingParams],
+    base_id: str,
+) -> list[RequestState]:
     """Add one engine request per prompt; all or none (a failure aborts the ones added)."""
     states: list[RequestState] = []
     ctx.admit(sum(p.n for p in params))
     try:
         for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
-            prompt = {"prompt": text, "prompt_token_ids": ids} if text else \
-                {"prompt_token_ids": ids}
-            rid = f"{base_id}-{i}-{random_id()[:8]}"   # unique even if X-Request-Id repeats
+            prompt = (
+                {"prompt": text, "prompt_token_ids": ids} if text else {"prompt_token_ids": ids}
+            )
+            rid = f"{base_id}-{i}-{random_id()[:8]}"  # unique even if X-Request-Id repeats
             state = await ctx.engine.add_request(prompt, sp, rid, OutputKind.DELTA)
             states.append(state)
             ctx.active[rid] = state
@@ -242,15 +281,17 @@ def _set_deadline(ctx: ServerContext, request_id: str) -> None:
     def expire() -> None:
         ctx.deadlines.pop(request_id, None)
         if request_id in ctx.active:
-            logger.info("request %s ran past --request-timeout (%.1f s); aborting it",
-                        request_id, timeout)
+            logger.info(
+                "request %s ran past --request-timeout (%.1f s); aborting it", request_id, timeout
+            )
             asyncio.ensure_future(ctx.engine.abort(request_id))
 
     ctx.deadlines[request_id] = asyncio.get_running_loop().call_later(timeout, expire)
 
 
-async def iterate(ctx: ServerContext, states: list[RequestState]
-                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def iterate(
+    ctx: ServerContext, states: list[RequestState]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every request until all finish; aborts them on exit."""
     try:
         if len(states) == 1:
@@ -263,8 +304,9 @@ async def iterate(ctx: ServerContext, states: list[RequestState]
         release(ctx, states)
 
 
-async def _merge(ctx: ServerContext, states: list[RequestState]
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(
+    ctx: ServerContext, states: list[RequestState]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     # bounded: a pump whose item is not yet taken stops pulling, so a slow reader leaves the
     # outputs pending in the engine's per-request collectors, where deltas merge
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(states))
@@ -305,7 +347,7 @@ async def until_disconnect(raw: Request, work: Awaitable):
         if not task.done():
             task.cancel()
     if not task.done():
-        await asyncio.wait({task})   # let its cleanup (engine aborts) run
+        await asyncio.wait({task})  # let its cleanup (engine aborts) run
     if task.cancelled():
         raise APIError(499, "client disconnected")
     return task.result()

@@ -75,21 +75,31 @@ class ChatServer:
         self.ctx = ctx
         self.token_str = TokenStrings(ctx.engine.tokenizer)
 
-    async def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     continue_final_message: bool = False, kwargs: dict | None = None,
-                     tools: ToolPlan | None = None) -> list[int]:
+    async def render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        kwargs: dict | None = None,
+        tools: ToolPlan | None = None,
+    ) -> list[int]:
         """The conversation's characters checked, then the template rendered and the text
         encoded on the tokenizer thread."""
         ctx = self.ctx
         tools = tools or ToolPlan()
         num_chars = sum(len(m.role) + len(m.text()) + len(m.name or "") for m in messages)
-        ctx.limits.check_prompt_chars(num_chars + tools.num_chars, ctx.max_model_len,
-                                      "messages")
+        ctx.limits.check_prompt_chars(num_chars + tools.num_chars, ctx.max_model_len, "messages")
         try:
-            return await ctx.off_loop(render_chat, ctx.engine.tokenizer,
-                                      conversation(messages), ctx.chat_template,
-                                      add_generation_prompt, continue_final_message,
-                                      kwargs or {}, tools.tools)
+            return await ctx.off_loop(
+                render_chat,
+                ctx.engine.tokenizer,
+                conversation(messages),
+                ctx.chat_template,
+                add_generation_prompt,
+                continue_final_message,
+                kwargs or {},
+                tools.tools,
+            )
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
 
@@ -97,8 +107,13 @@ class ChatServer:
         ctx = self.ctx
         check_request(ctx, req, 1)
         tools = plan_tools(req, ctx.tools)
-        ids = await self.render(req.messages, req.add_generation_prompt,
-                                req.continue_final_message, req.chat_template_kwargs, tools)
+        ids = await self.render(
+            req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+            tools,
+        )
         budget = check_context(ctx, len(ids), req.output_limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = tools.sampling_params(make_sampling_params(req, budget, logprobs))
@@ -107,11 +122,14 @@ class ChatServer:
         states = await submit(ctx, [(None, ids)], [params], base)
         response_id = f"chatcmpl-{base}"
         if req.stream:
-            return StreamingResponse(self._stream(req, response_id, len(ids), states, tools),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream(req, response_id, len(ids), states, tools),
+                media_type="text/event-stream",
+            )
         try:
             body = await until_disconnect(
-                raw, self._collect(req, response_id, len(ids), states, tools))
+                raw, self._collect(req, response_id, len(ids), states, tools)
+            )
         finally:
             release(ctx, states)
         return JSONResponse(body)
@@ -121,8 +139,14 @@ class ChatServer:
         return last.text() if req.echo and last.role == "assistant" else ""
 
     # -- non-streaming -------------------------------------------------------------------------
-    async def _collect(self, req: ChatCompletionRequest, response_id: str, num_prompt: int,
-                       states: list[RequestState], tools: ToolPlan) -> dict:
+    async def _collect(
+        self,
+        req: ChatCompletionRequest,
+        response_id: str,
+        num_prompt: int,
+        states: list[RequestState],
+        tools: ToolPlan,
+    ) -> dict:
         texts = [self._echo_text(req)] * req.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finish: list[tuple[str | None, int | str | None]] = [(None, None)] * req.n
@@ -138,22 +162,37 @@ class ChatServer:
         choices = []
         for i in range(req.n):
             message, reason = _message(tools, texts[i], finish[i][0])
-            choices.append(ChatChoice(index=i, message=message, logprobs=ChatLogprobs(
-                content=logprobs[i]) if req.logprobs else None, finish_reason=reason,
-                stop_reason=finish[i][1]))
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=ChatLogprobs(content=logprobs[i]) if req.logprobs else None,
+                    finish_reason=reason,
+                    stop_reason=finish[i][1],
+                )
+            )
         return ChatCompletionResponse(
-            id=response_id, model=self.ctx.model_name, choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_out,
-                            total_tokens=num_prompt + num_out)).model_dump()
+            id=response_id,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=num_prompt,
+                completion_tokens=num_out,
+                total_tokens=num_prompt + num_out,
+            ),
+        ).model_dump()
 
     def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> list[TokenLogprob]:
         if not req.logprobs:
             return []
-        return [self._token_logprob(tid, entry, req.top_logprobs or 0)
-                for tid, entry in zip(c.token_ids, c.logprobs or [])]
+        return [
+            self._token_logprob(tid, entry, req.top_logprobs or 0)
+            for tid, entry in zip(c.token_ids, c.logprobs or [])
+        ]
 
-    def _token_logprob(self, token_id: int, entry: dict[int, Logprob],
-                       num_top: int) -> TokenLogprob:
+    def _token_logprob(
+        self, token_id: int, entry: dict[int, Logprob], num_top: int
+    ) -> TokenLogprob:
         ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:num_top]
         tops = [self._top(tid, lp.logprob) for tid, lp in ranked]
         sampled = self._top(token_id, entry[token_id].logprob)
@@ -161,18 +200,28 @@ class ChatServer:
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_str(token_id)
-        return TopLogprob(token=text, logprob=max(logprob, -9999.0),
-                          bytes=list(text.encode("utf-8")))
+        return TopLogprob(
+            token=text, logprob=max(logprob, -9999.0), bytes=list(text.encode("utf-8"))
+        )
 
     # -- streaming -----------------------------------------------------------------------------
-    async def _stream(self, req: ChatCompletionRequest, response_id: str, num_prompt: int,
-                      states: list[RequestState], tools: ToolPlan) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        response_id: str,
+        num_prompt: int,
+        states: list[RequestState],
+        tools: ToolPlan,
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.ctx.model_name
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-            return sse_event(ChatCompletionChunk(id=response_id, created=created, model=model,
-                                                 choices=choices, usage=usage))
+            return sse_event(
+                ChatCompletionChunk(
+                    id=response_id, created=created, model=model, choices=choices, usage=usage
+                )
+            )
 
         num_out = 0
         started = False
@@ -181,26 +230,41 @@ class ChatServer:
         parsers = {i: ChoiceTools(tools) for i in range(req.n)} if tools.parses else {}
         try:
             async for _, out in iterate(self.ctx, states):
-                if not started:   # the role event, once per choice, with the first output
+                if not started:  # the role event, once per choice, with the first output
                     started = True
                     for i in range(req.n):
-                        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(
-                            role="assistant", content=""))])
+                        yield chunk(
+                            [
+                                ChatChunkChoice(
+                                    index=i, delta=DeltaMessage(role="assistant", content="")
+                                )
+                            ]
+                        )
                 for c in out.outputs:
                     _raise_if_error(c)
                     num_out += len(c.token_ids)
                     usage = _usage(num_prompt, num_out) if req.continuous_usage else None
-                    logprobs = ChatLogprobs(content=self._logprobs(req, c)) if req.logprobs \
-                        else None
+                    logprobs = (
+                        ChatLogprobs(content=self._logprobs(req, c)) if req.logprobs else None
+                    )
                     text = pending_echo.pop(c.index, "") + c.text
                     delta, reason = DeltaMessage(content=text), c.finish_reason
                     if parsers:
                         delta, reason = _tool_delta(parsers[c.index], text, reason)
                         if delta is None and reason is None and logprobs is None:
-                            continue   # held back: it may be tool-call markup
-                    yield chunk([ChatChunkChoice(index=c.index, delta=delta or DeltaMessage(),
-                                                 logprobs=logprobs, finish_reason=reason,
-                                                 stop_reason=c.stop_reason)], usage)
+                            continue  # held back: it may be tool-call markup
+                    yield chunk(
+                        [
+                            ChatChunkChoice(
+                                index=c.index,
+                                delta=delta or DeltaMessage(),
+                                logprobs=logprobs,
+                                finish_reason=reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        ],
+                        usage,
+                    )
             if req.include_usage:
                 yield chunk([], _usage(num_prompt, num_out))
         except Exception as e:  # noqa: BLE001 -- the status is sent; report in the stream
@@ -210,27 +274,31 @@ class ChatServer:
         yield SSE_DONE
 
 
-def _message(tools: ToolPlan, text: str, reason: str | None
-             ) -> tuple[ChatResponseMessage, str | None]:
+def _message(
+    tools: ToolPlan, text: str, reason: str | None
+) -> tuple[ChatResponseMessage, str | None]:
     """A whole choice's message and finish reason, its tool calls parsed out."""
     if not tools.parses:
         return ChatResponseMessage(content=text), reason
     parser = ChoiceTools(tools)
     content, calls = parser.whole(text)
-    return ChatResponseMessage(content=content, tool_calls=calls), \
-        tools.finish_reason(reason, parser.called)
+    return ChatResponseMessage(content=content, tool_calls=calls), tools.finish_reason(
+        reason, parser.called
+    )
 
 
-def _tool_delta(parser: ChoiceTools, text: str, reason: str | None
-                ) -> tuple[DeltaMessage | None, str | None]:
+def _tool_delta(
+    parser: ChoiceTools, text: str, reason: str | None
+) -> tuple[DeltaMessage | None, str | None]:
     content, calls = parser.delta(text, reason is not None)
     delta = DeltaMessage(content=content, tool_calls=calls) if content or calls else None
     return delta, parser.plan.finish_reason(reason, parser.called)
 
 
 def _usage(num_prompt: int, num_out: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_out,
-                     total_tokens=num_prompt + num_out)
+    return UsageInfo(
+        prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out
+    )
 
 
 def _raise_if_error(c: CompletionOutput) -> None:

@@ -44,7 +44,7 @@ from vserve.entrypoints.openai.tool_parsers.json_calls import (
 )
 from vserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")   # OpenAI's rule for function names
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -54,7 +54,7 @@ class ToolSettings:
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    keep_special_tokens: bool = False   # the parser's markup is special in this tokenizer
+    keep_special_tokens: bool = False  # the parser's markup is special in this tokenizer
 
     @classmethod
     def from_args(cls, args, tokenizer=None) -> ToolSettings:
@@ -63,10 +63,12 @@ class ToolSettings:
         if auto and not name:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if name is not None and name not in TOOL_PARSERS:
-            raise ValueError(f"--tool-call-parser {name!r} is not one of "
-                             f"{', '.join(sorted(TOOL_PARSERS))}")
+            raise ValueError(
+                f"--tool-call-parser {name!r} is not one of {', '.join(sorted(TOOL_PARSERS))}"
+            )
         keep = name is not None and bool(
-            set(TOOL_PARSERS[name].markers) & special_token_texts(tokenizer))
+            set(TOOL_PARSERS[name].markers) & special_token_texts(tokenizer)
+        )
         return cls(auto, name, keep)
 
 
@@ -79,14 +81,14 @@ def special_token_texts(tokenizer) -> set[str]:
 # -- the plan for one request ---------------------------------------------------------------
 @dataclass(frozen=True)
 class ToolPlan:
-    mode: str = "none"                       # none, auto, required, named
-    tools: list[dict] | None = None          # for the chat template
+    mode: str = "none"  # none, auto, required, named
+    tools: list[dict] | None = None  # for the chat template
     named: str | None = None
     parser: type[ToolCallStream] | None = None
     max_calls: int | None = None
     structured: StructuredOutputsParams | None = None
     keep_special_tokens: bool = False
-    num_chars: int = 0                       # of the tools' JSON (admission counts it)
+    num_chars: int = 0  # of the tools' JSON (admission counts it)
 
     @property
     def parses(self) -> bool:
@@ -122,7 +124,7 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "required" and req.tools == []:
-        choice = "none"   # OpenAI's behaviour for an empty list
+        choice = "none"  # OpenAI's behaviour for an empty list
     if choice != "none" and req.tools is None:
         raise APIError(400, "When using `tool_choice`, `tools` must be set.", "tool_choice")
     max_calls = None if req.parallel_tool_calls is not False else 1
@@ -133,8 +135,12 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
     if choice == "auto":
         return _auto_plan(settings, base)
     if req.structured_params() is not None:
-        raise APIError(400, "tool_choice 'required' or a named function cannot be combined "
-                       "with response_format or structured outputs", "tool_choice")
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function cannot be combined "
+            "with response_format or structured outputs",
+            "tool_choice",
+        )
     if choice == "required":
         schema = required_schema(tools, max_calls)
         return ToolPlan(mode="required", structured=StructuredOutputsParams(json=schema), **base)
@@ -154,37 +160,58 @@ def _template_fields(tools: list[ChatCompletionTool]) -> dict:
 
 def _auto_plan(settings: ToolSettings, base: dict) -> ToolPlan:
     if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
-        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
-                       "--tool-call-parser to be set", "tool_choice")
-    return ToolPlan(mode="auto", parser=TOOL_PARSERS[settings.tool_call_parser],
-                    keep_special_tokens=settings.keep_special_tokens, **base)
+        raise APIError(
+            400,
+            '"auto" tool choice requires --enable-auto-tool-choice and '
+            "--tool-call-parser to be set",
+            "tool_choice",
+        )
+    return ToolPlan(
+        mode="auto",
+        parser=TOOL_PARSERS[settings.tool_call_parser],
+        keep_special_tokens=settings.keep_special_tokens,
+        **base,
+    )
 
 
-def _named_plan(choice: NamedToolChoice, tools: list[ChatCompletionTool], base: dict
-                ) -> ToolPlan:
+def _named_plan(choice: NamedToolChoice, tools: list[ChatCompletionTool], base: dict) -> ToolPlan:
     name = choice.function.name
     found = [t for t in tools if t.function.name == name]
     if not found:
-        raise APIError(400, f"tool_choice names the function {name!r}, which is not in "
-                       "`tools`", "tool_choice")
+        raise APIError(
+            400, f"tool_choice names the function {name!r}, which is not in `tools`", "tool_choice"
+        )
     schema = found[0].function.parameters or _NO_PARAMETERS
-    return ToolPlan(mode="named", named=name, structured=StructuredOutputsParams(json=schema),
-                    **base)
+    return ToolPlan(
+        mode="named", named=name, structured=StructuredOutputsParams(json=schema), **base
+    )
 
 
 def _check_tool(i: int, tool: ChatCompletionTool) -> dict:
     fn = tool.function
     if not _NAME.match(fn.name):
-        raise APIError(400, f"tools[{i}].function.name must be 1 to 64 letters, digits, "
-                       f"underscores or dashes, got {fn.name[:80]!r}", "tools")
+        raise APIError(
+            400,
+            f"tools[{i}].function.name must be 1 to 64 letters, digits, "
+            f"underscores or dashes, got {fn.name[:80]!r}",
+            "tools",
+        )
     params = fn.parameters
     if params is not None and params.get("type", "object") != "object":
-        raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema of type "
-                       f"object, got type {params.get('type')!r}", "tools")
+        raise APIError(
+            400,
+            f"tools[{i}].function.parameters must be a JSON schema of type "
+            f"object, got type {params.get('type')!r}",
+            "tools",
+        )
     for key, kind in (("properties", dict), ("required", list)):
         if params is not None and not isinstance(params.get(key, kind()), kind):
-            raise APIError(400, f"tools[{i}].function.parameters.{key} must be a JSON "
-                           f"{'object' if kind is dict else 'array'}", "tools")
+            raise APIError(
+                400,
+                f"tools[{i}].function.parameters.{key} must be a JSON "
+                f"{'object' if kind is dict else 'array'}",
+                "tools",
+            )
     return tool.model_dump(exclude_none=True)
 
 
@@ -192,8 +219,9 @@ def _check_unique(tools: list[ChatCompletionTool]) -> None:
     seen = set()
     for tool in tools:
         if tool.function.name in seen:
-            raise APIError(400, f"tools: the function name {tool.function.name!r} is given "
-                           "twice", "tools")
+            raise APIError(
+                400, f"tools: the function name {tool.function.name!r} is given twice", "tools"
+            )
         seen.add(tool.function.name)
 
 
@@ -209,11 +237,22 @@ def required_schema(tools: list[ChatCompletionTool], max_calls: int | None) -> d
         for name, schema in tool_defs.items():
             if defs.setdefault(name, schema) != schema:
                 raise APIError(400, f"tools define $defs {name!r} differently", "tools")
-        items.append({"type": "object", "properties": {
-            "name": {"type": "string", "enum": [tool.function.name]}, "parameters": params},
-            "required": ["name", "parameters"], "additionalProperties": False})
-    schema = {"type": "array", "minItems": 1,
-              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": params,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
     if max_calls is not None:
         schema["maxItems"] = max_calls
     if defs:
@@ -281,8 +320,12 @@ def _tool_call(call: ToolCallResult) -> ToolCall:
 def _delta_call(d: ToolCallDelta) -> DeltaToolCall:
     if d.name is None:
         return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
-    return DeltaToolCall(index=d.index, id=d.id, type="function",
-                         function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+    return DeltaToolCall(
+        index=d.index,
+        id=d.id,
+        type="function",
+        function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+    )
 
 
 # -- the conversation side --------------------------------------------------------------------
@@ -293,9 +336,17 @@ def message_tool_fields(m: ChatMessage) -> dict:
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-            "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-            for c in m.tool_calls]
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(c.function.arguments),
+                },
+            }
+            for c in m.tool_calls
+        ]
     return out
 
 
@@ -307,8 +358,7 @@ def _arguments(value: str | dict | None) -> dict:
     try:
         parsed = json.loads(value)
     except ValueError as e:
-        raise APIError(400, f"a tool call's arguments are not valid JSON: {e}",
-                       "messages") from e
+        raise APIError(400, f"a tool call's arguments are not valid JSON: {e}", "messages") from e
     if not isinstance(parsed, dict):
         raise APIError(400, "a tool call's arguments must be a JSON object", "messages")
     return parsed

@@ -13,5 +13,12 @@ TOOL_PARSERS: dict[str, type[ToolCallStream]] = {
     "llama3_json": Llama3JsonToolParser,
 }
 
-__all__ = ["TOOL_PARSERS", "StreamDelta", "ToolCallDelta", "ToolCallResult",
-           "ToolCallStream", "HermesToolParser", "Llama3JsonToolParser"]
+__all__ = [
+    "TOOL_PARSERS",
+    "StreamDelta",
+    "ToolCallDelta",
+    "ToolCallResult",
+    "ToolCallStream",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+]

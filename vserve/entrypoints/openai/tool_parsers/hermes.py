@@ -19,15 +19,18 @@ class HermesToolParser(ToolCallStream):
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
         self.buffer = ""
-        self.reader: CallObjectReader | None = None   # the open block's
+        self.reader: CallObjectReader | None = None  # the open block's
         self.seen_block = False
 
     def _consume(self, text: str, final: bool) -> str:
         self.buffer += text
         content: list[str] = []
         while self.buffer:
-            more = self._read_block(final) if self.reader is not None \
+            more = (
+                self._read_block(final)
+                if self.reader is not None
                 else self._read_text(content, final)
+            )
             if not more:
                 break
         return "".join(content)
@@ -37,14 +40,16 @@ class HermesToolParser(ToolCallStream):
         at = self.buffer.find(START)
         if at < 0:
             keep = 0 if final else partial_suffix(self.buffer, START)
-            text, self.buffer = self.buffer[:len(self.buffer) - keep], \
-                self.buffer[len(self.buffer) - keep:]
+            text, self.buffer = (
+                self.buffer[: len(self.buffer) - keep],
+                self.buffer[len(self.buffer) - keep :],
+            )
             if not self.seen_block:
                 content.append(text)
             return False
         if not self.seen_block:
             content.append(self.buffer[:at])
-        self.buffer = self.buffer[at + len(START):]
+        self.buffer = self.buffer[at + len(START) :]
         self.seen_block = True
         self.reader = CallObjectReader()
         self.emitter.open(self.reader)
@@ -57,7 +62,7 @@ class HermesToolParser(ToolCallStream):
             if ch == "<" and not reader.in_string:
                 rest = buffer[i:]
                 if rest.startswith(END):
-                    self.buffer, self.reader = rest[len(END):], None
+                    self.buffer, self.reader = rest[len(END) :], None
                     return True
                 if END.startswith(rest) and not final:
                     self.buffer = rest

@@ -50,16 +50,16 @@ class CallObjectReader:
     skipped rather than raised on, since a model writes it."""
 
     def __init__(self) -> None:
-        self.state = "start"      # start, key, colon, value_start, value, after, done
+        self.state = "start"  # start, key, colon, value_start, value, after, done
         self.key: str | None = None
-        self.token: list[str] = []    # the key, or the value of a key other than the arguments
-        self.kind = ""                # of the value being read: container, string, scalar
-        self.depth = 0                # nesting inside a container value
+        self.token: list[str] = []  # the key, or the value of a key other than the arguments
+        self.kind = ""  # of the value being read: container, string, scalar
+        self.depth = 0  # nesting inside a container value
         self.in_value_string = False
         self.escape = False
         self.reading_args = False
         self.name: str | None = None
-        self.args: list[str] = []     # raw characters of the argument value
+        self.args: list[str] = []  # raw characters of the argument value
         self.args_kind = ""
         self.args_done = False
         self._args_text = ""
@@ -71,8 +71,9 @@ class CallObjectReader:
     @property
     def in_string(self) -> bool:
         """Inside a JSON string, where markup such as `</tool_call>` is text."""
-        return self.state == "key_string" or (self.state == "value" and (
-            self.kind == "string" or self.in_value_string))
+        return self.state == "key_string" or (
+            self.state == "value" and (self.kind == "string" or self.in_value_string)
+        )
 
     def feed(self, text: str) -> None:
         for ch in text:
@@ -183,7 +184,7 @@ class CallObjectReader:
         object that closed without arguments."""
         if self.args_kind == "container":
             if len(self._args_text) < len(self.args):
-                self._args_text += "".join(self.args[len(self._args_text):])
+                self._args_text += "".join(self.args[len(self._args_text) :])
             return self._args_text
         if self.args_done:
             raw = "".join(self.args)
@@ -272,10 +273,13 @@ class CallEmitter:
                 self.num_named += 1
                 out.append(ToolCallDelta(call.index, args, call.id, call.reader.name))
             elif len(args) > call.num_sent:
-                out.append(ToolCallDelta(call.index, args[call.num_sent:]))
+                out.append(ToolCallDelta(call.index, args[call.num_sent :]))
             call.num_sent = len(args)
         return out
 
     def results(self) -> list[ToolCallResult]:
-        return [ToolCallResult(c.id, c.reader.name, c.reader.arguments_text())
-                for c in self.calls if c.index is not None]
+        return [
+            ToolCallResult(c.id, c.reader.name, c.reader.arguments_text())
+            for c in self.calls
+            if c.index is not None
+        ]

@@ -16,7 +16,7 @@ class Llama3JsonToolParser(ToolCallStream):
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls)
-        self.mode: str | None = None     # None until the start is seen: "calls" or "content"
+        self.mode: str | None = None  # None until the start is seen: "calls" or "content"
         self.head = ""
         self.sequence = JsonCallSequence(self.emitter)
 
