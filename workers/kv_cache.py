@@ -1,10 +1,12 @@
 """The KV cache of one pipeline stage: how many blocks it gets and the tensors that hold them.
 
 Memory follows use on the CPU: each layer's tensor maps a fresh memfd named "vserve-kv", whose
-pages the kernel commits (zero-filled) on the first write. A block costs memory from the step
-that first writes it, so resident memory grows with the tokens in the cache, not with the
-budget; pages stay once written, so it is bounded by the budget. The name lets anyone read the
-cache's share of a worker's resident memory from /proc (`vserve.startup.kv_resident_bytes`).
+pages the kernel commits (zero-filled) on first touch. A block costs memory from the step that
+first touches it, so resident memory grows with the blocks the cache has used, not with the
+budget; pages stay committed afterwards (prefix caching cycles through the pool, so a busy
+engine reaches the budget). The name lets anyone read the cache's share of a worker's resident
+memory from /proc (`vserve.startup.kv_resident_bytes`). Where memfds are missing or refused
+(old kernels, sandboxes) the tensor is an anonymous mapping instead, committed the same way.
 (`torch.zeros` would write every page at start-up; a plain `torch.empty` would come from the
 heap, which the worker's malloc tuning keeps instead of unmapping, so it could hold old data.)
 Unwritten slots read as zeros, which the torch backend needs: it gathers whole blocks and masks
@@ -40,21 +42,25 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages are committed on first write (a fresh memfd, or an
-    anonymous mapping where memfds do not exist)."""
+    """A zero CPU tensor whose pages are committed on first touch (a fresh memfd, or an
+    anonymous mapping where memfds are missing or refused)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    if not hasattr(os, "memfd_create"):
+    try:
+        buf = _memfd_mapping(nbytes)
+    except (AttributeError, OSError):  # no memfd_create, or a kernel / sandbox that refuses it
         buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return torch.frombuffer(buf, dtype=dtype).view(shape)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
+
+
+def _memfd_mapping(nbytes: int) -> mmap.mmap:
     fd = os.memfd_create(KV_MAPPING_NAME, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
-        buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)  # (holds its own dup of the fd)
     finally:
-        os.close(fd)  # the mapping keeps the memory
-    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
+        os.close(fd)
 
 
 def new_kv_tensor(

@@ -7,9 +7,9 @@ the rows that sample, samples, and starts the host copy of the sampled ids.
 On-device token feedback: the ids sampled by the previous sampling step stay on the device
 (`_Feedback`). The next step takes every token the host knows from the batch, plans where the
 previous step's ids go (`FeedbackPlan`), and hands both to the device's `InputPrep` (numpy +
-torch scatter on CPU, one fused Triton launch on CUDA; `workers.input_prep`). Older feedback
+torch scatter on CPU, one fused Triton launch on CUDA; `vserve.workers.input_prep`). Older feedback
 is written back into the host rows before it is needed. On CUDA with the Triton backend,
-decode-only steps replay a captured CUDA graph (`workers.cuda_graphs`).
+decode-only steps replay a captured CUDA graph (`vserve.workers.cuda_graphs`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Logits come in the order the runner laid them out: one row per ordinary sampling
 k + 1 consecutive rows for a request with k drafts (`SampleLayout`).
 
 Plain rows never make the host wait for the device: indices and masks are uploaded through
-`workers.device.upload`, the previous step's ids that penalties count are read on the device
+`vserve.workers.device.upload`, the previous step's ids that penalties count are read on the device
 (`FeedbackQueue.device_ids_at`), and logprobs leave as `PendingLogprobs` for the runner's
 host copy. Draft rows are verified on the host (their tokens decide the next step's layout).
 """

@@ -7,7 +7,7 @@ preemption recomputes a position. A row's path (vocab order, or sorted when it f
 top-k / top-p / min-p) depends only on its own parameters, for the same reason.
 
 Nothing here makes the host wait for the device (CUDA): host values reach the device through
-`workers.device.upload` (pinned, non-blocking), no shape depends on a device value, and
+`vserve.workers.device.upload` (pinned, non-blocking), no shape depends on a device value, and
 logprobs stay on the device (`PendingLogprobs`) until the step's host copy has landed.
 """
 

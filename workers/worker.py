@@ -1,5 +1,5 @@
 """A worker: one pipeline stage on one device. The executor calls these methods, in process
-(uni-process executor) or through `workers.worker_proc` (multiprocess executor)."""
+(uni-process executor) or through `vserve.workers.worker_proc` (multiprocess executor)."""
 
 from __future__ import annotations
 

@@ -82,6 +82,9 @@ def _imports(path: Path, module: str) -> set[str]:
             found.add(".".join(base + ([node.module] if node.module else [])))
         elif isinstance(node, ast.ImportFrom):
             found.add(node.module)
+            if node.module and node.module.split(".")[0] == "vserve":
+                # `from vserve.x import y` may name a submodule y: count vserve.x.y too
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return found
 
 
@@ -184,3 +187,20 @@ def test_a_checkout_on_the_path_imports_its_own_workers(tmp_path):
         str(ROOT / "workers" / "messages.py"),
         str(ROOT / "csrc_triton" / "__init__.py"),
     ]
+
+
+def test_importing_the_core_loads_no_torch():
+    """The static walk misses string imports (registries); this imports the core for real."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, vserve.core.scheduler, vserve.config, vserve.core.outputs; "
+        "print(sorted(m for m in ('torch', 'transformers', 'triton', 'xgrammar') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

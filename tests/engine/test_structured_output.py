@@ -202,6 +202,47 @@ def test_bounded_string_follows_json_string_rules(text, ok):
     assert _is_grammar_accept_string(json_schema_grammar(json.dumps(schema)), text) is ok
 
 
+NESTED = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "string", "maxLength": 2},
+        "b": {"type": "array", "items": {"type": "string", "minLength": 3}, "maxItems": 2},
+        "c": {
+            "type": "object",
+            "properties": {"d": {"type": "string", "maxLength": 40}},
+            "required": ["d"],
+        },
+    },
+    "required": ["a", "b", "c"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "obj, ok",
+    [
+        ({"a": "xy", "b": ["abc", "\n\t\u0001"], "c": {"d": 'q"' * 10}}, True),
+        ({"a": "", "b": [], "c": {"d": ""}}, True),
+        ({"a": "xyz", "b": [], "c": {"d": ""}}, False),  # a: over its maxLength
+        ({"a": "", "b": ["ab"], "c": {"d": ""}}, False),  # b[0]: under its minLength
+        ({"a": "", "b": [], "c": {"d": "q" * 41}}, False),
+    ],
+)
+def test_every_bounded_string_of_a_schema_is_mended(obj, ok):
+    """Several bounded strings, in arrays and nested objects, each with its own bounds: each
+    takes escapes (one character each) and no raw control character."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from vserve.engine.structured_output import json_schema_grammar
+
+    grammar = json_schema_grammar(json.dumps(NESTED))
+    text = json.dumps(obj, separators=(", ", ": "))  # the compact form the grammar writes
+    assert _is_grammar_accept_string(grammar, text) is ok
+    if ok:  # the same document with a raw control character inside a bounded string
+        raw = text.replace('"c": {"d": "', '"c": {"d": "\x01', 1)
+        assert not _is_grammar_accept_string(grammar, raw)
+
+
 def test_sampled_bounded_strings_are_valid_json(engines):
     """Temperature 1 over a random model picks control-character tokens whenever the grammar
     lets it: every output must parse and keep its lengths."""

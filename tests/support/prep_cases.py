@@ -1,5 +1,5 @@
-"""Random step inputs for the input-preparation strategies (`workers.input_prep`), shared by the
-CPU tests (fused kernel under the Triton interpreter) and the GPU tests (native)."""
+"""Random step inputs for the input-preparation strategies (`vserve.workers.input_prep`),
+shared by the CPU tests (fused kernel under the Triton interpreter) and the GPU tests (native)."""
 
 from __future__ import annotations
 

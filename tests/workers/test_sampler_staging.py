@@ -1,6 +1,6 @@
-"""The sampler's inputs reach the device without host waits (workers.device.upload, ids of the
-previous step read on the device, logprobs resolved after the host copy), and what the sampler
-sees is exactly what the former host-built path gave it. CPU tests; the CUDA check under
+"""The sampler's inputs reach the device without host waits (vserve.workers.device.upload, ids
+of the previous step read on the device, logprobs resolved after the host copy), and what the
+sampler sees is exactly what the former host-built path gave it. CPU tests; the CUDA check under
 `torch.cuda.set_sync_debug_mode("error")` is in tests/e2e/test_gpu.py."""
 
 import numpy as np

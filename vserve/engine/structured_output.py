@@ -173,6 +173,7 @@ _JSON_ESCAPE_RULE = (
 )
 
 
+@functools.lru_cache(maxsize=64)
 def json_schema_grammar(source: str):
     """The grammar of a JSON schema's compact JSON (a weak model cannot wander off into
     endless whitespace), with the length-bounded strings mended to JSON's string rules."""
@@ -182,12 +183,23 @@ def json_schema_grammar(source: str):
     lines = str(grammar).splitlines()
     bad = " ::= " + _BOUNDED_STRING_CHAR
     if not any(line.endswith(bad) for line in lines):
+        if '"minLength"' in source or '"maxLength"' in source:
+            _warn_unmended(xgr.__version__)
         return grammar
     mended = [
         line[: -len(_BOUNDED_STRING_CHAR)] + _JSON_STRING_CHAR if line.endswith(bad) else line
         for line in lines
     ]
     return xgr.Grammar.from_ebnf("\n".join([*mended, _JSON_ESCAPE_RULE]))
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_unmended(version: str) -> None:
+    logger.warning(
+        "xgrammar %s wrote a length-bounded string in a form vserve does not mend: "
+        "such strings may admit raw control characters (invalid JSON)",
+        version,
+    )
 
 
 def _check_source(kind: str, source: str) -> None:
