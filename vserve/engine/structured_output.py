@@ -184,7 +184,7 @@ def json_schema_grammar(source: str):
     bad = " ::= " + _BOUNDED_STRING_CHAR
     if not any(line.endswith(bad) for line in lines):
         if '"minLength"' in source or '"maxLength"' in source:
-            _warn_unmended(xgr.__version__)
+            _warn_unmended(getattr(xgr, "__version__", "?"))
         return grammar
     mended = [
         line[: -len(_BOUNDED_STRING_CHAR)] + _JSON_STRING_CHAR if line.endswith(bad) else line
