@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
@@ -34,6 +35,21 @@ def run_remote_workers(config: EngineConfig) -> int:
     if not par.master_port:
         raise ValueError("--master-port is required for multi-host pipeline parallel")
     ranks = local_ranks(par.pipeline_parallel_size, par.nnodes, par.node_rank)
+    received: list[int] = []
+    with _stop_signals(received):  # from before the first rank starts to the return
+        procs = _start_ranks(config, ranks)
+        logger.warning(
+            "node %d: started ranks %s, waiting for the engine at %s:%d",
+            par.node_rank,
+            list(ranks),
+            par.master_addr,
+            par.master_port,
+        )
+        return _supervise(procs, received)
+
+
+def _start_ranks(config: EngineConfig, ranks: range) -> list:
+    par = config.parallel
     threads = _threads_per_worker(len(ranks))
     ctx = mp.get_context("spawn")
     procs = []
@@ -49,30 +65,28 @@ def run_remote_workers(config: EngineConfig) -> int:
         )
         proc.start()
         procs.append(proc)
-    logger.warning(
-        "node %d: started ranks %s, waiting for the engine at %s:%d",
-        par.node_rank,
-        list(ranks),
-        par.master_addr,
-        par.master_port,
-    )
-    return _supervise(procs)
+    return procs
 
 
-def _supervise(procs: list) -> int:
-    """Wait for the ranks; on SIGINT / SIGTERM stop them. Exit status: the first non-zero
-    exit code of a rank, or 128 + signal number when stopped by a signal."""
-    received: list[int] = []
+@contextmanager
+def _stop_signals(received: list[int]):
+    """SIGINT and SIGTERM are noted in `received` (not fatal) while the block runs."""
     previous = {
         s: signal.signal(s, lambda signum, _: received.append(signum))
         for s in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        while not received and any(p.is_alive() for p in procs):
-            wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+        yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _supervise(procs: list, received: list[int]) -> int:
+    """Wait for the ranks; on SIGINT / SIGTERM stop them. Exit status: the first non-zero
+    exit code of a rank, or 128 + signal number when stopped by a signal."""
+    while not received and any(p.is_alive() for p in procs):
+        wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
     if received:
         logger.warning("stopping the ranks (signal %d)", received[0])
         _stop(procs)
