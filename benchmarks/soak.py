@@ -36,12 +36,13 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
 from vserve.bench.sse import sse_lines
 from vserve.proc_tree import cmdline, descendants
-from vserve.startup import kv_resident_bytes
+from vserve.startup import kv_resident_bytes, resident_bytes
 
 RSS_GROWTH_LIMIT = 0.05
 WORDS = (
@@ -81,22 +82,24 @@ KINDS = {
 
 
 # -- processes -----------------------------------------------------------------------------------
-def rss_of(pid: int) -> tuple[str, int, int] | None:
-    """(command line, RSS bytes, of which the CPU KV cache's) of a live process, None once it
-    is gone. The KV cache's pages are committed as its blocks are first written and stay, up
-    to the KV budget: growth there is the cache filling, not a leak, so it is told apart."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
+class ProcMemory(NamedTuple):
+    cmd: str
+    rss: int  # bytes
+    kv: int  # of which the CPU KV cache's
+
+
+def rss_of(pid: int) -> ProcMemory | None:
+    """A live process's resident memory, None once it is gone. The KV cache's pages are
+    committed as its blocks are first touched and stay, up to the KV budget: growth there is
+    the cache filling, not a leak, so it is told apart."""
+    rss = resident_bytes(pid)
+    if not rss:
         return None
     cmd = cmdline(pid).replace(b"\0", b" ").decode(errors="replace")
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return cmd.strip()[:80], int(line.split()[1]) * 1024, kv_resident_bytes(pid)
-    return None
+    return ProcMemory(cmd.strip()[:80], rss, kv_resident_bytes(pid))
 
 
-def rss_table(pid: int) -> dict[int, tuple[str, int, int]]:
+def rss_table(pid: int) -> dict[int, ProcMemory]:
     return {p: r for p in [pid, *descendants(pid)] if (r := rss_of(p)) is not None}
 
 
@@ -437,10 +440,10 @@ def _window(t: float, before: dict, after: dict) -> dict:
     return out
 
 
-def _rss_window(table: dict[int, tuple[str, int, int]]) -> dict:
+def _rss_window(table: dict[int, ProcMemory]) -> dict:
     return {
-        "rss_mib": {p: round(r[1] / 2**20, 1) for p, r in table.items()},
-        "kv_mib": {p: round(r[2] / 2**20, 1) for p, r in table.items() if r[2]},
+        "rss_mib": {p: round(r.rss / 2**20, 1) for p, r in table.items()},
+        "kv_mib": {p: round(r.kv / 2**20, 1) for p, r in table.items() if r.kv},
     }
 
 

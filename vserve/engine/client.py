@@ -98,9 +98,7 @@ class InprocClient:
 
     def process_memory(self) -> dict[str, int]:
         """The worker processes (if any): the engine core is the caller's own process."""
-        memory = self.call_utility("process_memory")
-        memory.pop("engine_core")
-        return memory
+        return self.core.executor.worker_memory()
 
     def shutdown(self) -> None:
         self.core.shutdown()
