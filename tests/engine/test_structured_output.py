@@ -487,3 +487,16 @@ def test_structured_outputs_request_keeps_json_on_the_wire():
     assert req.structured_outputs.as_dict() == {"json": SCHEMA}
     with pytest.raises(ValidationError, match="json_schema"):
         CompletionRequest(model="m", prompt="x", structured_outputs={"json_schema": SCHEMA})
+
+
+@pytest.mark.parametrize("bound", [6, 10**6, 2**62])
+def test_no_bounded_string_class_is_left_and_no_false_warning(bound, caplog):
+    """Small and large bounds alike: the mended grammar holds no raw-control-character class,
+    and the warning for an unknown form stays quiet (a huge bound is written unbounded)."""
+    from vserve.engine import structured_output as so
+
+    so._warn_unmended.cache_clear()
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": bound}}}
+    grammar = so.json_schema_grammar(json.dumps(schema))
+    assert so._BOUNDED_CLASS not in str(grammar)
+    assert "does not mend" not in caplog.text

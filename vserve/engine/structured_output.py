@@ -163,7 +163,8 @@ _MAX_CACHED_SOURCE = 64 * 1024  # the cache holds at most 256 x 64 KB
 
 # xgrammar (0.2.9) writes a string with minLength / maxLength as a bounded repeat of this
 # character class: it lets raw control characters in (JSON parsers refuse them) and escapes out.
-_BOUNDED_STRING_CHAR = r"(([^\"\\\r\n]))"
+_BOUNDED_CLASS = r"[^\"\\\r\n]"
+_BOUNDED_STRING_CHAR = f"(({_BOUNDED_CLASS}))"
 # what a JSON string character is: anything but a control character, quote or backslash, or
 # an escape (one character of the string, as minLength / maxLength count it)
 _JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" vserve_json_escape))'
@@ -182,23 +183,25 @@ def json_schema_grammar(source: str):
     grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
     lines = str(grammar).splitlines()
     bad = " ::= " + _BOUNDED_STRING_CHAR
-    if not any(line.endswith(bad) for line in lines):
-        if '"minLength"' in source or '"maxLength"' in source:
-            _warn_unmended(getattr(xgr, "__version__", "?"))
-        return grammar
     mended = [
         line[: -len(_BOUNDED_STRING_CHAR)] + _JSON_STRING_CHAR if line.endswith(bad) else line
         for line in lines
     ]
+    if any(_BOUNDED_CLASS in line for line in mended):  # the class in another form
+        _warn_unmended()
+    if mended == lines:
+        return grammar
     return xgr.Grammar.from_ebnf("\n".join([*mended, _JSON_ESCAPE_RULE]))
 
 
 @functools.lru_cache(maxsize=1)
-def _warn_unmended(version: str) -> None:
+def _warn_unmended() -> None:
+    from importlib.metadata import version
+
     logger.warning(
-        "xgrammar %s wrote a length-bounded string in a form vserve does not mend: "
+        "xgrammar %s wrote the length-bounded string class in a form vserve does not mend: "
         "such strings may admit raw control characters (invalid JSON)",
-        version,
+        version("xgrammar"),
     )
 
 
