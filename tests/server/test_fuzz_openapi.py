@@ -55,6 +55,12 @@ def _bounded(document: dict) -> dict:
     return document
 
 
+def _tracebacks(log: str, num_chars: int = 6000) -> str:
+    """The server log's failed requests (their tracebacks), for the failure message."""
+    start = log.find("request failed")
+    return log[start : start + num_chars] if start >= 0 else log[-num_chars:]
+
+
 def test_documented_bodies(server):
     """Every POST route documents its JSON body, as a schema the fuzzer can generate from."""
     document = httpx.get(server.url + "/openapi.json").json()
@@ -83,13 +89,13 @@ def test_fuzz_no_server_errors(server):
         try:
             r = case.call(base_url=server.url, timeout=60)
         except Exception as e:  # noqa: BLE001 -- a hang or dropped connection is a failure
-            failures.append(f"{case.method} {case.path} {case.body!r:.300}: {e!r}")
+            failures.append(f"{case.method} {case.path} {case.body!r:.2000}: {e!r}")
             return
         statuses[case.method, case.path, r.status_code] += 1
         streamed_500 = r.status_code == 200 and '"code": 500' in r.text
         if r.status_code >= 500 or streamed_500:
             failures.append(
-                f"{case.method} {case.path} {case.body!r:.300} -> {r.status_code} {r.text[:300]}"
+                f"{case.method} {case.path} {case.body!r:.2000} -> {r.status_code} {r.text[:300]}"
             )
 
     for mode, num in NUM_CASES.items():
@@ -103,8 +109,11 @@ def test_fuzz_no_server_errors(server):
         run()
     print(f"{num_cases} cases:", dict(sorted(statuses.items())))
     assert num_cases >= 250, num_cases
-    assert not failures, f"{len(failures)} of {num_cases} cases failed:\n" + "\n".join(
-        failures[:10]
+    assert not failures, (
+        f"{len(failures)} of {num_cases} cases failed:\n"
+        + "\n".join(failures[:10])
+        + "\nthe server's log:\n"
+        + _tracebacks(server.log_tail(200_000))
     )
     # the same engine process, still serving
     assert children_of(server.pid) == server.engine_pids

@@ -294,6 +294,32 @@ def test_required_schema_moves_defs_to_the_root():
             "tool_choice",
             "cannot be combined",
         ),
+        # constraints that are themselves invalid are still "combined" (a 500 found by the
+        # fuzzer: building them raised a ValueError that nothing turned into a 400)
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "guided_choice": []},
+            "tool_choice",
+            "cannot be combined",
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "guided_choice": [],
+                "guided_regex": "",
+            },
+            "tool_choice",
+            "cannot be combined",
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "response_format": {"type": "json_schema"},
+            },
+            "tool_choice",
+            "cannot be combined",
+        ),
     ],
 )
 def test_bad_tools_are_400(fields, param, words):

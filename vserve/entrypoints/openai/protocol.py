@@ -141,6 +141,14 @@ class SamplingRequest(OpenAIBaseModel):
         return StructuredOutputsParams(**found[0])
 
     @property
+    def constrained(self) -> bool:
+        """Whether any structured-output field is given (valid or not)."""
+        kind = self.response_format.type if self.response_format else "text"
+        guided = (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+        given = (self.structured_outputs, *guided)
+        return kind != "text" or any(value is not None for value in given)
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 

@@ -134,7 +134,7 @@ def plan_tools(req: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan:
         return ToolPlan(**base)
     if choice == "auto":
         return _auto_plan(settings, base)
-    if req.structured_params() is not None:
+    if req.constrained:
         raise APIError(
             400,
             "tool_choice 'required' or a named function cannot be combined "
