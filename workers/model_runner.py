@@ -22,7 +22,6 @@ import torch
 
 from vserve.attention import get_attention_backend
 from vserve.attention.base import AttentionMetadata
-from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
 from vserve.models.loader import load_model
 from vserve.models.stage import StageInfo
@@ -43,52 +42,10 @@ from vserve.workers.prompt_logprobs import (
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
+from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.sample_step import SampleLayout, StepSampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    model_path: str
-    dtype: str
-    max_model_len: int
-    max_num_seqs: int
-    block_size: int
-    device: str = "cpu"
-    attention_backend: str = "torch"
-    pp_rank: int = 0
-    pp_size: int = 1
-    layer_partition: tuple[int, ...] = ()  # decoder layers per stage; () = even split
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enforce_eager: bool = False
-    sliding_window: int | None = None  # the sliding-window KV group's window (None: no group)
-    local_block_cap: int = 0  # most blocks that group holds
-
-    @staticmethod
-    def of(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
-        """What pipeline stage `pp_rank` needs of the engine's config."""
-        m, c, s, d = config.model, config.cache, config.scheduler, config.device
-        return RunnerConfig(
-            model_path=m.model,
-            dtype=m.dtype,
-            max_model_len=m.max_model_len,
-            max_num_seqs=s.max_num_seqs,
-            block_size=c.block_size,
-            device=d.device,
-            attention_backend=d.attention_backend,
-            pp_rank=pp_rank,
-            pp_size=config.parallel.pipeline_parallel_size,
-            layer_partition=config.parallel.layer_partition,
-            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            num_gpu_blocks_override=c.num_gpu_blocks_override,
-            enforce_eager=d.enforce_eager,
-            sliding_window=c.sliding_window,
-            local_block_cap=config.local_block_cap,
-        )
 
 
 @dataclass

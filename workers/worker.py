@@ -11,7 +11,8 @@ import torch
 from vserve.core.sched_output import SchedulerOutput
 from vserve.startup import phase
 from vserve.workers.device import tune_host_allocator
-from vserve.workers.model_runner import AsyncStepOutput, ModelRunner, RunnerConfig
+from vserve.workers.model_runner import AsyncStepOutput, ModelRunner
+from vserve.workers.runner_config import RunnerConfig
 
 
 class Worker:

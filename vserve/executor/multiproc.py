@@ -25,7 +25,7 @@ from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.executor.base import Executor, StepFuture
 from vserve.executor.placement_control import PlacementController, overrides_from_env
 from vserve.workers import messages as wire
-from vserve.workers.model_runner import RunnerConfig
+from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.executor")

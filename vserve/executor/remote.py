@@ -19,7 +19,7 @@ from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
 from vserve.executor.multiproc import _threads_per_worker, local_ranks
-from vserve.workers.model_runner import RunnerConfig
+from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.worker_proc import RankSetup, worker_main
 
 logger = logging.getLogger("vserve.worker")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.executor.base import Executor, StepFuture
-from vserve.workers.model_runner import RunnerConfig
+from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.worker import Worker
 
 

@@ -1,0 +1,52 @@
+"""What one pipeline stage's model runner needs of the engine's config: a frozen, torch-free
+record that the engine core builds and sends to each worker process (the engine core itself
+never imports torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vserve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_path: str
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    pp_rank: int = 0
+    pp_size: int = 1
+    layer_partition: tuple[int, ...] = ()  # decoder layers per stage; () = even split
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    sliding_window: int | None = None  # the sliding-window KV group's window (None: no group)
+    local_block_cap: int = 0  # most blocks that group holds
+
+    @staticmethod
+    def of(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
+        """What pipeline stage `pp_rank` needs of the engine's config."""
+        m, c, s, d = config.model, config.cache, config.scheduler, config.device
+        return RunnerConfig(
+            model_path=m.model,
+            dtype=m.dtype,
+            max_model_len=m.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            block_size=c.block_size,
+            device=d.device,
+            attention_backend=d.attention_backend,
+            pp_rank=pp_rank,
+            pp_size=config.parallel.pipeline_parallel_size,
+            layer_partition=config.parallel.layer_partition,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            num_gpu_blocks_override=c.num_gpu_blocks_override,
+            enforce_eager=d.enforce_eager,
+            sliding_window=c.sliding_window,
+            local_block_cap=config.local_block_cap,
+        )
