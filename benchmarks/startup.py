@@ -1,7 +1,8 @@
 """Start-up time and resident memory, each case a fresh process, repeated.
 
 * generate: wall time of `vserve generate "The capital of France is"` (start to exit), the
-  start-up phases it logs, and the largest resident memory of each of its processes;
+  start-up phases it logs, the resident memory of each process after the request (the line
+  `vserve generate` logs) and the largest seen from outside during the run (`peak`);
 * serve: time from starting `vserve serve` to the first `/health` 200, then one completion,
   then the resident memory of every process (read from outside, and as `/metrics` exports
   it).
@@ -40,6 +41,7 @@ from vserve.startup import resident_bytes
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 _PHASE = re.compile(r"start-up (\w+): (.+?) (\d+\.\d+) s$", re.M)
+_AFTER = re.compile(r"(\w+) (\d+) MB[,;]")  # vserve.startup.memory_line (MiB)
 
 
 def _env(tree: Path) -> dict[str, str]:
@@ -51,7 +53,8 @@ def _cli(args: list[str]) -> list[str]:
 
 
 def run_generate(tree: Path, model: str, engine_args: list[str]) -> dict:
-    """Wall time; memory: each process's largest RSS, sampled from outside every 0.1 s."""
+    """Wall time; memory after the request (logged) and each process's largest RSS, sampled
+    from outside every 0.1 s."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
@@ -83,7 +86,9 @@ def run_generate(tree: Path, model: str, engine_args: list[str]) -> dict:
         log = err.read()
     if proc.returncode != 0:
         raise RuntimeError(f"generate failed:\n{log[-3000:]}")
-    return {"wall_s": wall, "phases": _phases(log), "rss_mb": peak}
+    line = re.search(r"resident memory: (.*)", log)  # a tree without the line: the peak
+    after = {n: int(mb) for n, mb in _AFTER.findall(line.group(1))} if line else peak
+    return {"wall_s": wall, "phases": _phases(log), "rss_mb": after, "peak_rss_mb": peak}
 
 
 def tree_rss_mb(pid: int) -> dict[str, int]:
@@ -186,11 +191,13 @@ def summarize(runs: list[dict]) -> dict:
         for name in counted[-1]["phases"]
     }
     rss = counted[-1]["rss_mb"]
+    peak = counted[-1].get("peak_rss_mb")
     return {
         key: statistics.median(r[key] for r in counted),
         "phases": phases,
         "rss_mb": rss,
         "rss_total_mb": sum(rss.values()),
+        "peak_rss_total_mb": sum(peak.values()) if peak else None,
         "runs": runs,
     }
 
@@ -245,13 +252,17 @@ def main() -> None:
 
 
 def print_table(summary: dict) -> None:
-    print("\n| tree | case | time (s) | RSS total (MB) | RSS per process (MB) |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| tree | case | time (s) | RSS total after the request (MiB) | per process (MiB) "
+        "| peak total (MiB) |"
+    )
+    print("|---|---|---|---|---|---|")
     for tree, cases in summary.items():
         for case, s in cases.items():
             value = s.get("wall_s", s.get("ready_s"))
             per = ", ".join(f"{k} {v}" for k, v in s["rss_mb"].items())
-            print(f"| {tree} | {case} | {value:.2f} | {s['rss_total_mb']} | {per} |")
+            peak = s.get("peak_rss_total_mb") or "-"
+            print(f"| {tree} | {case} | {value:.2f} | {s['rss_total_mb']} | {per} | {peak} |")
     names = sorted({n for cases in summary.values() for s in cases.values() for n in s["phases"]})
     if not names:
         return

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from vserve import heap
+
 logger = logging.getLogger("vserve.startup")
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -108,7 +110,9 @@ def start_with_tokenizer(tokenizer_path: str, start_client):
 
     def load():
         with phase("tokenizer", "frontend"):
-            return load_tokenizer(tokenizer_path)
+            tokenizer = load_tokenizer(tokenizer_path)
+            heap.trim()  # the parse of tokenizer.json leaves its garbage in the heap
+            return tokenizer
 
     with ThreadPoolExecutor(1, thread_name_prefix="vserve-tokenizer-load") as pool:
         tokenizer = pool.submit(load)

@@ -77,30 +77,3 @@ class DeviceShim:
         if not self.is_cuda:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
-
-
-def tune_host_allocator() -> None:
-    """Keep large freed buffers in the heap instead of returning them to the OS.
-
-    glibc serves allocations above its mmap threshold with fresh pages and unmaps them on
-    free, so every step's multi-megabyte activations and K/V gathers page-fault anew (a
-    3x slowdown measured on decode attention). Raising the thresholds once per process keeps
-    those pages warm. The threshold cannot go above 32 MiB, and a step's logits are larger
-    (32 rows x 262k vocabulary in fp32: 33.5 MiB), so mmap is turned off altogether: on the
-    tiny 262k-vocabulary model at batch 32 the step fell from 34 to 22 ms. Only affects
-    glibc; a no-op elsewhere.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
-        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # glibc's maximum
-        libc.mallopt(m_trim_threshold, 1 << 30)
-        libc.mallopt(m_mmap_max, 0)  # larger blocks: the heap too
-    except (OSError, AttributeError):
-        pass

@@ -8,9 +8,9 @@ import time
 
 import torch
 
+from vserve import heap
 from vserve.core.sched_output import SchedulerOutput
 from vserve.startup import phase
-from vserve.workers.device import tune_host_allocator
 from vserve.workers.model_runner import AsyncStepOutput, ModelRunner
 from vserve.workers.runner_config import RunnerConfig
 
@@ -20,7 +20,7 @@ class Worker:
         from vserve.models.hf_config import load_hf_config
 
         self.config = config
-        tune_host_allocator()
+        heap.keep_freed_pages()
         if num_threads:
             torch.set_num_threads(num_threads)
         if config.device == "cuda":
@@ -42,6 +42,7 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         with phase("KV cache", self.name):
             self.runner.init_kv_cache(num_blocks)
+        heap.trim()  # start-up is over: what loading the weights freed goes back
 
     def execute_model(
         self, so: SchedulerOutput, defer_sampling: bool = False

@@ -20,12 +20,15 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+from vserve import heap
 from vserve.cpu_affinity import available_cpus, pin_process
 from vserve.envs import ENV
 from vserve.lifeline import exit_with_parent
 from vserve.workers import messages as wire
 
 logger = logging.getLogger("vserve.worker")
+
+IDLE_TRIM_S = 1.0  # no request for this long: the worker is idle and trims its heap
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class _RankLoop:
         self.rank, self.world = setup.rank, setup.world_size
         self.is_last = self.rank == self.world - 1
         self.req_conn, self.resp_conn = req_conn, resp_conn
+        self.busy = False  # a request came since the heap was last trimmed
         self._send_lock = threading.Lock()
         self.pp = None
         if self.world > 1:
@@ -131,7 +135,13 @@ class _RankLoop:
                 return 1
 
     def _next_request(self) -> bytes:
-        data = self.req_conn.recv_bytes() if self.rank == 0 else None
+        data = None
+        if self.rank == 0:
+            if self.busy and not self.req_conn.poll(IDLE_TRIM_S):
+                heap.trim()  # idle: the heap's free pages go back until the next step
+                self.busy = False
+            data = self.req_conn.recv_bytes()
+            self.busy = True
         return self.pp.pass_request(data) if self.pp else data
 
     def _handle(self, msg: wire.WorkerRequest) -> None:

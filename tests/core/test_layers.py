@@ -3,7 +3,7 @@
 Lowest first; a module may import its own layer and the layers below it, never one above
 (lazy imports inside functions count too: they are dependencies all the same).
 
-    base         sampling_params, outputs, envs, tokenizer, startup, ... (no vserve imports
+    base         sampling_params, outputs, envs, tokenizer, startup, heap, ... (no vserve imports
                  above them)
     core         requests, KV blocks, the scheduler and the types they exchange
                  (`vserve.core`), the frozen configs (`vserve.config`); no torch
@@ -39,6 +39,7 @@ LAYERS = [
             "vserve.cpu_affinity",
             "vserve.tokenizer",
             "vserve.startup",
+            "vserve.heap",
         ],
     ),
     ("core", ["vserve.core", "vserve.config"]),

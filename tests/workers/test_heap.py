@@ -1,0 +1,81 @@
+"""The C heap's policy (`vserve.heap`): freed pages go back to the OS at the end of start-up
+and when a worker is idle, and only then."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import pytest
+
+from vserve import heap, startup
+from vserve.workers import worker_proc
+
+glibc = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
+
+
+@glibc
+def test_trim_returns_freed_heap_pages():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    # 64 MiB in 64 KiB blocks (below the mmap threshold: they live in the heap), then freed
+    blocks = [libc.malloc(64 * 1024) for _ in range(1024)]
+    for b in blocks:
+        ctypes.memset(b, 1, 64 * 1024)  # touch: resident
+    before = startup.resident_bytes()
+    for b in blocks[::2]:  # holes between live blocks: free() alone can never return them
+        libc.free(b)
+    assert heap.trim()
+    assert startup.resident_bytes() < before - 16 * 2**20
+    for b in blocks[1::2]:
+        libc.free(b)
+
+
+class _Conn:
+    """A worker's request pipe: `ready` says whether a request waits."""
+
+    def __init__(self) -> None:
+        self.ready = True
+        self.polls: list[float] = []
+
+    def poll(self, timeout: float) -> bool:
+        self.polls.append(timeout)
+        return self.ready
+
+    def recv_bytes(self) -> bytes:
+        return b"step"
+
+
+def _rank0(conn: _Conn):
+    loop = object.__new__(worker_proc._RankLoop)  # only what _next_request reads
+    loop.rank, loop.pp, loop.req_conn, loop.busy = 0, None, conn, False
+    return loop
+
+
+def test_idle_worker_trims_once_per_idle_period(monkeypatch):
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
+    conn = _Conn()
+    loop = _rank0(conn)
+    assert loop._next_request() == b"step"
+    assert conn.polls == [] and trims == []  # nothing ran since start-up's trim
+    loop._next_request()  # a request was already waiting: busy, no trim
+    assert conn.polls == [worker_proc.IDLE_TRIM_S] and trims == []
+    conn.ready = False  # nothing for IDLE_TRIM_S: idle
+    loop._next_request()
+    assert trims == [1]
+    loop._next_request()  # the next request came: trims again only after it
+    assert trims == [1, 1]
+
+
+def test_tokenizer_load_is_followed_by_a_trim(monkeypatch, tiny_model_dir):
+    events = []
+    monkeypatch.setattr(heap, "trim", lambda: events.append("trim") or True)
+    tokenizer, client = startup.start_with_tokenizer(
+        tiny_model_dir("llama"), lambda: events.append("client") or "client"
+    )
+    assert client == "client" and tokenizer is not None
+    assert "trim" in events
