@@ -5,7 +5,10 @@
   `vserve generate` logs) and the largest seen from outside during the run (`peak`);
 * serve: time from starting `vserve serve` to the first `/health` 200, then one completion,
   then the resident memory of every process (read from outside, and as `/metrics` exports
-  it).
+  it);
+* load: memory follows use. `vserve serve`, one request, then 64 concurrent requests of
+  128 prompt / 128 output tokens, then 5 s of idle: the resident memory (and the worker's KV
+  cache pages) after the first request, at the peak of the load, and idle afterwards.
 
     python benchmarks/startup.py [--model M] [--runs 3] [--engine-args "--dtype float32"]
                                  [--compare-tree /path/to/other/checkout]
@@ -36,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from vserve import proc_tree
-from vserve.startup import resident_bytes
+from vserve.startup import kv_resident_bytes, resident_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
@@ -150,6 +153,68 @@ def run_serve(tree: Path, model: str, engine_args: list[str]) -> dict:
     return {"ready_s": ready, "phases": _phases(text), "rss_mb": rss, "metrics_rss_mb": exported}
 
 
+def run_load(tree: Path, model: str, engine_args: list[str]) -> dict:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        _cli(["serve", model, "--port", str(port), *engine_args]),
+        env=_env(tree),
+        cwd=tree,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    start = time.perf_counter()
+    try:
+        ready = _wait_health(proc, url, start)
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        httpx.post(url + "/v1/completions", json=body, timeout=300)
+        one = _memory(proc.pid)
+        peak = _under_load(proc.pid, url, 64, 128, 128)
+        time.sleep(5.0)  # idle: the worker trims its heap after a second without a step
+        idle = _memory(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return {
+        "ready_s": ready,
+        "phases": {},
+        "rss_mb": idle["rss_mb"],
+        "stages": {"after one request": one, "peak of 64 x 128/128": peak, "idle after it": idle},
+    }
+
+
+def _memory(pid: int) -> dict:
+    kv = sum(kv_resident_bytes(p) for p in proc_tree.descendants(pid)) >> 20
+    return {"rss_mb": tree_rss_mb(pid), "kv_mb": kv}
+
+
+def _under_load(pid: int, url: str, num: int, input_len: int, output_len: int) -> dict:
+    """Largest total RSS while `num` requests run at once (sampled every 0.2 s)."""
+    import threading
+
+    words = "the quick brown fox jumps over a lazy dog and runs far away".split()
+    prompts = [" ".join(words[(i + j) % len(words)] for j in range(input_len)) for i in range(num)]
+
+    def one(prompt: str) -> None:
+        body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True}
+        httpx.post(url + "/v1/completions", json=body, timeout=900)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    peak = _memory(pid)
+    while any(t.is_alive() for t in threads):
+        now = _memory(pid)
+        if sum(now["rss_mb"].values()) > sum(peak["rss_mb"].values()):
+            peak = now
+        time.sleep(0.2)
+    return peak
+
+
 def _wait_health(proc: subprocess.Popen, url: str, start: float) -> float:
     while time.perf_counter() - start < 900:
         if proc.poll() is not None:
@@ -219,7 +284,7 @@ def main() -> None:
     if args.compare_tree:
         trees["compare"] = Path(args.compare_tree).resolve()
     engine_args = shlex.split(args.engine_args)
-    cases = {"generate": run_generate, "serve": run_serve}
+    cases = {"generate": run_generate, "serve": run_serve, "load": run_load}
     results: dict[str, dict[str, list]] = {t: {c: [] for c in args.cases.split(",")} for t in trees}
     for i in range(args.runs):
         for case in args.cases.split(","):
@@ -234,6 +299,7 @@ def main() -> None:
                 )
     summary = {t: {c: summarize(r) for c, r in cases_.items()} for t, cases_ in results.items()}
     print_table(summary)
+    print_load(summary)
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -249,6 +315,18 @@ def main() -> None:
         )
     )
     print(f"wrote {out}")
+
+
+def print_load(summary: dict) -> None:
+    rows = [(t, c["load"]["runs"][-1]["stages"]) for t, c in summary.items() if "load" in c]
+    if not rows:
+        return
+    print("\n| tree | load stage | RSS total (MiB) | per process (MiB) | KV cache pages (MiB) |")
+    print("|---|---|---|---|---|")
+    for tree, stages in rows:
+        for stage, m in stages.items():
+            per = ", ".join(f"{k} {v}" for k, v in m["rss_mb"].items())
+            print(f"| {tree} | {stage} | {sum(m['rss_mb'].values())} | {per} | {m['kv_mb']} |")
 
 
 def print_table(summary: dict) -> None:
