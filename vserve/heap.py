@@ -11,13 +11,16 @@ The price is a heap that only grows: the largest step so far, and the garbage of
 (parsing Gemma's 33 MB `tokenizer.json` leaves about 180 MB behind, converting weights more).
 `trim()` calls `malloc_trim(0)`, which releases the free pages of every arena, at the moments
 a process has just let a large working set go: the end of start-up, and idle (a worker with no
-step for a second). Both only act on glibc; elsewhere (musl, macOS) they do nothing.
+step for a second, a front end with no output for a second: `trim_when_idle`). Both only
+act on glibc; elsewhere (musl, macOS) they do nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
+from collections.abc import Callable
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 
@@ -45,3 +48,17 @@ def trim() -> bool:
     """Release the heap's free pages; True when the C library returned some."""
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+async def trim_when_idle(activity: Callable[[], int], idle_s: float = 1.0) -> None:
+    """Trim once after each busy period: when `activity()` (a counter of work done) moved
+    since the last trim and then stood still for `idle_s`. Runs until cancelled."""
+    last, busy = activity(), False
+    while True:
+        await asyncio.sleep(idle_s)
+        now = activity()
+        if now != last:
+            last, busy = now, True
+        elif busy:
+            trim()
+            busy = False

@@ -79,3 +79,24 @@ def test_tokenizer_load_is_followed_by_a_trim(monkeypatch, tiny_model_dir):
     )
     assert client == "client" and tokenizer is not None
     assert "trim" in events
+
+
+def test_front_end_trims_once_after_each_busy_period(monkeypatch):
+    import asyncio
+
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(count[0]) or True)
+    count = [0]
+
+    async def run() -> None:
+        task = asyncio.create_task(heap.trim_when_idle(lambda: count[0], idle_s=0.1))
+        await asyncio.sleep(0.25)  # idle from the start: nothing to give back
+        assert trims == []
+        for _ in range(10):  # busy: outputs keep coming (5 per interval), no trim
+            count[0] += 1
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # then idle: one trim, not one per interval
+        task.cancel()
+
+    asyncio.run(run())
+    assert trims == [10]

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+from vserve import heap
 from vserve.config import EngineConfig
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.messages import SchedulerStats
@@ -45,6 +46,8 @@ class AsyncLLM:
         self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
         self.output_listeners: list[Callable[[RequestState, RequestOutput], None]] = []
         self._handler: asyncio.Task | None = None
+        self._trimmer: asyncio.Task | None = None
+        self._num_deliveries = 0  # output batches delivered (the heap trimmer watches it)
         self._pending_aborts: list[str] = []  # sent before the next ADD, in order
 
     @classmethod
@@ -169,7 +172,9 @@ class AsyncLLM:
     def _start(self) -> None:
         if self._handler is None:
             self.client.start()
-            self._handler = asyncio.get_running_loop().create_task(self._output_handler())
+            loop = asyncio.get_running_loop()
+            self._handler = loop.create_task(self._output_handler())
+            self._trimmer = loop.create_task(heap.trim_when_idle(lambda: self._num_deliveries))
 
     async def _output_handler(self) -> None:
         """Delivers outputs until the engine dies. An unexpected error here (a listener, the
@@ -187,6 +192,7 @@ class AsyncLLM:
             self._fail(f"the front end's output handler failed: {type(e).__name__}: {e}")
 
     def _deliver(self, outs) -> None:
+        self._num_deliveries += 1
         if outs.scheduler_stats is not None:
             self.last_stats = outs.scheduler_stats
             for on_stats in self.stats_listeners:
@@ -219,8 +225,9 @@ class AsyncLLM:
         return {"frontend": resident_bytes(), **await self.call_utility("process_memory")}
 
     def shutdown(self) -> None:
-        if self._handler is not None:
-            self._handler.cancel()
+        for task in (self._handler, self._trimmer):
+            if task is not None:
+                task.cancel()
         self.client.shutdown()
 
 
