@@ -198,3 +198,23 @@ def test_health_answers_while_tokenizing(big_server, route):
         f"/health first answered after {first_health} s of a {big_time:.2f} s tokenization"
     )
     assert response.status_code == 400 and "maximum context length" in response.text
+
+
+def test_token_text_cache_is_bounded():
+    """Logprob entries name tokens by their text; the cache of those texts keeps the most
+    recent ones only (it grew towards the whole vocabulary while a server ran: the soak's
+    front end gained ~1.4 KB per request)."""
+    from vserve.entrypoints.openai.serving_base import TokenStrings
+
+    calls = []
+
+    class Tokenizer:
+        def decode(self, ids):
+            calls.append(ids)
+            return f"<{ids[0]}>"
+
+    strings = TokenStrings(Tokenizer(), size=100)
+    assert [strings(i) for i in range(1000)][:2] == ["<0>", "<1>"]
+    assert strings.decode.cache_info().currsize == 100
+    strings(999)  # recent: cached
+    assert len(calls) == 1000

@@ -359,14 +359,16 @@ async def _wait_disconnect(raw: Request) -> None:
 
 
 class TokenStrings:
-    """Token id -> its text, cached (logprob entries name tokens by their decoded text)."""
+    """Token id -> its text (logprob entries name tokens by their decoded text). The most
+    recently used `size` are cached: a cache of every token seen grows for as long as the
+    server runs, towards the whole vocabulary (Gemma's 262k tokens: tens of MB)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, size: int = 16384) -> None:
         self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
+        self.decode = functools.lru_cache(maxsize=size)(self._decode)
+
+    def _decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id])
-        return text
+        return self.decode(token_id)
