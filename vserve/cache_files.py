@@ -1,11 +1,19 @@
-"""Small files in vserve's caches, written atomically: a reader sees the old file or the new
-one, never a half-written one (several processes may start at once)."""
+"""vserve's caches: where they live (`cache_dir`, under `$XDG_CACHE_HOME/vserve`, default
+`~/.cache/vserve`), and small files in them written atomically: a reader sees the old file or
+the new one, never a half-written one (several processes may start at once)."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+
+def cache_dir(name: str) -> Path:
+    """`$XDG_CACHE_HOME/vserve/<name>` (default `~/.cache/vserve/<name>`), read at each call
+    (tests point XDG_CACHE_HOME elsewhere)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vserve" / name
 
 
 def write_json_atomic(path: Path, value) -> None:

@@ -17,10 +17,9 @@ import functools
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
-from vserve.cache_files import write_json_atomic
+from vserve.cache_files import cache_dir, write_json_atomic
 
 logger = logging.getLogger("vserve")
 
@@ -136,8 +135,7 @@ def _verdict_path(folder: Path) -> Path:
         except OSError:
             key.append(f"{name}:-")
     digest = hashlib.sha256("\n".join(key).encode()).hexdigest()[:16]
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vserve" / "tokenizers" / f"{digest}.json"
+    return cache_dir("tokenizers") / f"{digest}.json"
 
 
 def _write_verdict(path: Path, verdict: dict) -> None:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from vserve.cache_files import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.cpp")
@@ -52,8 +54,7 @@ def _cpu_flags() -> bytes:
 def build_dir(source: Path = SOURCE) -> Path:
     key = source.read_bytes() + torch.__version__.encode() + sys.version.encode() + _cpu_flags()
     digest = hashlib.sha256(key).hexdigest()[:12]
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "vserve" / "cpu_ops" / digest
+    return cache_dir("cpu_ops") / digest
 
 
 def load():

@@ -15,11 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from vserve.cache_files import write_json_atomic
+from vserve.cache_files import cache_dir, write_json_atomic
 
 logger = logging.getLogger("vserve")
 
@@ -67,8 +66,7 @@ def _cache_path(folder: Path) -> Path:
         identity = "-"
     key = "\n".join([str(folder.resolve()), identity, _transformers_version(), str(CACHE_VERSION)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vserve" / "configs" / f"{digest}.json"
+    return cache_dir("configs") / f"{digest}.json"
 
 
 def _transformers_version() -> str:

@@ -14,11 +14,11 @@ There is no model hub: anything else is a `ValueError` that says what to pass in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from vserve.cache_files import cache_dir
 from vserve.models.gguf_tokens import mark_special, read_special_tokens
 
 EMBEDDED_ALIASES = ("gemma-3-270m", "google/gemma-3-270m", "gemma3-270m")
@@ -30,8 +30,7 @@ _TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vserve" / "models"
+    return cache_dir("models")
 
 
 def resolve_model_path(model: str | None) -> str:

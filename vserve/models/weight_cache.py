@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vserve.cache_files import cache_dir
+
 logger = logging.getLogger("vserve")
 
 LAYOUT_VERSION = 2
@@ -59,8 +61,7 @@ def _folder(model_path: Path) -> Path:
     root = cache_root().resolve()
     if root in model_path.resolve().parents:  # converted by vserve: keep it beside the model
         return model_path
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "vserve" / "weights"
+    return cache_dir("weights")
 
 
 def load_into(model: nn.Module, path: Path) -> bool:
