@@ -404,7 +404,7 @@ async def drive(server: Server, args) -> dict:
         await asyncio.gather(*workers)
         traffic_s = time.monotonic() - start
         final = await _wait_idle(client, 60)
-        await asyncio.sleep(1.0)  # let freed allocator pages settle before the RSS reading
+        await asyncio.sleep(3.0)  # idle: the front end and workers trim their heaps after 1 s
         rss_end = rss_table(server.proc.pid)
         health = (await client.get("/health", timeout=10)).status_code
     return {

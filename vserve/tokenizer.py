@@ -24,6 +24,7 @@ from vserve.cache_files import cache_dir, write_json_atomic
 logger = logging.getLogger("vserve")
 
 VERDICT_VERSION = 1
+BPE_CACHE_ENTRIES = 1024  # see bound_caches
 NUM_LOADS = [0]  # tokenizers built by this process (tests count them)
 _FILES = (
     "tokenizer.json",
@@ -42,10 +43,26 @@ def load_tokenizer(path: str):
     folder = Path(path)
     try:
         if (folder / "tokenizer.json").is_file():
-            return _load_checked(folder)
-        return _load_auto(path)
+            tokenizer = _load_checked(folder)
+        else:
+            tokenizer = _load_auto(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+    bound_caches(tokenizer)
+    return tokenizer
+
+
+def bound_caches(tokenizer) -> None:
+    """Cap the Rust BPE model's memo of encoded pre-tokens at BPE_CACHE_ENTRIES.
+
+    Where spaces are normalized away before pre-tokenization (Gemma: ' ' -> '▁', then a
+    split on ' ' that finds none), a whole prompt is one pre-token, so the memo (10000 entries
+    by default) holds recent prompts: it never hits, and a server's front end grew by about
+    1.1 KB per request until it was full (30-minute soak: +28 MiB). Encoding is unchanged."""
+    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    resize = getattr(model, "_resize_cache", None)
+    if resize is not None:
+        resize(BPE_CACHE_ENTRIES)
 
 
 def _load_auto(path: str):

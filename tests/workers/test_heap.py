@@ -100,3 +100,52 @@ def test_front_end_trims_once_after_each_busy_period(monkeypatch):
 
     asyncio.run(run())
     assert trims == [10]
+
+
+def test_prompt_sized_bpe_memo_is_bounded():
+    """A Gemma-shaped tokenizer (spaces normalized to '\u2581' before a split on ' ') makes each
+    prompt one pre-token; the Rust BPE memo of them grew the front end by ~1.1 KB per request.
+    `bound_caches` (run by load_tokenizer) caps it: 12000 distinct prompts stay within a few
+    MB where the default memo takes ~40 MB."""
+    import random
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from vserve.tokenizer import bound_caches
+
+    def gemma_shaped() -> Tokenizer:
+        vocab = {
+            "<unk>": 0,
+            "\u2581": 1,
+            **{c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")},
+        }
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+        return tok
+
+    def growth_mb(tok: Tokenizer) -> float:
+        rng = random.Random(0)
+        words = ["alpha", "bravo", "charlie", "delta", "echo", "fox", "golf", "hotel"]
+        heap.trim()
+        before = startup.resident_bytes()
+        for _ in range(12000):
+            tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(3, 40))))
+        heap.trim()
+        return (startup.resident_bytes() - before) / 2**20
+
+    bounded = gemma_shaped()
+    bound_caches(type("Fast", (), {"backend_tokenizer": bounded})())
+    unbounded = growth_mb(gemma_shaped())
+    assert growth_mb(bounded) < 12 < unbounded, unbounded
+
+
+def test_load_tokenizer_bounds_the_memo(tiny_model_dir, monkeypatch):
+    from vserve import tokenizer as tokenizer_module
+
+    seen = []
+    monkeypatch.setattr(tokenizer_module, "bound_caches", seen.append)
+    tokenizer_module.load_tokenizer.cache_clear()
+    loaded = tokenizer_module.load_tokenizer(tiny_model_dir("llama"))
+    tokenizer_module.load_tokenizer.cache_clear()
+    assert seen == [loaded]
