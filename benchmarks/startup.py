@@ -23,6 +23,7 @@ benchmarks/results/startup.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -115,63 +116,25 @@ def tree_rss_mb(pid: int) -> dict[str, int]:
     return found
 
 
-def run_serve(tree: Path, model: str, engine_args: list[str]) -> dict:
-    port = _free_port()
-    log = (
-        tree / f".startup-bench-{port}.log"
-        if os.access(tree, os.W_OK)
-        else Path(f"/tmp/startup-bench-{port}.log")
-    )
-    with open(log, "w") as sink:
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            _cli(["serve", model, "--port", str(port), *engine_args]),
-            env=_env(tree),
-            cwd=tree,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            ready = _wait_health(proc, f"http://127.0.0.1:{port}", start)
-            url = f"http://127.0.0.1:{port}"
-            httpx.post(
-                url + "/v1/completions",
-                json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0},
-                timeout=300,
-            )
-            rss = tree_rss_mb(proc.pid)  # from outside: any version of the server
-            exported = _metric_rss(httpx.get(url + "/metrics", timeout=60).text)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    text = log.read_text()
-    log.unlink(missing_ok=True)
-    return {"ready_s": ready, "phases": _phases(text), "rss_mb": rss, "metrics_rss_mb": exported}
-
-
-def run_load(tree: Path, model: str, engine_args: list[str]) -> dict:
+@contextlib.contextmanager
+def _server(tree: Path, model: str, engine_args: list[str], sink):
+    """A `vserve serve` of `tree`, ready and answering one completion: yields (process, url,
+    seconds from start to `/health` 200); stopped (SIGTERM, then SIGKILL) at the end."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
     proc = subprocess.Popen(
         _cli(["serve", model, "--port", str(port), *engine_args]),
         env=_env(tree),
         cwd=tree,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=sink,
+        stderr=subprocess.STDOUT,
     )
-    start = time.perf_counter()
     try:
         ready = _wait_health(proc, url, start)
         body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
         httpx.post(url + "/v1/completions", json=body, timeout=300)
-        one = _memory(proc.pid)
-        peak = _under_load(proc.pid, url, 64, 128, 128)
-        time.sleep(5.0)  # idle: the worker trims its heap after a second without a step
-        idle = _memory(proc.pid)
+        yield proc, url, ready
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -179,6 +142,24 @@ def run_load(tree: Path, model: str, engine_args: list[str]) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def run_serve(tree: Path, model: str, engine_args: list[str]) -> dict:
+    with tempfile.TemporaryFile("w+") as sink:
+        with _server(tree, model, engine_args, sink) as (proc, url, ready):
+            rss = tree_rss_mb(proc.pid)  # from outside: any version of the server
+            exported = _metric_rss(httpx.get(url + "/metrics", timeout=60).text)
+        sink.seek(0)
+        text = sink.read()
+    return {"ready_s": ready, "phases": _phases(text), "rss_mb": rss, "metrics_rss_mb": exported}
+
+
+def run_load(tree: Path, model: str, engine_args: list[str]) -> dict:
+    with _server(tree, model, engine_args, subprocess.DEVNULL) as (proc, url, ready):
+        one = _memory(proc.pid)
+        peak = _under_load(proc.pid, url, 64, 128, 128)
+        time.sleep(5.0)  # idle: the front end and the worker trim their heaps after 1 s
+        idle = _memory(proc.pid)
     return {
         "ready_s": ready,
         "phases": {},
