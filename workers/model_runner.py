@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vserve import cpu_ops
 from vserve.attention import get_attention_backend
 from vserve.attention.base import AttentionMetadata
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
@@ -151,8 +152,10 @@ class ModelRunner:
             self.model.layer_specs[i].sliding_window
             for i in range(self.stage.start_layer, self.stage.end_layer)
         }
-        if hasattr(self.backend, "kernel"):  # bf16 CPU: fused decode attention
-            self.backend.kernel = getattr(self.model, "kernel", None)
+        if hasattr(self.backend, "kernel"):  # CPU (bf16, fp32): fused decode attention
+            self.backend.kernel = getattr(self.model, "kernel", None) or cpu_ops.attention_kernel(
+                self.device, self.dtype
+            )
         if self.stage.is_last:  # build the sampling kernel now, not on the first sampled step
             self.step_sampler.sampler.kernel_for(self.device, self.dtype)
 

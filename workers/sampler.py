@@ -106,12 +106,12 @@ class Sampler:
         """logits [rows, vocab] in the model's dtype (fp32 only where it is needed)."""
         wants_logprobs = any(n is not None for n in meta.num_logprobs)
         if meta.all_greedy and not _needs_processing(meta) and not wants_logprobs:
-            return SamplerOutput(fast_argmax(logits))  # no copy of a [rows, vocab] tensor
+            return SamplerOutput(self.argmax(logits))  # no copy of a [rows, vocab] tensor
         work = logits
         if _needs_processing(meta):  # an fp32 copy: bias, penalties and masks in fp32
             work = self._process(logits.to(torch.float32, copy=True), meta)
         if meta.all_greedy:
-            token_ids = fast_argmax(work)
+            token_ids = self.argmax(work)
         else:
             token_ids = self._sample(work, meta)
         pending = (
@@ -120,6 +120,13 @@ class Sampler:
             else None
         )
         return SamplerOutput(token_ids, pending)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise first index of the maximum: one vectorized pass in the kernel on the CPU."""
+        kernel = self.kernel(logits)
+        if kernel is not None and logits.stride(-1) == 1:
+            return kernel.argmax(logits)
+        return fast_argmax(logits)
 
     def kernel(self, logits: torch.Tensor):
         """The fused sampling kernel for these logits, or None (torch path)."""

@@ -126,6 +126,51 @@ def test_decode_attention_matches_the_gathered_two_matmul_path(
     _one_ulp_close(out, ref, max_diff_frac=0.05, atol=2**-8 * v_cache.abs().max().item())
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (4, 1, 256), (8, 2, 24), (2, 2, 64)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (9, None), (None, 20.0)])
+def test_fp32_decode_attention_matches_the_gathered_two_matmul_path(
+    ops, heads, kv_heads, d, window, softcap
+):
+    """fp32 models use this kernel alone: it equals the eager fp32 path up to the order of its
+    fp32 sums, for head dims on (16, 256, 64) and off (24) the 16-lane path."""
+    torch.manual_seed(5)
+    block, num_blocks, nb = 16, 40, 6
+    k_cache = torch.randn(num_blocks, block, kv_heads, d)
+    v_cache = torch.randn(num_blocks, block, kv_heads, d)
+    seq_lens = torch.tensor([1, 16, 17, 80, 43, 96])
+    tables = torch.randperm(num_blocks)[: len(seq_lens) * nb].view(-1, nb).to(torch.int32)
+    q = torch.randn(len(seq_lens), heads, d)
+    spec = AttentionLayerSpec(heads, kv_heads, d, d**-0.5, window, softcap)
+    k, v = _gather_blocks(k_cache, tables.long()), _gather_blocks(v_cache, tables.long())
+    hidden = ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, torch.arange(nb * block), window)
+    ref = _attend_matmul(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), hidden, spec
+    ).squeeze(2)
+    out = ops.decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, window or -1, spec.scale, softcap or 0.0
+    )
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="caches must have q's dtype"):
+        ops.decode_attention(q, k_cache.to(BF), v_cache.to(BF), tables, seq_lens, -1, 0.2, 0.0)
+
+
+def test_fp32_models_take_only_the_decode_attention_kernel(tiny_model_dir):
+    """An fp32 CPU model keeps its eager ops (no fused layers, no packed linears) and its
+    attention backend reads the paged cache through the kernel on decode steps."""
+    from vserve.attention.torch_backend import TorchAttentionBackend
+
+    assert cpu_ops.attention_kernel(torch.device("cpu"), torch.float32) is not None
+    assert cpu_ops.attention_kernel(torch.device("cpu"), BF) is None  # bf16: the model's own
+    assert cpu_ops.attention_kernel(torch.device("meta"), torch.float32) is None
+    llm = make_llm(tiny_model_dir("llama"), dtype="float32", max_model_len=128)
+    runner = llm.engine.client.core.executor.worker.runner
+    assert isinstance(runner.backend, TorchAttentionBackend)
+    assert runner.backend.kernel is not None
+    assert runner.model.kernel is None and runner.model.fused is None
+    llm.shutdown()
+
+
 def test_decode_attention_reads_sliced_int64_block_tables(ops):
     torch.manual_seed(7)
     k_cache = torch.randn(12, 4, 1, 32).to(BF)

@@ -146,6 +146,27 @@ def test_ties_follow_the_lower_id_first_order(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 4096, 262144 + 5])
+def test_argmax_is_torchs_first_maximum(kernel, dtype, vocab):
+    """The greedy path's argmax: the first index of each row's maximum, as torch.argmax gives
+    it, over ties (quantised logits), -inf entries, an all -inf row, a tail past the lanes and a
+    strided row view."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(9, vocab, generator=g) * 2).round().to(dtype)  # many exact ties
+    logits[1] = float("-inf")
+    logits[2, vocab // 2 :] = float("-inf")
+    logits[3] = 0.0
+    logits[4, -1] = 50.0  # the maximum in the tail
+    assert torch.equal(kernel.argmax(logits), logits.float().argmax(dim=-1))
+    rows = logits[::2]  # rows 2 * vocab apart
+    assert torch.equal(kernel.argmax(rows), rows.float().argmax(dim=-1))
+    assert torch.equal(Sampler().argmax(rows), rows.float().argmax(dim=-1))
+    if vocab > 1:
+        with pytest.raises(RuntimeError, match="rows dense"):
+            kernel.argmax(logits.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_minus_infinity_entries(kernel, dtype):
     """Masked tokens (-inf in the logits themselves, or from grammar / min_tokens / logit bias
     processing) are never picked, and the pick equals the oracle's."""

@@ -1,9 +1,10 @@
 """The timeline of a run from its step records: a Chrome trace and a per-step plot.
 
 `chrome_trace` turns the records into a Chrome trace (chrome://tracing, Perfetto): one CPU
-lane per process (front end: detokenize; engine core: schedule, update) and a device lane for
-the forward (and one per PP stage when the stages report their own spans), so the overlap
-report's figures can be checked against the timeline.
+lane per process (front end: detokenize; engine core: schedule, update), a device lane for the
+worker (prepare: from receiving the step to its forward; forward), and one per PP stage when
+the stages report their own spans, so the overlap report's figures can be checked against the
+timeline.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def chrome_trace(records: list[StepRecord], detokenize_spans=()) -> dict:
         slice_("schedule", ENGINE_PID, 1, r.schedule_start, r.schedule_end, **info)
         if r.commit_end:
             slice_("update", ENGINE_PID, 2, r.commit_start, r.commit_end, **info)
+        if r.recv:  # the worker's own host work before the forward: inputs, batch state
+            slice_("prepare", WORKER_PID, 1, r.recv, r.forward_start, **info)
         slice_("forward", WORKER_PID, 1, r.forward_start, r.forward_end, **info)
         for stage, (start, end) in enumerate(r.stage_forwards):
             slice_("stage forward", WORKER_PID, STAGE_TID + stage, start, end, **info)

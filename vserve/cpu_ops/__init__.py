@@ -9,8 +9,10 @@ memory bandwidth, and `decoder_layer` runs a whole layer of a decode step in one
 The extension is built with the system C++ compiler the first time a bf16 CPU model loads
 (about 30 s), into `$XDG_CACHE_HOME/vserve/cpu_ops/` (default `~/.cache`), keyed by the
 source, the torch and Python versions and the CPU's instruction sets; later loads reuse it.
-Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. Only bf16
-uses these kernels: fp32 stays on the ops whose results equal transformers'.
+Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. bf16 models
+use all of these kernels; fp32 models only the paged decode attention (`attention_kernel`),
+which reads the cache in place where the eager path gathers it, and whose fp32 result differs
+from the eager matmuls' only in summation order.
 
 `sample.cpp` is a second extension, built the same way on the first sampled step of a CPU
 model of any dtype (`load_sampler`): fused temperature / top-k / top-p / min-p sampling over
@@ -60,6 +62,13 @@ def build_dir(source: Path = SOURCE) -> Path:
 def load():
     """The compiled module, or None when it is disabled or cannot be built (logged once)."""
     return _load("module", lambda: _build())
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype):
+    """The module whose `decode_attention` an fp32 CPU model's attention uses, or None."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    return load()
 
 
 def load_sampler():

@@ -7,7 +7,9 @@
 // Reductions accumulate in fp32 in their own order, so results may differ from the eager ops
 // in the last bf16 bit. A bf16 CPU model uses these kernels on every step, prefill and decode,
 // and `decoder_layer` calls exactly the kernels the per-op path calls, so a step's outputs do
-// not depend on which of the two paths ran it.
+// not depend on which of the two paths ran it. An fp32 CPU model uses `decode_attention` alone:
+// it reads the paged cache in place instead of gathering it, and differs from the eager fp32
+// matmuls only in the order of its fp32 sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -15,7 +17,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -26,10 +30,12 @@ constexpr int kLanes = 16;
 inline float f(bf16 x) { return static_cast<float>(x); }
 inline bf16 b(float x) { return static_cast<bf16>(x); }
 
-// fp32 dot product of a bf16 vector with an fp32 one in L independent lanes (vectorizes
-// without fast-math): attention's q . k (16 lanes) and the gemv's rows (32)
-template <int L>
-inline float dot_bf16(const bf16* a, const float* xf, int64_t n) {
+inline float f(float x) { return x; }
+
+// fp32 dot product of a bf16 or fp32 vector with an fp32 one in L independent lanes
+// (vectorizes without fast-math): attention's q . k (16 lanes) and the gemv's rows (32)
+template <int L, typename T>
+inline float dot(const T* a, const float* xf, int64_t n) {
   float acc[L] = {};
   int64_t i = 0;
   for (; i + L <= n; i += L)
@@ -134,17 +140,152 @@ at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) {
   return (act == 1 ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(up);
 }
 
-// One query token per row. q [B, H, D] bf16; caches [num_blocks, block_size, Hkv, D] bf16;
-// block_tables [B, >= blocks] int; seq_lens [B] int (the query is the last position).
-// scores = bf16(q . k) * scale (fp32), optional softcap, window mask, fp32 softmax, probs
-// rounded to bf16, out = bf16(sum p * v) -- the eager two-matmul attention's rounding points.
+namespace {
+
+// the value the eager op of dtype T stores: bf16 rounds, fp32 keeps
+template <typename T>
+inline float stored(float x) { return std::is_same_v<T, bf16> ? f(b(x)) : x; }
+
+// 16 lanes (GCC/Clang vector extensions: AVX-512, AVX2 or SSE under -march=native)
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+inline vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf load16(const bf16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vi) << 16);
+}
+
+inline float hsum(vf v) {  // a tree of four shuffles
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return v[0] + v[1];
+}
+
+inline vf splat(float x) { return vf{} + x; }
+
+// exp for x <= 0 (Cephes' expf: within 2 ulp of std::exp), exactly 0 below -87.3 and at -inf
+inline vf vexp(vf x) {
+  const float lo = -87.33654f;
+  vf xc = x < lo ? splat(lo) : x;
+  vf fx = xc * 1.44269504088896341f + 0.5f;
+  vf t = (fx + 12582912.0f) - 12582912.0f;   // round to nearest, then floor
+  t = t > fx ? t - 1.0f : t;
+  vf r = xc - t * 0.693359375f;
+  r = r - t * -2.12194440e-4f;
+  vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  vi e = (__builtin_convertvector(t, vi) + 127) << 23;
+  vf res = y * (vf)e;
+  return x < lo ? splat(0.0f) : res;
+}
+
+// q . k for a head dim that is a multiple of 16, q already fp32
+template <typename T>
+inline float dot16(const T* k, const float* q, int64_t d) {
+  vf acc = load16(k) * load16(q);
+  for (int64_t i = 16; i < d; i += 16) acc += load16(k + i) * load16(q + i);
+  return hsum(acc);
+}
+
+template <typename T>
+void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* btp,
+                           const int64_t* slp, int64_t nb, int64_t h, int64_t d, int64_t hkv,
+                           int64_t block, int64_t bstride, int64_t tstride, int64_t bt_cols,
+                           int64_t window, float fscale, float cap) {
+  int64_t groups = h / hkv;
+  at::parallel_for(0, nb * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(groups * d), acc(groups * d), scores;
+    for (int64_t item = lo; item < hi; ++item) {
+      int64_t r = item / hkv, g = item % hkv;
+      int64_t len = slp[r], qpos = len - 1;
+      int64_t first = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
+      int64_t n = len - first;
+      scores.assign(groups * n, 0.0f);
+      for (int64_t j = 0; j < groups * d; ++j) qf[j] = f(qp[(r * h + g * groups) * d + j]);
+      const int64_t* row_blocks = btp + r * bt_cols;
+      // positions block by block: one table lookup per block, no division per position
+      auto each_position = [&](const T* cache, auto&& body) {
+        for (int64_t p = first; p < len;) {
+          int64_t in_block = p % block, count = std::min(block - in_block, len - p);
+          const T* row = cache + row_blocks[p / block] * bstride + in_block * tstride + g * d;
+          for (int64_t i = 0; i < count; ++i) body(p + i - first, row + i * tstride);
+          p += count;
+        }
+      };
+      each_position(kp, [&](int64_t j, const T* kr) {
+        for (int64_t qh = 0; qh < groups; ++qh) {
+          const float* qr = qf.data() + qh * d;
+          float s = stored<T>(d % 16 == 0 ? dot16(kr, qr, d) : dot<kLanes>(kr, qr, d)) * fscale;
+          if (cap > 0) s = std::tanh(s / cap) * cap;
+          scores[qh * n + j] = s;
+        }
+      });
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t qh = 0; qh < groups; ++qh) {
+        float* sc = scores.data() + qh * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
+        float total = 0;
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+          vf e = vexp(load16(sc + j) - m);
+          std::memcpy(sc + j, &e, sizeof(e));
+        }
+        for (; j < n; ++j) sc[j] = vexp(splat(sc[j] - m))[0];
+        for (j = 0; j < n; ++j) total += sc[j];
+        for (int64_t j = 0; j < n; ++j) sc[j] = stored<T>(sc[j] / total);
+      }
+      if (d % 16 == 0) {  // each 16 dims of a head summed in a register, not through memory
+        for (int64_t qh = 0; qh < groups; ++qh)
+          for (int64_t c = 0; c < d; c += 16) {
+            const float* pr = scores.data() + qh * n;
+            vf a = {};
+            each_position(vp, [&](int64_t j, const T* vr) { a += pr[j] * load16(vr + c); });
+            std::memcpy(acc.data() + qh * d + c, &a, sizeof(a));
+          }
+      } else {
+        each_position(vp, [&](int64_t j, const T* vr) {
+          for (int64_t qh = 0; qh < groups; ++qh) {
+            float pr = scores[qh * n + j];
+            float* a = acc.data() + qh * d;
+            for (int64_t e = 0; e < d; ++e) a[e] += pr * f(vr[e]);
+          }
+        });
+      }
+      for (int64_t j = 0; j < groups * d; ++j) op[(r * h + g * groups) * d + j] = T(acc[j]);
+    }
+  });
+}
+
+}  // namespace
+
+// One query token per row. q [B, H, D] bf16 or fp32; caches [num_blocks, block_size, Hkv, D]
+// of q's dtype; block_tables [B, >= blocks] int; seq_lens [B] int (the query is the last
+// position). scores = (q . k) * scale (fp32; the dot rounded to bf16 for bf16), optional
+// softcap, window mask, fp32 softmax, probs rounded to the dtype, out = sum p * v in it: the
+// eager two-matmul attention's rounding points. fp32 models use this kernel alone of this file.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, int64_t window, double scale,
                             double softcap) {
-  check_bf16(q, "q");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "caches must be bfloat16");
+  auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "q must be bfloat16 or float32");
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "caches must have q's dtype");
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
               k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) &&
               v_cache.strides() == k_cache.strides(), "caches must have dense blocks");
@@ -155,60 +296,26 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   int64_t nb = q.size(0), h = q.size(1), d = q.size(2);
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == nb && sl.numel() == nb,
               "decode_attention: one block-table row and one length per query row");
-
-  int64_t block = k_cache.size(1), hkv = k_cache.size(2), groups = h / hkv;
-  int64_t bstride = k_cache.stride(0), tstride = k_cache.stride(1);
-  auto out = at::empty({nb, h, d}, q.options());
-  const bf16* qp = q.data_ptr<bf16>();
-  const bf16* kp = k_cache.data_ptr<bf16>();
-  const bf16* vp = v_cache.data_ptr<bf16>();
+  int64_t block = k_cache.size(1), bt_cols = bt.size(1);
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* slp = sl.data_ptr<int64_t>();
-  int64_t bt_cols = bt.size(1);
   for (int64_t r = 0; r < nb; ++r)
     TORCH_CHECK(slp[r] >= 0 && slp[r] <= bt_cols * block,
                 "decode_attention: a sequence is longer than its block table");
-  bf16* op = out.data_ptr<bf16>();
-  float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  at::parallel_for(0, nb * hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(groups * d), acc(groups * d), scores;
-    for (int64_t item = lo; item < hi; ++item) {
-      int64_t r = item / hkv, g = item % hkv;
-      int64_t len = slp[r], qpos = len - 1;
-      int64_t first = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
-      int64_t n = len - first;
-      scores.assign(groups * n, 0.0f);
-      for (int64_t j = 0; j < groups * d; ++j) qf[j] = f(qp[(r * h + g * groups) * d + j]);
-      for (int64_t p = first; p < len; ++p) {
-        const bf16* kr = kp + btp[r * bt_cols + p / block] * bstride + (p % block) * tstride +
-                         g * d;
-        for (int64_t qh = 0; qh < groups; ++qh) {
-          float s = f(b(dot_bf16<kLanes>(kr, qf.data() + qh * d, d))) * fscale;
-          if (cap > 0) s = std::tanh(s / cap) * cap;
-          scores[qh * n + (p - first)] = s;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t qh = 0; qh < groups; ++qh) {
-        float* sc = scores.data() + qh * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
-        float total = 0;
-        for (int64_t j = 0; j < n; ++j) { sc[j] = std::exp(sc[j] - m); total += sc[j]; }
-        for (int64_t j = 0; j < n; ++j) sc[j] = f(b(sc[j] / total));
-      }
-      for (int64_t p = first; p < len; ++p) {
-        const bf16* vr = vp + btp[r * bt_cols + p / block] * bstride + (p % block) * tstride +
-                         g * d;
-        for (int64_t qh = 0; qh < groups; ++qh) {
-          float pr = scores[qh * n + (p - first)];
-          float* a = acc.data() + qh * d;
-          for (int64_t j = 0; j < d; ++j) a[j] += pr * f(vr[j]);
-        }
-      }
-      for (int64_t j = 0; j < groups * d; ++j) op[(r * h + g * groups) * d + j] = b(acc[j]);
-    }
-  });
+  auto out = at::empty({nb, h, d}, q.options());
+  auto run = [&](auto* qp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    decode_attention_rows<T>(qp, static_cast<const T*>(k_cache.data_ptr()),
+                             static_cast<const T*>(v_cache.data_ptr()),
+                             static_cast<T*>(out.data_ptr()), btp, slp, nb, h, d,
+                             k_cache.size(2), block, k_cache.stride(0), k_cache.stride(1),
+                             bt_cols, window, static_cast<float>(scale),
+                             static_cast<float>(softcap));
+  };
+  if (dtype == at::kBFloat16)
+    run(static_cast<const bf16*>(q.data_ptr()));
+  else
+    run(static_cast<const float*>(q.data_ptr()));
   return out;
 }
 
@@ -219,7 +326,7 @@ namespace {
 void gemv_rows(const bf16* w, const float* xf, const bf16* bias, bf16* y, int64_t n0,
                int64_t n1, int64_t k) {
   for (int64_t r = n0; r < n1; ++r) {
-    float s = dot_bf16<2 * kLanes>(w + r * k, xf, k);
+    float s = dot<2 * kLanes>(w + r * k, xf, k);
     if (bias != nullptr) s += f(bias[r]);
     y[r] = b(s);
   }
