@@ -12,8 +12,8 @@ class Env:
     engine_ready_timeout: float  # VSERVE_ENGINE_READY_TIMEOUT: seconds to wait for start-up
     dist_timeout: float  # VSERVE_DIST_TIMEOUT: torch.distributed op timeout (s)
     fault_inject: str | None  # VSERVE_FAULT_INJECT="execute_model:N": raise at step N,
-    # "execute_model_hang:N": never return from step N
-    # or "grammar_compile_delay:S": compiles take S s longer
+    # "execute_model_hang:N": never return from step N, "execute_model_delay:MS": every step
+    # sleeps MS ms first, or "grammar_compile_delay:S": compiles take S s longer
     # (testing hooks for failure handling)
     api_key: str | None  # VSERVE_API_KEY: server API key when --api-key is absent
     cpu_num_reserved: str | None  # VSERVE_CPU_NUM_RESERVED: cores kept for the engine core

@@ -230,17 +230,21 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(
-        self, so: SchedulerOutput, defer_sampling: bool = False
+        self, so: SchedulerOutput, defer_sampling: bool = False, hidden_in=None
     ) -> AsyncStepOutput | None:
         """Run one step. With `defer_sampling`, stop after the logits: `sample_tokens` takes
-        over once the grammar bitmask is known (structured output under async scheduling)."""
+        over once the grammar bitmask is known (structured output under async scheduling).
+        `hidden_in`: a later stage's input, its receive already posted (else posted here)."""
         timing = StepTiming(recv=time.perf_counter())
         self._update_states(so)
         if so.is_empty:
             return self._empty_output(so, timing)
+        # a later stage posts the receive of its input first: gloo moves it only then
+        if hidden_in is None and not self.stage.is_first:
+            hidden_in = self.pp.post_recv_hidden(so)
         inputs = self._prepare_inputs(so)
         first, spans = (
-            (inputs.input_ids, []) if self.stage.is_first else self.pp.recv_hidden(so, inputs)
+            (inputs.input_ids, []) if hidden_in is None else hidden_in()
         )  # (with the earlier stages' forward spans)
         timing.forward_start = time.perf_counter()  # (a later stage's wait for its input is
         # not its forward: the report compares the bottleneck stage's work with the interval)

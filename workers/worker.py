@@ -30,7 +30,7 @@ class Worker:
             hf_config = load_hf_config(config.model_path)
         self.runner = ModelRunner(config, hf_config, pp_comm)
         self._num_steps = 0
-        self._fail_at, self._hang = _fault_step()
+        self._fail_at, self._hang, self._delay_s = _fault_step()
 
     def load_model(self) -> None:
         with phase("load weights", self.name):
@@ -45,25 +45,30 @@ class Worker:
         heap.trim()  # start-up is over: what loading the weights freed goes back
 
     def execute_model(
-        self, so: SchedulerOutput, defer_sampling: bool = False
+        self, so: SchedulerOutput, defer_sampling: bool = False, hidden_in=None
     ) -> AsyncStepOutput | None:
         self._num_steps += 1
         if self._fail_at is not None and self._num_steps == self._fail_at:
             while self._hang:  # a forward that never returns (watchdog tests)
                 time.sleep(3600)
             raise RuntimeError(f"injected fault at step {self._num_steps} (VSERVE_FAULT_INJECT)")
-        return self.runner.execute_model(so, defer_sampling)
+        if self._delay_s:
+            time.sleep(self._delay_s)  # a slow step (tests that need requests in flight)
+        return self.runner.execute_model(so, defer_sampling, hidden_in)
 
     def sample_tokens(self, step_id: int, grammar_bitmask) -> AsyncStepOutput | None:
         return self.runner.sample_tokens(step_id, grammar_bitmask)
 
 
-def _fault_step() -> tuple[int | None, bool]:
-    """(step to fail at, hang there instead of raising) from VSERVE_FAULT_INJECT."""
+def _fault_step() -> tuple[int | None, bool, float]:
+    """(step to fail at, hang there instead of raising, seconds every step sleeps first) from
+    VSERVE_FAULT_INJECT ("execute_model:N", "execute_model_hang:N", "execute_model_delay:MS")."""
     from vserve.envs import read_env
 
-    spec = read_env().fault_inject
+    spec = read_env().fault_inject or ""
+    if spec.startswith("execute_model_delay:"):
+        return None, False, int(spec.split(":", 1)[1]) / 1000
     for kind, hang in (("execute_model:", False), ("execute_model_hang:", True)):
-        if spec and spec.startswith(kind):
-            return int(spec.split(":", 1)[1]), hang
-    return None, False
+        if spec.startswith(kind):
+            return int(spec.split(":", 1)[1]), hang, 0.0
+    return None, False, 0.0

@@ -25,6 +25,7 @@ from vserve.cpu_affinity import available_cpus, pin_process
 from vserve.envs import ENV
 from vserve.lifeline import exit_with_parent
 from vserve.workers import messages as wire
+from vserve.workers.pp_prefetch import Prefetched, RequestPrefetch
 
 logger = logging.getLogger("vserve.worker")
 
@@ -104,6 +105,12 @@ class _RankLoop:
         if setup.cpus:
             pin_process(os.getpid(), setup.cpus)
         self.worker = Worker(runner_config, self.pp, setup.num_threads)
+        # a later CPU stage takes its requests ahead of its forward (vserve.workers.pp_prefetch)
+        self.prefetch = (
+            RequestPrefetch(self.pp, post_hidden=True)
+            if self.pp is not None and self.rank > 0 and runner_config.device == "cpu"
+            else None
+        )
         # On CPU the ids are on the host when a step returns: one stage replies at once instead
         # of waking its reply thread (which waits for the GIL while the next step runs)
         self.inline_replies = self.world == 1 and runner_config.device == "cpu"
@@ -117,15 +124,19 @@ class _RankLoop:
     def run(self) -> int:
         while True:
             try:
-                data = self._next_request()
+                data, hidden = self._next_request()
             except (EOFError, OSError, RuntimeError):
                 return 0 if self.rank else 1  # engine core or rank 0 went away
             try:
-                msg = wire.decode_request(data)  # typed: another host may have sent it
+                msg = data.message if isinstance(data, Prefetched) else None
+                if msg is None:
+                    if isinstance(data, Prefetched):
+                        raise data.decode_error or RuntimeError("no request")
+                    msg = wire.decode_request(data)  # typed: another host may have sent it
                 if isinstance(msg, wire.Shutdown):
                     self._close()
                     return 0
-                self._handle(msg)
+                self._handle(msg, hidden)
             except BaseException:
                 message = f"worker rank {self.rank}: {traceback.format_exc()}"
                 logger.error(message)
@@ -134,7 +145,14 @@ class _RankLoop:
                 self.reply_thread.join(timeout=10)
                 return 1
 
-    def _next_request(self) -> bytes:
+    def _next_request(self) -> tuple[bytes | Prefetched, object]:
+        """The next request's bytes (or, on a later CPU stage, its prefetched form), and the
+        call that waits for its posted hidden states (None: not posted)."""
+        if self.prefetch is not None:
+            item = self.prefetch.next()
+            if item.taken_error is not None:
+                raise item.taken_error
+            return item, item.hidden
         data = None
         if self.rank == 0:
             if self.busy and not self.req_conn.poll(IDLE_TRIM_S):
@@ -142,11 +160,11 @@ class _RankLoop:
                 self.busy = False
             data = self.req_conn.recv_bytes()
             self.busy = True
-        return self.pp.pass_request(data) if self.pp else data
+        return (self.pp.pass_request(data) if self.pp else data), None
 
-    def _handle(self, msg: wire.WorkerRequest) -> None:
+    def _handle(self, msg: wire.WorkerRequest, hidden=None) -> None:
         if isinstance(msg, wire.Execute):
-            out = self.worker.execute_model(msg.so, msg.defer_sampling)
+            out = self.worker.execute_model(msg.so, msg.defer_sampling, hidden)
             if not msg.defer_sampling:  # a deferred step replies after its Sample request
                 self._expect_reply(out)
         elif isinstance(msg, wire.Sample):
@@ -218,5 +236,7 @@ class _RankLoop:
     def _close(self) -> None:
         self.replies.put(None)
         self.reply_thread.join(timeout=10)
+        if self.prefetch is not None:  # it ends after passing on the shutdown
+            self.prefetch.thread.join(timeout=10)
         if self.pp is not None:
             self.pp.close()

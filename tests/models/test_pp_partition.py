@@ -53,10 +53,10 @@ def test_the_lm_head_moves_layers_off_the_last_stage():
     assert partition([1.0] * 6, 3, first_extra=2.0) == [1, 3, 2]  # the embedding counts
 
 
-def test_embedded_model_head_costs_more_than_all_layers():
+def test_embedded_model_head_costs_as_much_as_most_layers():
     costs = layer_costs(GEMMA_270M, 256)
-    assert head_cost(GEMMA_270M) > sum(costs)
-    assert stage_layer_counts(GEMMA_270M, 2, 256) == (18, 0)
+    assert 13 * costs[0] < head_cost(GEMMA_270M) < 15 * costs[0]  # 2x multiply-adds a layer
+    assert stage_layer_counts(GEMMA_270M, 2, 256) == (16, 2)  # measured best: 14..17 + rest
     assert stage_layer_counts(GEMMA_270M, 3, 256) == (9, 9, 0)  # even where the pace allows
     assert stage_layer_counts(GEMMA_270M, 1, 256) == (18,)
     # sliding layers see at most their window

@@ -136,7 +136,11 @@ def test_fault_in_forward(model_dir):
 
 
 def test_sigterm_drains_then_exits_zero(model_dir):
-    srv = _start(model_dir, "--shutdown-timeout", "4")
+    # 40 ms a step: the 48-token request is still running at SIGTERM however fast the model
+    # is (it finished first once the fp32 decode attention got faster), and ends in ~2 s
+    srv = _start(
+        model_dir, "--shutdown-timeout", "6", env={"VSERVE_FAULT_INJECT": "execute_model_delay:40"}
+    )
     try:
         started: list = []
         with ThreadPoolExecutor(2) as pool:

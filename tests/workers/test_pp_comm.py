@@ -32,12 +32,114 @@ def _rank(rank: int, port: int, sent, results) -> None:
             # a later stage busy with an older step: it takes nothing until rank 0 is done
             if not sent.wait(timeout=60):
                 raise AssertionError("rank 0 was held until later ranks took its requests")
-            got = [comm.pass_request(None).decode() for _ in range(AHEAD + MORE)]
+            got = []
+            for _ in range(AHEAD + MORE):
+                got.append(comm.pass_request(None).decode())
+                # the next request's frame is received into a receive posted before it is sent
+                assert comm._next_request is not None
         assert len(comm._inflight) <= comm._max_inflight
         comm.close()
         results.put((rank, got))
     except BaseException:
         results.put((rank, traceback.format_exc()))
+
+
+def _framed_rank(rank: int, port: int, results) -> None:
+    try:
+        from vserve.workers.pp_comm import FRAME_BYTES, PPComm
+
+        comm = PPComm(rank, 2, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
+        sizes = [0, 1, FRAME_BYTES - 8, FRAME_BYTES - 7, 3 * FRAME_BYTES + 5]
+        messages = [bytes((i * 7 + n) % 251 for n in range(size)) for i, size in enumerate(sizes)]
+        got = []
+        for m in messages:  # requests down, replies back: frames, and the rest beyond one
+            if rank == 0:
+                comm.pass_request(m)
+                got.append(comm.recv_reply())
+            else:
+                got.append(comm.pass_request(None))
+                comm.send_reply(got[-1][::-1])
+        want = [m[::-1] for m in messages] if rank == 0 else messages
+        assert got == want, [len(g) for g in got]
+        comm.close()  # rank 1's posted receive takes rank 0's goodbye frame
+        results.put((rank, "ok"))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def test_requests_and_replies_of_any_size_pass_in_frames():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_framed_rank, args=(r, port, results), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: "ok", 1: "ok"}, got
+
+
+class _FakeComm:
+    """pass_request hands out queued requests; post_recv_hidden records the posting order."""
+
+    def __init__(self, requests: list[bytes]) -> None:
+        import queue
+
+        self.requests: queue.Queue = queue.Queue()
+        for r in requests:
+            self.requests.put(r)
+        self.events: list[str] = []
+
+    def pass_request(self, data):
+        item = self.requests.get(timeout=30)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def post_recv_hidden(self, so):
+        self.events.append(f"posted {so.step_id}")
+        return lambda: ("hidden", so.step_id)
+
+
+def _execute(step_id: int, tokens: int):
+    from vserve.core.sched_output import SchedulerOutput
+    from vserve.workers import messages as wire
+
+    so = SchedulerOutput.empty(step_id, set(), set())
+    so.total_num_scheduled_tokens = tokens
+    return wire.encode(wire.Execute(so, False))
+
+
+def test_prefetch_posts_hidden_receives_before_the_stage_takes_the_step():
+    """A later CPU stage's requests are taken on their own thread, which posts the receive of
+    each non-empty step's hidden states at once: three requests ahead of the main loop, all
+    three receives are posted before it takes the first."""
+    from vserve.workers import messages as wire
+    from vserve.workers.pp_prefetch import RequestPrefetch
+
+    comm = _FakeComm([_execute(1, 4), _execute(2, 0), _execute(3, 2), wire.encode(wire.Shutdown())])
+    prefetch = RequestPrefetch(comm, post_hidden=True)
+    prefetch.thread.join(timeout=30)  # the main loop is still busy with an older step
+    assert comm.events == ["posted 1", "posted 3"]  # the empty step 2 has no input
+    first = prefetch.next()
+    assert isinstance(first.message, wire.Execute) and first.hidden() == ("hidden", 1)
+    assert prefetch.next().hidden is None
+    assert prefetch.next().hidden() == ("hidden", 3)
+    assert isinstance(prefetch.next().message, wire.Shutdown)
+
+
+def test_prefetch_hands_errors_to_the_main_loop():
+    from vserve.workers.pp_prefetch import RequestPrefetch
+
+    gone = RequestPrefetch(_FakeComm([EOFError("rank 0 went away")]), post_hidden=True)
+    assert isinstance(gone.next().taken_error, EOFError)
+    bad = RequestPrefetch(_FakeComm([b"\x01not a request"]), post_hidden=True)
+    assert bad.next().decode_error is not None
 
 
 def test_requests_pass_down_the_pipeline_without_waiting():
