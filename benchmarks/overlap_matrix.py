@@ -262,10 +262,12 @@ def pp_summary(res: dict[str, list]) -> dict:
 
 
 def bottleneck_ratio(result: dict) -> float:
-    """The bottleneck PP stage's interval over its forward. Until every stage reports its own
-    span (`StepTiming.stage_forwards`) the report sees one stage: the last, the span the
-    worker times as the step's forward."""
+    """The pipeline's pace: each step's interval on its slowest stage over that forward
+    (the report's `bottleneck_interval_over_forward`; the first stage paces prefill, the
+    lm_head's decode). Without per-stage spans: the one stage's interval over its forward."""
     ov = result["overlap"]
+    if ov.get("bottleneck_interval_over_forward") is not None:
+        return ov["bottleneck_interval_over_forward"]
     stage = ov["stages"][ov["bottleneck_stage"]]
     return stage["mean_interval_ms"] / max(stage["mean_forward_ms"], 1e-9)
 

@@ -254,6 +254,34 @@ def test_pp_without_pipelining_scores_lower():
     assert bottleneck["mean_interval_ms"] / bottleneck["mean_forward_ms"] == pytest.approx(2.0)
 
 
+def moving_bottleneck_run(n=N):
+    """Pipelined at the pace of the slower stage, which is stage 0 for the first half (long
+    prefill-like forwards) and stage 1 (the lm_head) for the second."""
+    records, t = [], 0.0
+    for k in range(n):
+        g0, g1 = (2 * G, G / 2) if k < n // 2 else (G / 2, 2 * G)
+        s0 = (t, t + g0)
+        s1 = (max(s0[1], records[-1].stage_forwards[1][1]) if records else s0[1],)
+        s1 = (s1[0], s1[0] + g1)
+        sched = (t - S, t)
+        records.append(_record(k, sched, s1, (s1[1], s1[1] + C), 2 * G if k else 0.0, (s0, s1)))
+        t += 2 * G
+    return records
+
+
+def test_pp_pace_follows_the_bottleneck_from_step_to_step():
+    """A stage that never waits paces 1.0, wherever the bottleneck sits; one mean stage over
+    the whole run would call the pipeline slow (its forward averages the short and the long
+    half, its interval does not)."""
+    rep = overlap_report(moving_bottleneck_run())
+    assert rep.bottleneck_interval_over_forward == pytest.approx(1.0, rel=0.02)
+    whole_run = rep.stages[rep.bottleneck_stage]
+    assert whole_run["mean_interval_ms"] / whole_run["mean_forward_ms"] > 1.5
+    serial = overlap_report(pp_run(pipelined=False), calibration=pp_sync_run())
+    assert serial.bottleneck_interval_over_forward == pytest.approx(2.0)
+    assert overlap_report(sync_run()).bottleneck_interval_over_forward is None  # one stage
+
+
 def test_coverage_counts_overlapping_spans_once():
     cov = Coverage([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.6)])
     assert cov.covered(0.0, 10.0) == pytest.approx(4.0)

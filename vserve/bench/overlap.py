@@ -34,10 +34,13 @@ Without a sync run the calibration rests on the run's own quiet steps, which an 
 few of, and on host work the engine core records (the worker's reply thread is not recorded),
 so `--compare-sync` is the sound source. With PP the interval of a stage runs from one step's
 forward start on that stage to the next step's; the bottleneck is the stage with the longest
-mean forward. The report also gives TPOT p50 / p99 and the steps launched with no other step
-in flight: by the reason the engine gave, and by the timestamps (launched after every earlier
-step committed; an empty step in the queue hides such a step from the engine's count). The
-timeline of the same records: `vserve.bench.trace`.
+mean forward. The pipeline's pace is judged step by step: each step's interval on its own
+bottleneck (the stage with that step's longest forward, which moves from the first stage in
+prefill to the lm_head's in decode) over that forward, summed over the steps. The report also
+gives TPOT p50 / p99 and the steps launched with no other step in flight: by the reason the
+engine gave, and by the timestamps (launched after every earlier step committed; an empty step
+in the queue hides such a step from the engine's count). The timeline of the same records:
+`vserve.bench.trace`.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class OverlapReport:
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
     bottleneck_stage: int = 0
+    # PP: sum over steps of the interval on the step's slowest stage / its forward there
+    bottleneck_interval_over_forward: float | None = None
     stages: list[dict] = field(default_factory=list)
     steps_without_overlap: dict[str, int] = field(default_factory=dict)
     serialized_steps: int = 0  # by the timestamps: nothing in flight beside them
@@ -119,6 +124,12 @@ class OverlapReport:
         ]
         if len(self.stages) > 1:
             rows += _stage_rows(self.stages, self.bottleneck_stage)
+            rows.append(
+                (
+                    "PP pace (interval / forward of each step's slowest stage):",
+                    _fmt(self.bottleneck_interval_over_forward, 3),
+                )
+            )
         rows += [
             ("TPOT p50 (ms):", _fmt(self.tpot_p50_ms)),
             ("TPOT p99 (ms):", _fmt(self.tpot_p99_ms)),
@@ -246,6 +257,7 @@ def overlap_report(
         tpot_p50_ms=percentile(tpots, 50),
         tpot_p99_ms=percentile(tpots, 99),
         bottleneck_stage=bottleneck,
+        bottleneck_interval_over_forward=_pace(steps, following) if len(stages) > 1 else None,
         stages=[asdict(s) for s in stages],
         steps_without_overlap=_no_overlap_reasons(steps),
         serialized_steps=serialized_steps(steps),
@@ -335,6 +347,21 @@ def _stage_figures(steps: list[StepRecord], following: dict, calib: dict) -> lis
             StageFigures(stage, _mean_ms(fwd), _mean_ms(gaps), _mean_ms(base) if base else None)
         )
     return out
+
+
+def _pace(steps: list[StepRecord], following: dict) -> float | None:
+    """Sum of each step's interval on its slowest stage (its start there to the next busy
+    step's start there) over the sum of those forwards: 1 when that stage never waits."""
+    interval = forward = 0.0
+    for r in steps:
+        nxt = following.get(r.step_id)
+        spans = stage_spans(r)
+        if nxt is None or len(stage_spans(nxt)) != len(spans):
+            continue
+        stage = max(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
+        interval += stage_spans(nxt)[stage][0] - spans[stage][0]
+        forward += spans[stage][1] - spans[stage][0]
+    return interval / forward if forward > 0 else None
 
 
 def _following_busy(records: list[StepRecord]) -> dict[int, StepRecord]:
