@@ -35,7 +35,8 @@ class Sample(msgspec.Struct, tag="sample", array_like=True):
 
 
 class Place(msgspec.Struct, tag="place", array_like=True):
-    per_rank: dict[int, tuple[int, tuple[int, ...]]]  # rank -> (torch threads, CPUs)
+    # rank -> (torch threads, threads in prompt-heavy steps, CPUs)
+    per_rank: dict[int, tuple[int, int, tuple[int, ...]]]
 
 
 class Load(msgspec.Struct, tag="load", array_like=True):

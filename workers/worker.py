@@ -14,15 +14,26 @@ from vserve.startup import phase
 from vserve.workers.model_runner import AsyncStepOutput, ModelRunner
 from vserve.workers.runner_config import RunnerConfig
 
+# a step is prompt-heavy (a prefill chunk) from this many tokens, and this many per request
+PREFILL_STEP_TOKENS = 128
+PREFILL_TOKENS_PER_REQUEST = 8
+
 
 class Worker:
-    def __init__(self, config: RunnerConfig, pp_comm=None, num_threads: int | None = None):
+    def __init__(
+        self,
+        config: RunnerConfig,
+        pp_comm=None,
+        num_threads: int | None = None,
+        prefill_threads: int | None = None,
+    ):
         from vserve.models.hf_config import load_hf_config
 
         self.config = config
         heap.keep_freed_pages()
+        self.threads: tuple[int, int] | None = None  # (decode, prompt-heavy) steps
         if num_threads:
-            torch.set_num_threads(num_threads)
+            self.set_threads(num_threads, prefill_threads or num_threads)
         if config.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", config.pp_rank)))
         self.name = f"worker_{config.pp_rank}"
@@ -54,10 +65,29 @@ class Worker:
             raise RuntimeError(f"injected fault at step {self._num_steps} (VSERVE_FAULT_INJECT)")
         if self._delay_s:
             time.sleep(self._delay_s)  # a slow step (tests that need requests in flight)
+        if self.threads is not None and self.threads[0] != self.threads[1]:
+            self._use_threads(self.threads[1] if _prompt_heavy(so) else self.threads[0])
         return self.runner.execute_model(so, defer_sampling, hidden_in)
+
+    def set_threads(self, num_threads: int, prefill_threads: int) -> None:
+        """torch threads for decode steps and for prompt-heavy ones (vserve.executor.placement:
+        a PP stage prefills on its share of the host's cores)."""
+        self.threads = (num_threads, max(num_threads, prefill_threads))
+        self._use_threads(num_threads)
+
+    def _use_threads(self, n: int) -> None:
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     def sample_tokens(self, step_id: int, grammar_bitmask) -> AsyncStepOutput | None:
         return self.runner.sample_tokens(step_id, grammar_bitmask)
+
+
+def _prompt_heavy(so: SchedulerOutput) -> bool:
+    tokens = so.total_num_scheduled_tokens
+    return tokens >= PREFILL_STEP_TOKENS and tokens >= PREFILL_TOKENS_PER_REQUEST * max(
+        1, len(so.num_scheduled_tokens)
+    )
 
 
 def _fault_step() -> tuple[int | None, bool, float]:

@@ -40,6 +40,7 @@ class RankSetup:
     master_port: int
     num_threads: int | None = None
     cpus: tuple[int, ...] = ()  # CPUs for every thread of this rank; () = unpinned
+    prefill_threads: int | None = None  # torch threads in prompt-heavy steps (PP placement)
 
 
 def worker_main(runner_config, setup: RankSetup, req_conn=None, resp_conn=None) -> None:
@@ -104,7 +105,7 @@ class _RankLoop:
         self.all_cpus = available_cpus()
         if setup.cpus:
             pin_process(os.getpid(), setup.cpus)
-        self.worker = Worker(runner_config, self.pp, setup.num_threads)
+        self.worker = Worker(runner_config, self.pp, setup.num_threads, setup.prefill_threads)
         # a later CPU stage takes its requests ahead of its forward (vserve.workers.pp_prefetch)
         self.prefetch = (
             RequestPrefetch(self.pp, post_hidden=True)
@@ -183,14 +184,12 @@ class _RankLoop:
         else:
             raise ValueError(f"unknown worker request {type(msg).__name__}")
 
-    def _place(self, per_rank: dict[int, tuple[int, tuple[int, ...]]]) -> None:
+    def _place(self, per_rank: dict[int, tuple[int, int, tuple[int, ...]]]) -> None:
         """Threads and CPUs chosen by the engine's placement controller; () = any CPU."""
         if self.rank not in per_rank:  # a stage on another host keeps its own placement
             return
-        import torch
-
-        num_threads, cpus = per_rank[self.rank]
-        torch.set_num_threads(num_threads)
+        num_threads, prefill_threads, cpus = per_rank[self.rank]
+        self.worker.set_threads(num_threads, prefill_threads)
         pin_process(os.getpid(), cpus or self.all_cpus)
 
     def _expect_reply(self, out) -> None:

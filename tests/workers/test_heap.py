@@ -51,7 +51,7 @@ class _Conn:
 
 def _rank0(conn: _Conn):
     loop = object.__new__(worker_proc._RankLoop)  # only what _next_request reads
-    loop.rank, loop.pp, loop.req_conn, loop.busy = 0, None, conn, False
+    loop.rank, loop.pp, loop.req_conn, loop.busy, loop.prefetch = 0, None, conn, False, None
     return loop
 
 
@@ -60,7 +60,7 @@ def test_idle_worker_trims_once_per_idle_period(monkeypatch):
     monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
     conn = _Conn()
     loop = _rank0(conn)
-    assert loop._next_request() == b"step"
+    assert loop._next_request() == (b"step", None)
     assert conn.polls == [] and trims == []  # nothing ran since start-up's trim
     loop._next_request()  # a request was already waiting: busy, no trim
     assert conn.polls == [worker_proc.IDLE_TRIM_S] and trims == []

@@ -8,6 +8,7 @@ from vserve.executor.placement import (
     RESERVE_ABOVE,
     PlacementOverrides,
     choose_num_reserved,
+    layer_shares,
     parse_cpu_list,
     parse_overrides,
     plan_placement,
@@ -42,6 +43,26 @@ def test_a_reservation_never_takes_a_workers_last_core():
     assert plan_placement([0, 1], 2, 1).num_reserved == 0  # PP=2 on two cores
     assert plan_placement([0, 1, 2], 1, 5).num_reserved == 2
     assert plan_placement([0], 1, 1).worker_threads == (1,)
+
+
+def test_unpinned_pp_stages_prefill_on_their_share_of_the_hosts_cores():
+    """Prompt-heavy steps run on round(cores x the stage's share of the local layers) threads,
+    never fewer than decode steps; pinned workers keep their own group's count."""
+    shares = layer_shares((16, 2), range(2))
+    assert shares == pytest.approx((16 / 18, 2 / 18))
+    p = plan_placement([0, 1], 2, 0, layer_shares=shares)
+    assert p.worker_threads == (1, 1) and p.prefill_threads == (2, 1)
+    assert plan_placement(
+        [0, 1], 2, 0, layer_shares=layer_shares((9, 9), range(2))
+    ).prefill_threads == (1, 1)
+    p = plan_placement(range(8), 2, 0, layer_shares=layer_shares((12, 4, 2), range(0, 2)))
+    assert p.worker_threads == (4, 4) and p.prefill_threads == (6, 4)  # this host's ranks 0, 1
+    assert layer_shares((18, 0), range(1, 2)) == ()  # one local rank: nothing to share
+    assert layer_shares((0, 0), range(2)) == (0.5, 0.5)
+    p = plan_placement(range(8), 2, 2, layer_shares=shares)  # pinned: no prefill threads
+    assert p.prefill_threads == () and p.prefill_threads_of(0) == p.worker_threads[0]
+    p = plan_placement([0, 1], 2, 0, PlacementOverrides(nobind=True), shares)
+    assert p.prefill_threads == (2, 1)
 
 
 def test_explicit_binding_wins_and_the_remaining_cpus_host():
@@ -265,3 +286,35 @@ def test_the_front_end_gets_its_cpus_back_when_the_engine_core_dies(tiny_model_d
     finally:
         llm.shutdown()
     assert _thread_cpus(os.getpid()) == before
+
+
+def _step(tokens_per_request: list[int]):
+    from vserve.core.sched_output import SchedulerOutput
+
+    so = SchedulerOutput.empty(1, set(), set())
+    so.num_scheduled_tokens = {f"r{i}": n for i, n in enumerate(tokens_per_request)}
+    so.total_num_scheduled_tokens = sum(tokens_per_request)
+    return so
+
+
+def test_a_worker_switches_to_its_prefill_threads_for_prompt_heavy_steps(monkeypatch):
+    import torch
+
+    from vserve.workers import worker as worker_mod
+
+    assert worker_mod._prompt_heavy(_step([2048]))  # a prefill chunk
+    assert worker_mod._prompt_heavy(_step([128, 1, 1]))
+    assert not worker_mod._prompt_heavy(_step([1] * 256))  # decode, however many rows
+    assert not worker_mod._prompt_heavy(_step([40]))  # too small to share
+    assert not worker_mod._prompt_heavy(_step([4] * 64))  # drafts: a few tokens a row
+
+    used = []
+    monkeypatch.setattr(torch, "set_num_threads", used.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: used[-1] if used else 0)
+    w = object.__new__(worker_mod.Worker)
+    w._num_steps, w._fail_at, w._hang, w._delay_s = 0, None, False, 0.0
+    w.runner = type("Runner", (), {"execute_model": lambda self, *a: None})()
+    w.set_threads(1, 2)
+    for so in (_step([2048]), _step([1] * 16), _step([1] * 16), _step([1900, 1])):
+        w.execute_model(so)
+    assert used == [1, 2, 1, 2]  # switched only when the kind of step changes

@@ -93,9 +93,9 @@ def test_partial_prefill_rows_are_never_fed_back(tiny_model_dir):
     steps = {}
     execute = runner.execute_model
 
-    def spy_execute(so, defer_sampling=False):
+    def spy_execute(so, defer_sampling=False, hidden_in=None):
         steps[so.step_id] = so
-        return execute(so, defer_sampling)
+        return execute(so, defer_sampling, hidden_in)
 
     def spy(step_id, batch, rows, req_ids, token_ids, wait_fn=None):
         so = steps[step_id]

@@ -78,7 +78,7 @@ def test_execute_round_trips(bitmask):
     "msg",
     [
         wire.Sample(4, None),
-        wire.Place({0: (2, (0, 1)), 1: (1, ())}),
+        wire.Place({0: (2, 2, (0, 1)), 1: (1, 2, ())}),
         wire.Load(),
         wire.NumKvBlocks(),
         wire.InitKvCache(123),

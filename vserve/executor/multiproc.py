@@ -23,6 +23,7 @@ from multiprocessing.connection import wait
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.executor.base import Executor, StepFuture
+from vserve.executor.placement import layer_shares
 from vserve.executor.placement_control import PlacementController, overrides_from_env
 from vserve.workers import messages as wire
 from vserve.workers.runner_config import RunnerConfig
@@ -76,6 +77,7 @@ class MultiprocExecutor(Executor):
             overrides_from_env(),
             lambda p: self._send(wire.Place(_per_rank(p, ranks))),
             measure_self=config.async_scheduling,
+            layer_shares=layer_shares(par.layer_partition, ranks),
         )
         initial = self.placement.placement
         self.procs = []
@@ -87,6 +89,7 @@ class MultiprocExecutor(Executor):
                 port,
                 initial.worker_threads[i],
                 initial.worker_cpus[i],
+                initial.prefill_threads_of(i),
             )
             conns = (req_r, resp_w) if rank == 0 else (None, None)
             proc = ctx.Process(
@@ -261,10 +264,15 @@ class MultiprocExecutor(Executor):
             self.on_failure(f"worker process died: rank/exit code {dead}")
 
 
-def _per_rank(placement, ranks: range) -> dict[int, tuple[int, tuple[int, ...]]]:
-    """What each local rank needs of a placement: {rank: (torch threads, CPUs)}."""
+def _per_rank(placement, ranks: range) -> dict[int, tuple[int, int, tuple[int, ...]]]:
+    """What each local rank needs of a placement: {rank: (torch threads, prefill threads,
+    CPUs)}."""
     return {
-        rank: (placement.worker_threads[i], placement.worker_cpus[i])
+        rank: (
+            placement.worker_threads[i],
+            placement.prefill_threads_of(i),
+            placement.worker_cpus[i],
+        )
         for i, rank in enumerate(ranks)
     }
 
@@ -279,8 +287,3 @@ def _environment(defaults: dict[str, str]):
     finally:
         for key in added:
             os.environ.pop(key, None)
-
-
-def _threads_per_worker(num_local: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_local))

@@ -15,6 +15,13 @@ the workers one core, so it pays only when the host work per step is a real shar
 |          | per worker                            |                    |                   |
 | bind     | the groups the user named             | size of its group  | CPUs no worker    |
 |          |                                       |                    | has (or unpinned) |
+
+Prefill threads: unpinned workers of PP stages share the host's cores, and in a prompt-heavy
+step (a prefill chunk) a stage's work is its share of the local stages' layers, where the
+lm_head that evens out decode steps costs almost nothing. Such a step runs on
+round(cores x that share) threads (at least the decode count): on 2 cores with the embedded
+model split 16 + 2 for decode, stage 0 prefills on both cores while stage 1 mostly waits for
+it. Pinned workers keep their group's cores.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ class Placement:
     worker_threads: tuple[int, ...]  # torch intra-op threads per local worker
     host_cpus: tuple[int, ...]  # engine core and front end; () = unpinned
     num_reserved: int
+    prefill_threads: tuple[int, ...] = ()  # per local worker, in prompt-heavy steps
+
+    def prefill_threads_of(self, i: int) -> int:
+        return self.prefill_threads[i] if self.prefill_threads else self.worker_threads[i]
 
     @property
     def pins_host(self) -> bool:
@@ -90,16 +101,18 @@ def plan_placement(
     num_workers: int,
     num_reserved: int,
     overrides: PlacementOverrides = PlacementOverrides(),
+    layer_shares: Sequence[float] = (),
 ) -> Placement:
-    """The placement for `num_reserved` host cores (capped so every worker keeps a core)."""
+    """The placement for `num_reserved` host cores (capped so every worker keeps a core).
+    `layer_shares`: each local worker's share of the local stages' decoder layers (PP)."""
     cpus = tuple(sorted(cpus))
     if overrides.nobind:
-        return _unpinned(cpus, num_workers)
+        return _unpinned(cpus, num_workers, layer_shares)
     if overrides.bind is not None:
         return _bound(cpus, num_workers, overrides.bind)
     reserved = max(0, min(num_reserved, len(cpus) - num_workers))
     if reserved == 0:
-        return _unpinned(cpus, num_workers)
+        return _unpinned(cpus, num_workers, layer_shares)
     host, rest = cpus[:reserved], cpus[reserved:]
     groups = _split(rest, num_workers)
     return Placement(groups, tuple(len(g) for g in groups), host, reserved)
@@ -130,9 +143,22 @@ def choose_num_reserved(
     return 1 if share >= RESERVE_ABOVE else 0
 
 
-def _unpinned(cpus: tuple[int, ...], num_workers: int) -> Placement:
+def _unpinned(cpus: tuple[int, ...], num_workers: int, layer_shares: Sequence[float]) -> Placement:
     threads = max(1, len(cpus) // max(1, num_workers))
-    return Placement(((),) * num_workers, (threads,) * num_workers, (), 0)
+    prefill = tuple(
+        max(threads, min(len(cpus), round(len(cpus) * share))) for share in layer_shares
+    )
+    return Placement(((),) * num_workers, (threads,) * num_workers, (), 0, prefill)
+
+
+def layer_shares(layer_counts: Sequence[int], local_ranks: Sequence[int]) -> tuple[float, ...]:
+    """Each local rank's share of the decoder layers the local ranks hold (() for one rank:
+    nothing to share)."""
+    if len(local_ranks) < 2:
+        return ()
+    local = [layer_counts[r] if r < len(layer_counts) else 0 for r in local_ranks]
+    total = sum(local)
+    return tuple(n / total if total else 1 / len(local) for n in local)
 
 
 def _bound(cpus: tuple[int, ...], num_workers: int, bind: tuple[tuple[int, ...], ...]) -> Placement:

@@ -18,7 +18,9 @@ from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
-from vserve.executor.multiproc import _threads_per_worker, local_ranks
+from vserve.cpu_affinity import available_cpus
+from vserve.executor.multiproc import local_ranks
+from vserve.executor.placement import layer_shares, plan_placement
 from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.worker_proc import RankSetup, worker_main
 
@@ -50,12 +52,19 @@ def run_remote_workers(config: EngineConfig) -> int:
 
 def _start_ranks(config: EngineConfig, ranks: range) -> list:
     par = config.parallel
-    threads = _threads_per_worker(len(ranks))
+    placement = plan_placement(
+        available_cpus(), len(ranks), 0, layer_shares=layer_shares(par.layer_partition, ranks)
+    )
     ctx = mp.get_context("spawn")
     procs = []
-    for rank in ranks:
+    for i, rank in enumerate(ranks):
         setup = RankSetup(
-            rank, par.pipeline_parallel_size, par.master_addr, par.master_port, threads
+            rank,
+            par.pipeline_parallel_size,
+            par.master_addr,
+            par.master_port,
+            placement.worker_threads[i],
+            prefill_threads=placement.prefill_threads_of(i),
         )
         proc = ctx.Process(
             target=worker_main,
