@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from vserve import heap
 from vserve.config import EngineConfig
 from vserve.core.request import RequestStatus
 from vserve.engine.core import EngineCore
@@ -100,6 +101,7 @@ class EngineCoreProc:
         executor = self.core.executor
         executor.on_failure = lambda msg: self.input_queue.put((LocalInput.FATAL, msg))
         executor.add_host_process(parent_pid)  # the front end works beside the forward
+        heap.startup_over()
         self._send_now(
             FRAME_READY,
             self.encoder.encode({"num_kv_blocks": self.core.num_kv_blocks, "pid": os.getpid()}),
