@@ -18,7 +18,8 @@ Python's cyclic GC is the other half of start-up's garbage: its objects (modules
 configs, the tokenizer) outlive every request, yet each full collection walks them all: 90-160
 ms in a worker, paid inside a step (a batch-1 run of 128 tokens lost 7% to one). `startup_over`
 collects once and freezes what survives (`gc.freeze`), so later collections see only objects
-made after start-up.
+made after start-up. Only processes vserve owns do it (workers, the engine core, the server):
+an in-process engine leaves its user's process alone.
 """
 
 from __future__ import annotations

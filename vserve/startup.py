@@ -111,7 +111,7 @@ def start_with_tokenizer(tokenizer_path: str, start_client):
     def load():
         with phase("tokenizer", "frontend"):
             tokenizer = load_tokenizer(tokenizer_path)
-            heap.startup_over()  # the parse of tokenizer.json leaves its garbage behind
+            heap.trim()  # the parse of tokenizer.json leaves its garbage in the heap
             return tokenizer
 
     with ThreadPoolExecutor(1, thread_name_prefix="vserve-tokenizer-load") as pool:

@@ -53,7 +53,7 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         with phase("KV cache", self.name):
             self.runner.init_kv_cache(num_blocks)
-        heap.startup_over()  # what loading the weights freed goes back; no GC walks the model
+        heap.trim()  # start-up is over: what loading the weights freed goes back
 
     def execute_model(
         self, so: SchedulerOutput, defer_sampling: bool = False, hidden_in=None

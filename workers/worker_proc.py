@@ -180,6 +180,7 @@ class _RankLoop:
             self._direct_reply(self.pp.min_over_ranks(value) if self.pp else value)
         elif isinstance(msg, wire.InitKvCache):
             self.worker.init_kv_cache(msg.num_blocks)
+            heap.startup_over()  # this process's start-up is over: no GC walks the model again
             self._direct_reply(None)
         else:
             raise ValueError(f"unknown worker request {type(msg).__name__}")

@@ -176,7 +176,9 @@ def test_startup_over_collects_and_freezes_what_survives(monkeypatch):
         gc.unfreeze()
 
 
-def test_an_engine_freezes_its_startup_objects(tiny_model_dir):
+def test_only_processes_vserve_owns_freeze(tiny_model_dir):
+    """An in-process engine leaves its user's process unfrozen; a worker process freezes when
+    its KV cache is made (the multiprocess engine's worker, checked through the handler)."""
     import gc
 
     from tests.support.engines import make_llm
@@ -184,7 +186,18 @@ def test_an_engine_freezes_its_startup_objects(tiny_model_dir):
     gc.unfreeze()
     llm = make_llm(tiny_model_dir("llama"), max_model_len=64)
     try:
-        assert gc.get_freeze_count() > 0  # the in-process worker froze at its KV cache's init
+        assert gc.get_freeze_count() == 0
     finally:
         llm.shutdown()
-        gc.unfreeze()
+    frozen = []
+    loop = object.__new__(worker_proc._RankLoop)
+    loop.rank, loop.pp = 0, None
+    loop.worker = type("W", (), {"init_kv_cache": lambda self, n: None})()
+    loop._direct_reply = lambda value: None
+    original = heap.startup_over
+    heap.startup_over = lambda: frozen.append(1)
+    try:
+        loop._handle(worker_proc.wire.InitKvCache(4))
+    finally:
+        heap.startup_over = original
+    assert frozen == [1]

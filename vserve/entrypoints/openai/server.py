@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 import vserve
+from vserve import heap
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.mp_client import EngineDeadError
 from vserve.entrypoints.chat import load_chat_template
@@ -259,6 +260,7 @@ def run_server(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 -- a start-up failure is reported, not a traceback
         logger.error("the engine failed to start: %s", e)
         return 1
+    heap.startup_over()  # the server's own process: its start-up objects leave the GC's walks
     try:
         app = build_app(engine, args)
         return serve(app, args)
