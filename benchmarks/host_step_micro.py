@@ -29,7 +29,7 @@ def feedback_us(n: int) -> float:
     batch = InputBatch(n, 160, 10)
     for k in range(n):
         batch.add(
-            NewRequestData(f"r{k}", 1, list(range(1, 33)), 32, SamplingParams(), 0, [], [], 0)
+            NewRequestData(f"r{k}", 1, list(range(1, 33)), 32, SamplingParams(), 0, [], ([],), 0)
         )
     rows, req_ids, queue, ids = (
         np.arange(n),
