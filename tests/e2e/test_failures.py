@@ -153,9 +153,11 @@ def test_front_end_death_while_the_engine_is_stuck(tiny_model_dir, tmp_path):
         [bytes([2]), b"\x90", b"extra"],  # a frame too many
     ],
 )
-def test_frame_without_a_request_is_fatal_and_reported(tiny_model_dir, frames):
+def test_frame_without_a_request_is_fatal_and_reported(tiny_model_dir, frames, monkeypatch):
     """Before: the input thread died silently and every later call hung. Now the engine
     core reports DEAD: pending and new requests get EngineDeadError within seconds."""
+    # 10 ms a step: the pending request is still running when the bad frame arrives
+    monkeypatch.setenv("VSERVE_FAULT_INJECT", "execute_model_delay:10")
     llm = _start(tiny_model_dir("llama"))
     tree = [_engine_pid(llm), *descendants(_engine_pid(llm))]
     thread, box = _generate_in_thread(llm, ["a prompt"])

@@ -125,9 +125,16 @@ def _assert_dies_cleanly(llm: AsyncLLM, breaker, match: str) -> None:
         loop.close()
 
 
-def test_failing_stats_listener_marks_the_engine_dead(tiny_model_dir):
+def _slow_engine(model_dir: str, monkeypatch) -> AsyncLLM:
+    """20 ms a step: the pending 500-token request is still running when the test breaks the
+    engine (on a fast model it could finish first, and nothing would arrive to break on)."""
+    monkeypatch.setenv("VSERVE_FAULT_INJECT", "execute_model_delay:20")
+    return _engine(model_dir)
+
+
+def test_failing_stats_listener_marks_the_engine_dead(tiny_model_dir, monkeypatch):
     """Review A10: the handler task ended on the exception, and every request hung."""
-    llm = _engine(tiny_model_dir("llama"))
+    llm = _slow_engine(tiny_model_dir("llama"), monkeypatch)
 
     def broken(stats):
         raise RuntimeError("listener bug")
@@ -135,8 +142,8 @@ def test_failing_stats_listener_marks_the_engine_dead(tiny_model_dir):
     _assert_dies_cleanly(llm, lambda: llm.stats_listeners.append(broken), "listener bug")
 
 
-def test_failing_socket_reader_marks_the_engine_dead(tiny_model_dir):
-    llm = _engine(tiny_model_dir("llama"))
+def test_failing_socket_reader_marks_the_engine_dead(tiny_model_dir, monkeypatch):
+    llm = _slow_engine(tiny_model_dir("llama"), monkeypatch)
 
     def broken(frames):
         raise ValueError("reader bug")
