@@ -277,6 +277,16 @@ def test_pp_pace_follows_the_bottleneck_from_step_to_step():
     assert rep.bottleneck_interval_over_forward == pytest.approx(1.0, rel=0.02)
     whole_run = rep.stages[rep.bottleneck_stage]
     assert whole_run["mean_interval_ms"] / whole_run["mean_forward_ms"] > 1.5
+    # a decode step whose lm_head stage then waits while stage 0 prefills a long chunk: the
+    # wait is the prefill's pace, not the decode step's
+    records, t = [], 0.0
+    for k, (g0, g1) in enumerate([(G / 2, G), (10 * G, G / 2), (G / 2, G), (G / 2, G)]):
+        s0 = (t, t + g0)
+        s1 = (max(s0[1], records[-1].stage_forwards[1][1]) if records else s0[1],)
+        s1 = (s1[0], s1[0] + g1)
+        records.append(_record(k, (t - S, t), s1, (s1[1], s1[1] + C), g0 if k else 0.0, (s0, s1)))
+        t = s0[1]
+    assert overlap_report(records).bottleneck_interval_over_forward < 1.15
     serial = overlap_report(pp_run(pipelined=False), calibration=pp_sync_run())
     assert serial.bottleneck_interval_over_forward == pytest.approx(2.0)
     assert overlap_report(sync_run()).bottleneck_interval_over_forward is None  # one stage

@@ -34,9 +34,10 @@ Without a sync run the calibration rests on the run's own quiet steps, which an 
 few of, and on host work the engine core records (the worker's reply thread is not recorded),
 so `--compare-sync` is the sound source. With PP the interval of a stage runs from one step's
 forward start on that stage to the next step's; the bottleneck is the stage with the longest
-mean forward. The pipeline's pace is judged step by step: each step's interval on its own
-bottleneck (the stage with that step's longest forward, which moves from the first stage in
-prefill to the lm_head's in decode) over that forward, summed over the steps. The report also
+mean forward. The pipeline's pace is judged step by step, on each step's own bottleneck (the
+stage with that step's longest forward, which moves from the first stage in prefill to the
+lm_head's in decode): the time from its start there to the next step's start on that step's
+bottleneck, over its forward there, summed over the steps. The report also
 gives TPOT p50 / p99 and the steps launched with no other step in flight: by the reason the
 engine gave, and by the timestamps (launched after every earlier step committed; an empty step
 in the queue hides such a step from the engine's count). The timeline of the same records:
@@ -86,7 +87,8 @@ class OverlapReport:
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
     bottleneck_stage: int = 0
-    # PP: sum over steps of the interval on the step's slowest stage / its forward there
+    # PP: time from each step's start on its slowest stage to the next step's on its own,
+    # over those forwards (summed over the steps)
     bottleneck_interval_over_forward: float | None = None
     stages: list[dict] = field(default_factory=list)
     steps_without_overlap: dict[str, int] = field(default_factory=dict)
@@ -350,18 +352,25 @@ def _stage_figures(steps: list[StepRecord], following: dict, calib: dict) -> lis
 
 
 def _pace(steps: list[StepRecord], following: dict) -> float | None:
-    """Sum of each step's interval on its slowest stage (its start there to the next busy
-    step's start there) over the sum of those forwards: 1 when that stage never waits."""
+    """Sum of the times from each step's start on its slowest stage to the next busy step's
+    start on *its* slowest stage, over the sum of those slowest forwards: 1 when the pipeline
+    runs at the pace of whichever stage is slowest at the time. The sum telescopes to the
+    run's time (idle gaps left out), so a stage that waits while another fills the pipeline
+    (a decode step followed by a long prefill on the first stage) is not charged for it."""
     interval = forward = 0.0
     for r in steps:
         nxt = following.get(r.step_id)
         spans = stage_spans(r)
-        if nxt is None or len(stage_spans(nxt)) != len(spans):
+        if nxt is None or not spans or not stage_spans(nxt):
             continue
-        stage = max(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
-        interval += stage_spans(nxt)[stage][0] - spans[stage][0]
-        forward += spans[stage][1] - spans[stage][0]
+        interval += _slowest(nxt)[0] - _slowest(r)[0]
+        forward += _slowest(r)[1] - _slowest(r)[0]
     return interval / forward if forward > 0 else None
+
+
+def _slowest(r: StepRecord) -> tuple[float, float]:
+    """The (start, end) of the step's longest stage forward (the first of equals)."""
+    return max(stage_spans(r), key=lambda span: span[1] - span[0])
 
 
 def _following_busy(records: list[StepRecord]) -> dict[int, StepRecord]:
