@@ -27,7 +27,8 @@ class Prefetched:
     message: wire.WorkerRequest | None = None
     hidden: Callable | None = None  # waits for the posted hidden states (Execute only)
     taken_error: BaseException | None = None  # the previous rank is gone
-    decode_error: BaseException | None = None  # a frame that is no request
+    request_error: BaseException | None = None  # a frame that is no request, or its input's
+    #                                             receive could not be posted
 
 
 class RequestPrefetch:
@@ -50,12 +51,12 @@ class RequestPrefetch:
                 return
             try:
                 msg = wire.decode_request(data)
+                hidden = None
+                if self.post_hidden and isinstance(msg, wire.Execute) and not msg.so.is_empty:
+                    hidden = self.pp.post_recv_hidden(msg.so)
             except BaseException as exc:  # noqa: BLE001 -- reported by the main loop
-                self.items.put(Prefetched(decode_error=exc))
+                self.items.put(Prefetched(request_error=exc))
                 return
-            hidden = None
-            if self.post_hidden and isinstance(msg, wire.Execute) and not msg.so.is_empty:
-                hidden = self.pp.post_recv_hidden(msg.so)
             self.items.put(Prefetched(msg, hidden))
             if isinstance(msg, wire.Shutdown):
                 return

@@ -132,7 +132,7 @@ class _RankLoop:
                 msg = data.message if isinstance(data, Prefetched) else None
                 if msg is None:
                     if isinstance(data, Prefetched):
-                        raise data.decode_error or RuntimeError("no request")
+                        raise data.request_error or RuntimeError("no request")
                     msg = wire.decode_request(data)  # typed: another host may have sent it
                 if isinstance(msg, wire.Shutdown):
                     self._close()
@@ -151,8 +151,10 @@ class _RankLoop:
         call that waits for its posted hidden states (None: not posted)."""
         if self.prefetch is not None:
             item = self.prefetch.next()
-            if item.taken_error is not None:
+            if isinstance(item.taken_error, (EOFError, OSError, RuntimeError)):
                 raise item.taken_error
+            if item.taken_error is not None:  # the previous rank is gone, whatever the type
+                raise RuntimeError(f"pipeline request lost: {item.taken_error!r}")
             return item, item.hidden
         data = None
         if self.rank == 0:

@@ -139,7 +139,15 @@ def test_prefetch_hands_errors_to_the_main_loop():
     gone = RequestPrefetch(_FakeComm([EOFError("rank 0 went away")]), post_hidden=True)
     assert isinstance(gone.next().taken_error, EOFError)
     bad = RequestPrefetch(_FakeComm([b"\x01not a request"]), post_hidden=True)
-    assert bad.next().decode_error is not None
+    assert bad.next().request_error is not None
+
+    class _CannotPost(_FakeComm):
+        def post_recv_hidden(self, so):
+            raise RuntimeError("connection closed by the previous rank")
+
+    # a receive that cannot be posted ends the thread with an item, never a silent hang
+    stuck = RequestPrefetch(_CannotPost([_execute(1, 4)]), post_hidden=True)
+    assert "connection closed" in str(stuck.next().request_error)
 
 
 def test_requests_pass_down_the_pipeline_without_waiting():
