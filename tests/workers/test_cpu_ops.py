@@ -100,26 +100,36 @@ def test_act_mul_is_bitwise_the_eager_activation(ops, act, fn):
     assert torch.equal(ops.act_mul(gate_up, act), fn(gate) * up)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (2, 2)])
-@pytest.mark.parametrize("window,softcap", [(None, None), (9, None), (None, 20.0)])
-def test_decode_attention_matches_the_gathered_two_matmul_path(
-    ops, heads, kv_heads, window, softcap
-):
-    torch.manual_seed(4)
-    d, block, num_blocks, nb = 64, 16, 40, 5
-    k_cache = torch.randn(num_blocks, block, kv_heads, d).to(BF)
-    v_cache = torch.randn(num_blocks, block, kv_heads, d).to(BF)
-    seq_lens = torch.tensor([1, 16, 17, 80, 43])  # block edges and a full table
+def _decode_case(dtype, heads, kv_heads, d, window, softcap, seq_lens, seed):
+    """A paged cache, block tables and queries in `dtype`, the kernel's output, and the
+    gathered two-matmul path's output on the same inputs."""
+    torch.manual_seed(seed)
+    block, num_blocks, nb = 16, 40, -(-max(seq_lens) // 16)
+    k_cache = torch.randn(num_blocks, block, kv_heads, d).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, d).to(dtype)
+    seq_lens = torch.tensor(seq_lens)
     tables = torch.randperm(num_blocks)[: len(seq_lens) * nb].view(-1, nb).to(torch.int32)
-    q = torch.randn(len(seq_lens), heads, d).to(BF)
+    q = torch.randn(len(seq_lens), heads, d).to(dtype)
     spec = AttentionLayerSpec(heads, kv_heads, d, d**-0.5, window, softcap)
     k, v = _gather_blocks(k_cache, tables.long()), _gather_blocks(v_cache, tables.long())
     hidden = ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, torch.arange(nb * block), window)
     ref = _attend_matmul(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), hidden, spec
     ).squeeze(2)
-    out = ops.decode_attention(
+    out = cpu_ops.load().decode_attention(
         q, k_cache, v_cache, tables, seq_lens, window or -1, spec.scale, softcap or 0.0
+    )
+    return out, ref, (q, k_cache, v_cache, tables, seq_lens)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (2, 2)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (9, None), (None, 20.0)])
+def test_decode_attention_matches_the_gathered_two_matmul_path(
+    ops, heads, kv_heads, window, softcap
+):
+    # block edges and a full table
+    out, ref, (_, _, v_cache, _, _) = _decode_case(
+        BF, heads, kv_heads, 64, window, softcap, [1, 16, 17, 80, 43], seed=4
     )
     # a probability that rounds the other way moves a sum of values near zero by one of its
     # bf16 steps (<= 2^-8 of a value), so the absolute tolerance is on that scale
@@ -133,21 +143,8 @@ def test_fp32_decode_attention_matches_the_gathered_two_matmul_path(
 ):
     """fp32 models use this kernel alone: it equals the eager fp32 path up to the order of its
     fp32 sums, for head dims on (16, 256, 64) and off (24) the 16-lane path."""
-    torch.manual_seed(5)
-    block, num_blocks, nb = 16, 40, 6
-    k_cache = torch.randn(num_blocks, block, kv_heads, d)
-    v_cache = torch.randn(num_blocks, block, kv_heads, d)
-    seq_lens = torch.tensor([1, 16, 17, 80, 43, 96])
-    tables = torch.randperm(num_blocks)[: len(seq_lens) * nb].view(-1, nb).to(torch.int32)
-    q = torch.randn(len(seq_lens), heads, d)
-    spec = AttentionLayerSpec(heads, kv_heads, d, d**-0.5, window, softcap)
-    k, v = _gather_blocks(k_cache, tables.long()), _gather_blocks(v_cache, tables.long())
-    hidden = ~_visible(seq_lens.view(-1, 1, 1, 1) - 1, torch.arange(nb * block), window)
-    ref = _attend_matmul(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), hidden, spec
-    ).squeeze(2)
-    out = ops.decode_attention(
-        q, k_cache, v_cache, tables, seq_lens, window or -1, spec.scale, softcap or 0.0
+    out, ref, (q, k_cache, v_cache, tables, seq_lens) = _decode_case(
+        torch.float32, heads, kv_heads, d, window, softcap, [1, 16, 17, 80, 43, 96], seed=5
     )
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -54,7 +54,14 @@ def _cpu_flags() -> bytes:
 
 
 def build_dir(source: Path = SOURCE) -> Path:
-    key = source.read_bytes() + torch.__version__.encode() + sys.version.encode() + _cpu_flags()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = (
+        source.read_bytes()
+        + headers  # the sources include them: a changed header is a new build
+        + torch.__version__.encode()
+        + sys.version.encode()
+        + _cpu_flags()
+    )
     digest = hashlib.sha256(key).hexdigest()[:12]
     return cache_dir("cpu_ops") / digest
 

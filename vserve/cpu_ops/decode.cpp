@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
 using bf16 = c10::BFloat16;
@@ -146,50 +148,13 @@ namespace {
 template <typename T>
 inline float stored(float x) { return std::is_same_v<T, bf16> ? f(b(x)) : x; }
 
-// 16 lanes (GCC/Clang vector extensions: AVX-512, AVX2 or SSE under -march=native)
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-inline vf load16(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vf load16(const bf16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  return (vf)(__builtin_convertvector(h, vi) << 16);
-}
+using namespace vec16;  // vf, load16, splat, vexp
 
 inline float hsum(vf v) {  // a tree of four shuffles
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   return v[0] + v[1];
-}
-
-inline vf splat(float x) { return vf{} + x; }
-
-// exp for x <= 0 (Cephes' expf: within 2 ulp of std::exp), exactly 0 below -87.3 and at -inf
-inline vf vexp(vf x) {
-  const float lo = -87.33654f;
-  vf xc = x < lo ? splat(lo) : x;
-  vf fx = xc * 1.44269504088896341f + 0.5f;
-  vf t = (fx + 12582912.0f) - 12582912.0f;   // round to nearest, then floor
-  t = t > fx ? t - 1.0f : t;
-  vf r = xc - t * 0.693359375f;
-  r = r - t * -2.12194440e-4f;
-  vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  vi e = (__builtin_convertvector(t, vi) + 127) << 23;
-  vf res = y * (vf)e;
-  return x < lo ? splat(0.0f) : res;
 }
 
 // q . k for a head dim that is a multiple of 16, q already fp32

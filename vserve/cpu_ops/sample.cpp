@@ -32,12 +32,11 @@
 #include <utility>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
-// GCC/Clang vector extensions: 16 lanes, lowered to AVX-512, AVX2 or SSE by -march=native
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+using namespace vec16;  // vf, vi, load16, splat, vexp
 typedef double vd __attribute__((vector_size(128)));
 typedef double vd8 __attribute__((vector_size(64)));
 constexpr int64_t kW = 16;
@@ -46,20 +45,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
-
-// 16 logits from p as fp32
-inline vf load16(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vf load16(const c10::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  vi bits = __builtin_convertvector(h, vi) << 16;
-  return (vf)bits;
-}
 
 // one row of logits in its dtype; chunks of 16 past the end read -inf
 template <typename T>
@@ -74,28 +59,6 @@ struct Row {
     return v;
   }
 };
-
-inline vf splat(float x) { return vf{} + x; }
-
-// exp for x <= 0 (Cephes' expf: within 2 ulp of std::exp), exactly 0 below -87.3 and at -inf
-inline vf vexp(vf x) {
-  const float lo = -87.33654f;
-  vf xc = x < lo ? splat(lo) : x;
-  vf fx = xc * 1.44269504088896341f + 0.5f;
-  vf t = (fx + 12582912.0f) - 12582912.0f;   // round to nearest, then floor
-  t = t > fx ? t - 1.0f : t;
-  vf r = xc - t * 0.693359375f;
-  r = r - t * -2.12194440e-4f;
-  vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  vi e = (__builtin_convertvector(t, vi) + 127) << 23;
-  vf res = y * (vf)e;
-  return x < lo ? splat(0.0f) : res;
-}
 
 // e_i of 16 logits from i: exp(x / T - m / T), the fp32 arguments softmax(x / T) uses
 template <typename T>
