@@ -198,22 +198,28 @@ class PPComm:
 
 def _frames(data: bytes, dst: int, group) -> list[tuple[object, torch.Tensor]]:
     """Send `data` as a frame (length, first bytes) and, if it does not fit, the rest."""
-    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    frame[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
     first = min(len(data), FRAME_BYTES - 8)
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else frame[:0]
-    frame[8 : 8 + first] = payload[:first]
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+    frame = _frame(len(data), payload[:first] if payload is not None else None)
     sends = [(dist.isend(frame, dst=dst, group=group), frame)]
-    if len(data) > first:
+    if payload is not None and len(data) > first:
         rest = payload[first:]
         sends.append((dist.isend(rest, dst=dst, group=group), rest))
     return sends
 
 
 def _goodbye_frame(dst: int, group) -> tuple[object, torch.Tensor]:
-    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
-    frame[:8] = torch.tensor([_GOODBYE], dtype=torch.int64).view(torch.uint8)
+    frame = _frame(_GOODBYE, None)
     return dist.isend(frame, dst=dst, group=group), frame
+
+
+def _frame(length: int, head: torch.Tensor | None) -> torch.Tensor:
+    """A frame: `length` as int64, then `head` (the message's first bytes), zero-padded."""
+    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    frame[:8] = torch.tensor([length], dtype=torch.int64).view(torch.uint8)
+    if head is not None:
+        frame[8 : 8 + len(head)] = head
+    return frame
 
 
 def _post_frame(src: int, group) -> tuple[object, torch.Tensor]:
