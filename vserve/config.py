@@ -26,6 +26,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     served_model_name: str
     max_logprobs: int = 20
+    # how linear weights are stored: "gguf" (a GGUF's own blocks), "int8" (Q8_0 blocks made at
+    # load), "none" (dense in `dtype`); `dtype` is then the activations'
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)

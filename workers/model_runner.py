@@ -147,6 +147,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             self.config.max_model_len,
+            self.config.quantization,
         )
         self.windows = {
             self.model.layer_specs[i].sliding_window

@@ -16,6 +16,7 @@ class RunnerConfig:
     max_model_len: int
     max_num_seqs: int
     block_size: int
+    quantization: str = "none"
     device: str = "cpu"
     attention_backend: str = "torch"
     pp_rank: int = 0
@@ -35,6 +36,7 @@ class RunnerConfig:
         return RunnerConfig(
             model_path=m.model,
             dtype=m.dtype,
+            quantization=m.quantization,
             max_model_len=m.max_model_len,
             max_num_seqs=s.max_num_seqs,
             block_size=c.block_size,

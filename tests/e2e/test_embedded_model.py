@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.support.engines import make_llm
+from tests.support.hf_reference import hf_model
 from vserve import SamplingParams
 from vserve.models.resolve import cache_root, embedded_model_path, resolve_model_path
 
@@ -40,10 +41,7 @@ def test_capital_of_france(llm):
 
 
 def test_greedy_equals_transformers(llm):
-    from transformers import AutoModelForCausalLM
-
-    folder = str(embedded_model_path())
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = hf_model(str(embedded_model_path()), torch.float32)
     tok = llm.get_tokenizer()
     outs = llm.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.support.engines import greedy_with_logprobs, make_llm
+from tests.support.hf_reference import hf_model
 from vserve.config import cpu_has_bf16
 
 pytestmark = pytest.mark.skipif(
@@ -50,13 +51,9 @@ _MODELS: dict[str, object] = {}
 
 
 def _hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
-
     if model_dir not in _MODELS:
         _MODELS.clear()
-        _MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16
-        ).eval()
+        _MODELS[model_dir] = hf_model(model_dir, torch.bfloat16)
     return _MODELS[model_dir]
 
 

@@ -27,10 +27,10 @@ PREFIX_PROMPTS = [SHARED_PREFIX + s for s in ["Paris is", "1 2 3", "def add(a, b
 
 @functools.lru_cache(maxsize=None)
 def hf_greedy(model_dir: str, prompts: tuple[str, ...], max_new_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_model(model_dir, torch.float32)
     out = []
     for prompt in prompts:
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -44,3 +44,20 @@ def hf_greedy(model_dir: str, prompts: tuple[str, ...], max_new_tokens: int) -> 
             )
         out.append(gen[0, ids.shape[1] :].tolist())
     return out
+
+
+def hf_model(model_dir: str, dtype: torch.dtype):
+    """transformers' model of a vserve model folder; a GGUF's folder (no weights of its own)
+    loads its GGUF through transformers, which dequantizes every tensor."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from vserve.models.gguf_source import gguf_file
+
+    gguf = gguf_file(model_dir)
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=dtype
+    ).eval()

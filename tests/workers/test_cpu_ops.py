@@ -262,6 +262,31 @@ def test_fused_decode_is_bitwise_the_per_op_kernel_path(kind, tiny_model_dir, mo
 
 
 @needs_packing
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_fused_decode_on_quantized_weights_is_bitwise_the_per_op_path(
+    kind, tiny_model_dir, monkeypatch
+):
+    """decoder_layer_q (GGUF blocks: here Q8_0 made at load) against QuantLinear's own calls."""
+    calls = []
+    run = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    path = tiny_model_dir(kind)
+    kernel, fused = _generate(path, PROMPTS, batch=False, quantization="int8")
+    assert kernel is not None and len(calls) == len(PROMPTS) * 23
+    _, per_op = _generate(path, PROMPTS, fused=False, batch=False, quantization="int8")
+    assert fused == per_op
+    _, fused_b = _generate(path, PROMPTS, quantization="int8")
+    _, per_op_b = _generate(path, PROMPTS, fused=False, quantization="int8")
+    assert fused_b == per_op_b
+    llm = make_llm(path, dtype="bfloat16", max_model_len=128, quantization="int8")
+    try:
+        layers = llm.engine.client.core.executor.worker.runner.model.fused.layers
+        assert layers and all(f.quantized for f in layers)
+    finally:
+        llm.shutdown()
+
+
+@needs_packing
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3", "mistral"])
 def test_kernels_generate_the_eager_greedy_tokens(kind, tiny_model_dir, monkeypatch):
     kernel, with_kernels = _generate(tiny_model_dir(kind), PROMPTS, batch=False)

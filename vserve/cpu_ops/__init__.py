@@ -17,6 +17,12 @@ from the eager matmuls' only in summation order.
 `sample.cpp` is a second extension, built the same way on the first sampled step of a CPU
 model of any dtype (`load_sampler`): fused temperature / top-k / top-p / min-p sampling over
 the full vocabulary (workers/cpu_sampling.py).
+
+`quant.cpp` builds into the same extension as decode.cpp (its `quant` submodule, `load_quant`):
+GGUF block-quantized weights (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their GGUF bytes:
+dequantization, a small-batch gemv that dequantizes blocks in registers while streaming the
+weight, a batched matmul over dequantized tiles, and the embedding lookup of quantized rows;
+`decoder_layer_q` runs a whole decode layer on them.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 SAMPLE_SOURCE = Path(__file__).with_name("sample.cpp")
+QUANT_SOURCE = Path(__file__).with_name("quant.cpp")
 _state: dict[str, object] = {}
 
 
@@ -53,10 +60,10 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-def build_dir(source: Path = SOURCE) -> Path:
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+def build_dir(sources: tuple[Path, ...] = (SOURCE, QUANT_SOURCE)) -> Path:
+    headers = b"".join(h.read_bytes() for h in sorted(sources[0].parent.glob("*.h")))
     key = (
-        source.read_bytes()
+        b"".join(s.read_bytes() for s in sources)
         + headers  # the sources include them: a changed header is a new build
         + torch.__version__.encode()
         + sys.version.encode()
@@ -80,7 +87,13 @@ def attention_kernel(device: torch.device, dtype: torch.dtype):
 
 def load_sampler():
     """The compiled sampling module (sample.cpp), or None, like `load`."""
-    return _load("sampler", lambda: _compile(SAMPLE_SOURCE, "vserve_cpu_sample"))
+    return _load("sampler", lambda: _compile((SAMPLE_SOURCE,), "vserve_cpu_sample"))
+
+
+def load_quant():
+    """The GGUF block-format kernels (quant.cpp: `load()`'s `quant` submodule), or None."""
+    module = load()
+    return None if module is None else module.quant
 
 
 def _load(key: str, build):
@@ -97,20 +110,20 @@ def _load(key: str, build):
 
 
 def _build():
-    return _compile(SOURCE, "vserve_cpu_ops")
+    return _compile((SOURCE, QUANT_SOURCE), "vserve_cpu_ops")
 
 
-def _compile(source: Path, name: str):
+def _compile(sources: tuple[Path, ...], name: str):
     from torch.utils.cpp_extension import load as load_extension
 
-    folder = build_dir(source)
+    folder = build_dir(sources)
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):  # shown at the default log level: a 30 s pause
         log.warning("building vserve's CPU kernels into %s (once per machine, about 30 s)", folder)
     _ninja_on_path()
     return load_extension(
         f"{name}_{folder.name}",
-        [str(source)],
+        [str(s) for s in sources],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),

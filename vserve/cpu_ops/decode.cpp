@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant.h"
 #include "vec16.h"
 
 namespace {
@@ -349,28 +350,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
                                          : onednn_linear(x, packed, bias);
 }
 
+namespace {
+
 // One decoder layer for decode rows (one token each), the same ops in the same order as the
-// eager model with these kernels. style 1 = Gemma (fp32 norm scales: input, post-attention,
-// pre-feedforward, post-feedforward[, q, k]); style 0 = Llama/Qwen (bf16 norm weights: input,
-// post-attention[, q, k]). weights: packed qkv, o, gate_up, down; plain: the same weights in
-// row-major [N, K] for gemv; biases: one per weight.
-at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& weights,
-                         const std::vector<at::Tensor>& plain,
-                         const std::vector<std::optional<at::Tensor>>& biases,
-                         const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
-                         const at::Tensor& slots, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, const at::Tensor& cos,
-                         const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t window, double scale, double softcap,
-                         double eps, int64_t style, int64_t act) {
-  TORCH_CHECK(weights.size() == 4 && plain.size() == 4 && biases.size() == 4,
-              "decoder_layer: 4 linears");
+// eager model with these kernels; linear(i, x) runs the layer's i-th linear (qkv, o, gate_up,
+// down). style 1 = Gemma (fp32 norm scales: input, post-attention, pre-feedforward,
+// post-feedforward[, q, k]); style 0 = Llama/Qwen (bf16 norm weights: input,
+// post-attention[, q, k]).
+template <class Linear>
+at::Tensor layer(const at::Tensor& h, const Linear& linear_i, const std::vector<at::Tensor>& norms,
+                 const at::Tensor& kv_cache, const at::Tensor& slots,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                 const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t window, double scale,
+                 double softcap, double eps, int64_t style, int64_t act) {
   int64_t t = h.size(0), qd = num_heads * head_dim, kd = num_kv_heads * head_dim;
   size_t plain_norms = style == 1 ? 4 : 2;
   TORCH_CHECK(norms.size() == plain_norms || norms.size() == plain_norms + 2,
               "decoder_layer: wrong number of norms");
   auto x = rms_norm(h, norms[0], style, eps);
-  auto qkv = linear(x, weights[0], plain[0], biases[0]);
+  auto qkv = linear_i(0, x);
   auto q = qkv.narrow(1, 0, qd).view({t, num_heads, head_dim});
   auto k = qkv.narrow(1, qd, kd).view({t, num_kv_heads, head_dim});
   auto v = qkv.narrow(1, qd + kd, kd).view({t, num_kv_heads, head_dim});
@@ -384,7 +383,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& wei
   kv_cache[1].view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, v);
   auto attn = decode_attention(q, kv_cache[0], kv_cache[1], block_tables, seq_lens, window,
                                scale, softcap).view({t, qd});
-  auto o = linear(attn, weights[1], plain[1], biases[1]);
+  auto o = linear_i(1, attn);
   at::Tensor mlp_in, out;
   if (style == 1) {
     out = h + rms_norm(o, norms[1], style, eps);
@@ -393,9 +392,65 @@ at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& wei
     out = h + o;
     mlp_in = rms_norm(out, norms[1], style, eps);
   }
-  auto gate_up = linear(mlp_in, weights[2], plain[2], biases[2]);
-  auto down = linear(act_mul(gate_up, act), weights[3], plain[3], biases[3]);
+  auto gate_up = linear_i(2, mlp_in);
+  auto down = linear_i(3, act_mul(gate_up, act));
   return style == 1 ? out + rms_norm(down, norms[3], style, eps) : out + down;
+}
+
+// QuantLinear.forward (vserve/models/quant_linear.py): each part's rows (GGML type > 0: GGUF
+// blocks; 0: a dense weight), concatenated, plus the bias
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                        const std::vector<int64_t>& qtypes,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(parts.size() == qtypes.size() && !parts.empty(), "quant_linear: parts");
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < parts.size(); ++i)
+    outs.push_back(qtypes[i] == 0 ? at::linear(x, parts[i])
+                                  : vserve_quant::matmul(x, parts[i], qtypes[i], x.size(1)));
+  auto y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+  return bias.has_value() && bias->defined() ? y + *bias : y;
+}
+
+}  // namespace
+
+// decoder_layer on packed bf16 weights: packed (oneDNN) for several rows, plain (row-major
+// [N, K]) for gemv; biases: one per weight.
+at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& weights,
+                         const std::vector<at::Tensor>& plain,
+                         const std::vector<std::optional<at::Tensor>>& biases,
+                         const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
+                         const at::Tensor& slots, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t window, double scale, double softcap,
+                         double eps, int64_t style, int64_t act) {
+  TORCH_CHECK(weights.size() == 4 && plain.size() == 4 && biases.size() == 4,
+              "decoder_layer: 4 linears");
+  auto linear_i = [&](int i, const at::Tensor& x) {
+    return linear(x, weights[i], plain[i], biases[i]);
+  };
+  return layer(h, linear_i, norms, kv_cache, slots, block_tables, seq_lens, cos, sin,
+               num_heads, num_kv_heads, head_dim, window, scale, softcap, eps, style, act);
+}
+
+// decoder_layer on GGUF-block weights: parts[i] / qtypes[i] are the i-th linear's parts as
+// QuantLinear holds them
+at::Tensor decoder_layer_q(const at::Tensor& h, const std::vector<std::vector<at::Tensor>>& parts,
+                           const std::vector<std::vector<int64_t>>& qtypes,
+                           const std::vector<std::optional<at::Tensor>>& biases,
+                           const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
+                           const at::Tensor& slots, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& cos,
+                           const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t window, double scale, double softcap,
+                           double eps, int64_t style, int64_t act) {
+  TORCH_CHECK(parts.size() == 4 && qtypes.size() == 4 && biases.size() == 4,
+              "decoder_layer_q: 4 linears");
+  auto linear_i = [&](int i, const at::Tensor& x) {
+    return quant_linear(x, parts[i], qtypes[i], biases[i]);
+  };
+  return layer(h, linear_i, norms, kv_cache, slots, block_tables, seq_lens, cos, sin,
+               num_heads, num_kv_heads, head_dim, window, scale, softcap, eps, style, act);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -406,4 +461,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer);
   m.def("gemv", &gemv);
   m.def("linear", &linear);
+  m.def("decoder_layer_q", &decoder_layer_q);
+  auto quant = m.def_submodule("quant", "GGUF block-format kernels (quant.cpp)");
+  quant.def("dequantize", &vserve_quant::dequantize, py::arg("data"), py::arg("qtype"),
+            py::arg("k"), py::arg("dtype") = at::kFloat);
+  quant.def("gemv", &vserve_quant::gemv, py::arg("x"), py::arg("data"), py::arg("qtype"),
+            py::arg("k"));
+  quant.def("matmul", &vserve_quant::matmul, py::arg("x"), py::arg("data"), py::arg("qtype"),
+            py::arg("k"));
+  quant.def("embedding", &vserve_quant::embedding, py::arg("data"), py::arg("qtype"),
+            py::arg("k"), py::arg("ids"), py::arg("dtype") = at::kFloat);
 }

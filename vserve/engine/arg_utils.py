@@ -38,6 +38,7 @@ _DTYPES = {
 # matmuls, and an 8k-token prompt takes seconds to prefill. The KV budget follows from them.
 CPU_DEFAULT_MAX_NUM_SEQS = 64
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
+QUANTIZATIONS = ("gguf", "int8", "none")
 DEFAULT_MAX_NUM_SEQS = 256
 
 
@@ -46,6 +47,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # None: "gguf" for a GGUF model, else "none"
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: 64 on CPU, 256 on CUDA
@@ -182,7 +184,24 @@ class EngineArgs:
             eos_token_ids=eos_ids(model_path, hf_config),
             served_model_name=names[0],
             max_logprobs=self.max_logprobs,
+            quantization=self._quantization(model_path),
         )
+
+    def _quantization(self, model_path: str) -> str:
+        from vserve.models.gguf_source import gguf_file
+
+        is_gguf = gguf_file(model_path) is not None
+        value = self.quantization or ("gguf" if is_gguf else "none")
+        _require(
+            value in QUANTIZATIONS,
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {value!r}",
+        )
+        _require(
+            value != "gguf" or is_gguf,
+            "quantization='gguf' needs a GGUF model (a .gguf file or the embedded model); "
+            "use 'int8' to quantize a safetensors model at load",
+        )
+        return value
 
     def _parallel_config(
         self, device: str, async_on: bool, hf_config, max_model_len: int

@@ -11,7 +11,9 @@ from vserve.engine.arg_utils import EngineArgs
 
 _HELP = {
     "model": "model folder, .gguf file, or 'gemma-3-270m' (the embedded default)",
-    "dtype": "auto, float32, bfloat16 or float16",
+    "dtype": "auto, float32, bfloat16 or float16 (with quantized weights: the activations')",
+    "quantization": "gguf (a GGUF's own blocks, the default for GGUF models), int8 (weights "
+    "quantized at load) or none (dense weights in --dtype)",
     "max_model_len": "context length (prompt + output) per request (CPU default: the "
     "model's, at most 8192)",
     "max_num_seqs": "most requests in one batch (default: 64 on CPU, 256 on CUDA)",

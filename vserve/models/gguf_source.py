@@ -1,0 +1,230 @@
+"""A GGUF file as a model's weights: its tensors by Hugging Face name, in their stored blocks.
+
+`vserve.models.resolve` turns a `.gguf` into a small folder (config.json, tokenizer and
+`gguf_weights.json`, no weights): the manifest names the file and maps each GGUF tensor name
+(`blk.3.attn_q.weight`) to the checkpoint name the model classes load
+(`model.layers.3.self_attn.q_proj.weight`), computed once by transformers' own mapping.
+
+`iter_gguf_weights` yields the tensors under those names: float tensors (F32/F16/BF16, the
+norms) as torch tensors in the model's dtype, block-quantized ones either as `QuantBlocks` (the
+raw bytes, one row of blocks per output feature, for the CPU kernels: `quantization="gguf"`) or
+dequantized by `gguf`'s own code (`quantization="none"`). Two fixes llama.cpp's converter made
+are undone here, as transformers does: Gemma norms were stored as 1 + w, and Llama/Mistral
+q/k rows were permuted for llama.cpp's rotary layout (a permutation of whole rows, so it applies
+to quantized rows unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MANIFEST = "gguf_weights.json"
+# GGML type ids of the block formats the CPU kernels run (vserve/cpu_ops/quant.cpp)
+BLOCK_FORMATS = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_PERMUTE_QK = ("llama", "mistral")
+HEAD_BYTES = 16 * 2**20  # first read of a header; those with large vocabularies run to MiBs
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """One weight in a GGUF block format: `data` [N, row_bytes] uint8, `shape` (N, K)."""
+
+    qtype: int
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def name(self) -> str:
+        return BLOCK_FORMATS[self.qtype]
+
+    def rows(self, start: int, count: int) -> QuantBlocks:
+        return QuantBlocks(self.qtype, self.data[start : start + count], (count, self.shape[1]))
+
+
+def manifest_path(model_path: str | Path) -> Path:
+    return Path(model_path) / MANIFEST
+
+
+def gguf_file(model_path: str | Path) -> Path | None:
+    """The GGUF a model folder reads its weights from, or None (a safetensors folder)."""
+    path = manifest_path(model_path)
+    if not path.is_file():
+        return None
+    return Path(json.loads(path.read_text())["file"])
+
+
+def write_manifest(folder: Path, gguf: Path, hf_config) -> str:
+    """Map the file's tensor names to checkpoint names with transformers (the front end's
+    process, once per conversion); returns the model's class name (`architectures`)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    names = get_gguf_hf_weights_map(model, TensorProcessor())
+    table = read_tensor_table(gguf)
+    manifest = {
+        "file": str(gguf.resolve()),
+        "architecture": table.architecture,
+        "names": {t.name: names[t.name] for t in table.tensors if t.name in names},
+        "num_heads": hf_config.num_attention_heads,
+        "num_kv_heads": getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
+    }
+    manifest_path(folder).write_text(json.dumps(manifest, indent=1))
+    return type(model).__name__
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: the innermost (K) first
+    qtype: int
+    offset: int  # from the start of the file
+
+
+@dataclass(frozen=True)
+class TensorTable:
+    architecture: str
+    tensors: list[TensorInfo]
+
+
+# byte sizes of the fixed-size GGUF metadata value types (8: string, 9: array)
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def read_tensor_table(path: Path) -> TensorTable:
+    """The tensor table of a GGUF file (v2/v3), skipping its metadata values but the
+    architecture and alignment: `gguf.GGUFReader` builds every vocabulary string as an array
+    (8 s for the embedded model's 262k tokens), this walks past them (0.2 s)."""
+    with open(path, "rb") as f:
+        head = f.read(HEAD_BYTES)
+        try:
+            return _parse_table(memoryview(head), path)
+        except struct.error:  # a longer header: read the whole file
+            return _parse_table(memoryview(head + f.read()), path)
+
+
+def _parse_table(buf: memoryview, path: Path) -> TensorTable:
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        value = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize("<" + fmt)
+        return value[0] if len(value) == 1 else value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        if pos > len(buf):
+            raise struct.error("past the end")
+        return bytes(buf[pos - n : pos]).decode("utf-8", "replace")
+
+    def skip(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            string()
+        elif vtype == 9:
+            etype, count = take("I"), take("Q")
+            if etype in _SCALARS:
+                pos += _SCALARS[etype] * count
+            else:
+                for _ in range(count):
+                    skip(etype)
+        else:
+            pos += _SCALARS[vtype]
+
+    magic, version, n_tensors, n_kv = take("4sIQQ")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path} is not a GGUF v2/v3 file")
+    arch, alignment = "", 32
+    for _ in range(n_kv):
+        key, vtype = string(), take("I")
+        if key == "general.architecture" and vtype == 8:
+            arch = string()
+        elif key == "general.alignment" and vtype == 4:
+            alignment = take("I")
+        else:
+            skip(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = tuple(take("Q") for _ in range(take("I")))
+        qtype, offset = take("I"), take("Q")
+        infos.append((name, dims, qtype, offset))
+    data_start = -(-pos // alignment) * alignment
+    return TensorTable(arch, [TensorInfo(n, d, q, data_start + o) for n, d, q, o in infos])
+
+
+def iter_gguf_weights(
+    model_path: str | Path, dtype: torch.dtype, quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantBlocks]]:
+    """(checkpoint name, tensor or QuantBlocks) for every tensor of the folder's GGUF."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    manifest = json.loads(manifest_path(model_path).read_text())
+    path = Path(manifest["file"])
+    table = read_tensor_table(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    for info in table.tensors:
+        name = manifest["names"].get(info.name)
+        if name is None:
+            continue
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)]
+        k, rows = info.dims[0], int(np.prod(info.dims[1:], dtype=np.int64))
+        row_bytes = k // block * block_bytes
+        data = raw[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
+        data = _rows_fixed(data, info.name, manifest)
+        if quantized and info.qtype in BLOCK_FORMATS:
+            yield name, QuantBlocks(info.qtype, _mapped(data), (rows, k))
+            continue
+        if info.qtype in _FLOAT_DTYPES:
+            values = data.view(_FLOAT_DTYPES[info.qtype]).reshape(rows, k)
+        else:
+            values = dequantize(data, GGMLQuantizationType(info.qtype))
+        shape = tuple(reversed(info.dims))
+        yield name, _float_tensor(values.reshape(shape), name, manifest, dtype)
+
+
+_FLOAT_DTYPES = {0: np.float32, 1: np.float16}
+
+
+def _mapped(data: np.ndarray) -> torch.Tensor:
+    """The file's bytes as a tensor without a copy: pages come from the page cache, shared by
+    every process that maps the file. Read-only (the kernels only read them): torch warns
+    about that once per tensor, which says nothing here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
+def _rows_fixed(data: np.ndarray, gguf_name: str, manifest: dict) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for Llama-family files (whole rows: any format)."""
+    if manifest["architecture"] not in _PERMUTE_QK:
+        return data
+    if ".attn_q." in gguf_name:
+        heads = manifest["num_heads"]
+    elif ".attn_k." in gguf_name:
+        heads = manifest["num_kv_heads"]
+    else:
+        return data
+    rows = data.shape[0]
+    w = data.reshape(heads, rows // heads // 2, 2, *data.shape[1:])
+    return w.swapaxes(2, 1).reshape(data.shape)
+
+
+def _float_tensor(values: np.ndarray, name: str, manifest: dict, dtype: torch.dtype):
+    t = torch.from_numpy(np.array(values, dtype=np.float32))
+    if manifest["architecture"].startswith("gemma") and name.endswith("norm.weight"):
+        t = t - 1.0  # stored as the scale 1 + w
+    return t.to(dtype)

@@ -1,0 +1,174 @@
+"""Linear layers and embeddings whose weights stay in GGUF block formats (CPU kernels).
+
+At batch 1 a decode step streams every weight once, so its time is about bytes / bandwidth:
+the embedded model's GGUF blocks (Q8_0, Q5_0, Q4_K, Q6_K) are 2.2x fewer bytes than bf16. These
+modules keep each weight as it is stored and call `vserve/cpu_ops/quant.cpp`, which
+dequantizes in registers while it streams (`gemv`, up to 8 rows) or tile by tile into the
+model dtype for a matmul (`matmul`, larger batches), and reads only the looked-up rows of a
+quantized embedding table (`embedding`).
+
+`install` swaps them in after loading, for every nn.Linear / FusedLinear / nn.Embedding that
+received `QuantBlocks` (`stage.load_weights` parks them on the module): a fused projection
+whose parts have different formats (Gemma's q/k in Q5_0, v in Q8_0) keeps one part per run of
+equal formats and concatenates their outputs. A tied lm_head shares the embedding's blocks.
+
+`quantize_q8_0` makes Q8_0 blocks from a dense weight (`quantization="int8"`): per 32 inputs
+one fp16 scale amax / 127 and 32 int8 values, ggml's own Q8_0 (tested against `gguf`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vserve.models.gguf_source import QuantBlocks
+from vserve.models.stage import FusedLinear
+
+Part = QuantBlocks | torch.Tensor  # a run of rows in one block format, or dense rows
+GEMV_MAX_ROWS = 8  # the kernel's register-blocked gemv takes up to 8 activation rows
+Q8_0 = 8
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, parts: list[Part], in_features: int, bias: torch.Tensor | None, kernel):
+        super().__init__()
+        self.parts = _merged(parts)
+        self.in_features = in_features
+        self.out_features = sum(_rows(p) for p in self.parts)
+        self.bias = bias
+        self.qkernel = kernel  # not `kernel`: attach_kernel sets that on every module with one
+        self.shard_sizes: list[int] | None = None  # a fused projection's split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        outs = [self._part(x2, p) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def _part(self, x: torch.Tensor, part: Part) -> torch.Tensor:
+        if isinstance(part, torch.Tensor):
+            return F.linear(x, part)
+        run = self.qkernel.gemv if 0 < x.shape[0] <= GEMV_MAX_ROWS else self.qkernel.matmul
+        return run(x.contiguous(), part.data, part.qtype, self.in_features)
+
+    def part_tensors(self) -> list[torch.Tensor]:
+        """Each part's bytes (GGUF blocks) or dense rows, for the fused decode layer."""
+        return [p.data if isinstance(p, QuantBlocks) else p for p in self.parts]
+
+    def part_types(self) -> list[int]:
+        """Each part's GGML type, 0 for dense rows (decode.cpp's quant_linear)."""
+        return [p.qtype if isinstance(p, QuantBlocks) else 0 for p in self.parts]
+
+    def extra_repr(self) -> str:
+        formats = "+".join(p.name if isinstance(p, QuantBlocks) else "dense" for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {formats}"
+
+
+class QuantEmbedding(nn.Module):
+    def __init__(self, blocks: QuantBlocks, dtype: torch.dtype, kernel) -> None:
+        super().__init__()
+        self.blocks, self.dtype, self.qkernel = blocks, dtype, kernel
+        self.embedding_dim = blocks.shape[1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b = self.blocks
+        rows = self.qkernel.embedding(b.data, b.qtype, b.shape[1], ids.reshape(-1), self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+
+def install(model: nn.Module, kernel, dtype: torch.dtype) -> int:
+    """Replace every module holding parked QuantBlocks; returns how many were replaced."""
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        new = _quantized(module, kernel, dtype)
+        if new is None:
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
+        replaced += 1
+    return replaced
+
+
+def _quantized(module: nn.Module, kernel, dtype: torch.dtype) -> nn.Module | None:
+    if isinstance(module, FusedLinear) and module.quant_shards:
+        parts: list[Part] = []
+        start = 0
+        for i, size in enumerate(module.shard_sizes):
+            dense = module.weight[start : start + size].detach()
+            parts.append(module.quant_shards.get(i, dense))
+            start += size
+        layer = QuantLinear(parts, module.in_features, _bias(module), kernel)
+        layer.shard_sizes = module.shard_sizes  # the model splits the output by them
+        return layer
+    blocks = getattr(module, "quant_weight", None)
+    if blocks is None:
+        return None
+    if isinstance(module, nn.Embedding):
+        return QuantEmbedding(blocks, dtype, kernel)
+    if isinstance(module, nn.Linear):
+        return QuantLinear([blocks], module.in_features, _bias(module), kernel)
+    return None
+
+
+def _bias(module: nn.Linear) -> torch.Tensor | None:
+    return None if module.bias is None else module.bias.detach()
+
+
+def _rows(part: Part) -> int:
+    return part.shape[0]
+
+
+def _merged(parts: list[Part]) -> list[Part]:
+    """Consecutive parts in the same block format become one (their rows concatenated)."""
+    out: list[Part] = []
+    for p in parts:
+        last = out[-1] if out else None
+        if (
+            isinstance(p, QuantBlocks)
+            and isinstance(last, QuantBlocks)
+            and last.qtype == p.qtype
+            and last.shape[1] == p.shape[1]
+        ):
+            rows = last.shape[0] + p.shape[0]
+            out[-1] = QuantBlocks(p.qtype, torch.cat([last.data, p.data]), (rows, p.shape[1]))
+        else:
+            out.append(p)
+    return out
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantBlocks:
+    """ggml's Q8_0 blocks of a dense [N, K] weight (K a multiple of 32)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // 32, 32)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(w * inv).to(torch.int8)
+    scales = d.to(torch.float16).view(torch.uint8).reshape(n, k // 32, 2)
+    data = torch.cat([scales, q.view(torch.uint8)], dim=-1).reshape(n, k // 32 * 34)
+    return QuantBlocks(Q8_0, data.contiguous(), (n, k))
+
+
+def park_int8(model: nn.Module) -> int:
+    """Q8_0 blocks for every linear weight (and the embedding) whose inputs come in whole
+    blocks, parked for `install`; returns how many weights."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or weight is None:
+            continue
+        if weight.shape[1] % 32:
+            continue
+        blocks = quantize_q8_0(weight)
+        if isinstance(module, FusedLinear):
+            start = 0
+            for i, size in enumerate(module.shard_sizes):
+                module.quant_shards[i] = blocks.rows(start, size)
+                start += size
+        else:
+            module.quant_weight = blocks
+        count += 1
+    return count
