@@ -134,3 +134,54 @@ def test_no_rows(kernel):
     out = QuantLinear([q8], 64, None, kernel)(torch.zeros(0, 64))
     assert out.shape == (0, 16)
     assert kernel.matmul(torch.zeros(0, 64), q8.data, q8.qtype, 64).shape == (0, 16)
+
+
+# -- the engine argument ------------------------------------------------------------------------
+def _config(model, **kwargs):
+    from vserve.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, device="cpu", **kwargs).create_engine_config().model
+
+
+def test_quantization_defaults_and_refusals(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from vserve.models.gguf_source import MANIFEST
+
+    path = tiny_model_dir("llama")
+    assert _config(path).quantization == "none"  # a safetensors model
+    assert _config(path, quantization="int8").quantization == "int8"
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        _config(path, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        _config(path, quantization="awq")
+    gguf_like = tmp_path / "described"
+    shutil.copytree(path, gguf_like)
+    (gguf_like / MANIFEST).write_text(json.dumps({"file": "m.gguf"}))
+    assert _config(str(gguf_like)).quantization == "gguf"  # a GGUF model's default
+    assert _config(str(gguf_like), quantization="none").quantization == "none"
+
+
+def test_int8_model_generates(tiny_model_dir):
+    """int8 on a safetensors model: every linear and the embedding on Q8_0 blocks, the tied
+    head sharing the embedding's, greedy ids equal the dense fp32 model's on a tiny model."""
+    from tests.support.engines import make_llm
+    from vserve import SamplingParams
+
+    path = tiny_model_dir("gemma3")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for q in ("none", "int8"):
+        llm = make_llm(path, quantization=q, max_model_len=64)
+        try:
+            model = llm.engine.client.core.executor.worker.runner.model
+            if q == "int8":
+                assert isinstance(model.model.embed_tokens, QuantEmbedding)
+                assert model.lm_head.parts[0] is model.model.embed_tokens.blocks
+                linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+                assert len(linears) == 4 * len(model.model.layers) + 1
+            outs[q] = llm.generate([[5, 17, 99, 3]], params, use_tqdm=False)[0]
+        finally:
+            llm.shutdown()
+    assert outs["int8"].outputs[0].token_ids == outs["none"].outputs[0].token_ids

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from vserve.cache_files import cache_dir
@@ -100,24 +101,8 @@ def convert_gguf(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-        bar.set_postfix_str(steps[0])
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        _drop_quantization(config)
-        bar.update()
-        bar.set_postfix_str(steps[1])
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        mark_special(tokenizer, read_special_tokens(gguf))
-        if chat_template and not getattr(tokenizer, "chat_template", None):
-            tokenizer.chat_template = chat_template
-        tokenizer.save_pretrained(str(tmp))
-        bar.update()
-        bar.set_postfix_str(steps[2])
-        config.architectures = [write_manifest(tmp, gguf, config)]
-        config.save_pretrained(str(tmp))
-        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
-        bar.update()
+        with _gguf_parsed_once():
+            _describe(gguf, tmp, chat_template, bar, steps)
         bar.set_postfix_str(steps[3])
         if extra_eos:
             _add_eos(tmp / "generation_config.json", extra_eos)
@@ -130,6 +115,50 @@ def convert_gguf(
         bar.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _describe(gguf: Path, folder: Path, chat_template: str | None, bar, steps) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    bar.set_postfix_str(steps[0])
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _drop_quantization(config)
+    bar.update()
+    bar.set_postfix_str(steps[1])
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    mark_special(tokenizer, read_special_tokens(gguf))
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(folder))
+    bar.update()
+    bar.set_postfix_str(steps[2])
+    config.architectures = [write_manifest(folder, gguf, config)]
+    config.save_pretrained(str(folder))
+    GenerationConfig.from_model_config(config).save_pretrained(str(folder))
+    bar.update()
+
+
+@contextmanager
+def _gguf_parsed_once():
+    """transformers' config, its tokenizer's config and the special-token reader each parse the
+    file with `gguf.GGUFReader` (8 s apiece for the embedded model's 262k-token vocabulary):
+    while a folder is described, one reader per file serves them all (they only read it)."""
+    import gguf as gguf_module
+
+    original = gguf_module.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf_module.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf_module.GGUFReader = original
 
 
 def _drop_quantization(config) -> None:
