@@ -10,6 +10,13 @@ bf16 keeps 8 significant bits). `matmul` over 8 rows multiplies dequantized tile
 so for bf16 x the weights are also rounded to bf16 (another 2^-8 of the scale). Every format
 runs on random blocks; the formats the embedded Gemma 3 270M Q4_K_M GGUF holds also run on
 slices of its tensors.
+
+`gemv` (and `matmul` up to 8 rows) has two paths: on a CPU with AVX512-VNNI it quantizes the
+activations to int8 per block of 32 (d_x = amax / 127, q = round(x / d_x)) and multiplies them
+with the weights' integer quants, whose only extra error is that rounding: at most d_x / 2 per
+activation, so sum over blocks of d_x / 2 * sum |w| over the block per output
+(`assert_int8_close`). `VSERVE_QUANT_EXACT=1` (read on every call) forces the exact fp32 path
+there; elsewhere it is the only path. The `exact` fixture runs the product tests both ways.
 """
 
 import shutil
@@ -76,9 +83,54 @@ def assert_product_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bf16
     assert (err <= tol + 1e-30).all(), f"max excess {(err - tol).max().item():.3g}"
 
 
+def int8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, N]: sum over blocks of 32 of d_x / 2 * sum |w| over the block, d_x = amax / 127 of
+    the block of x (as fp32 computes it)."""
+    xf = x.float()
+    m, k = xf.shape
+    amax = xf.reshape(m, k // 32, 32).abs().amax(dim=2)
+    half_step = (amax / 127).double().repeat_interleave(32, dim=1) / 2
+    return half_step @ w.double().abs().T
+
+
+def assert_int8_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact: bool):
+    """y ~ x w^T from the int8 path: the exact path's tolerance plus the activations'
+    rounding; with `exact` (VSERVE_QUANT_EXACT=1) the exact path's tolerance alone."""
+    if exact:
+        assert_product_close(y, x, w, False)
+        return
+    assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == x.dtype
+    ref = x.double() @ w.double().T
+    bound = int8_bound(x, w)
+    tol = 1e-4 * (x.double().abs() @ w.double().abs().T) + bound * (1 + 1e-5)
+    if x.dtype == BF:
+        tol = tol + 2.0**-8 * (ref.abs() + bound)
+    err = (y.double() - ref).abs()
+    assert (err <= tol + 1e-30).all(), f"max excess {(err - tol).max().item():.3g}"
+
+
+@pytest.fixture(params=[False, True], ids=["int8", "exact"])
+def exact(request, monkeypatch):
+    """The gemv path: the default one (int8 with AVX512-VNNI), or VSERVE_QUANT_EXACT=1's."""
+    if request.param:
+        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    else:
+        monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    return request.param
+
+
+def activations(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Normal activations, some blocks of 32 all zero (d_x = 0), one block with an outlier."""
+    x = torch.randn(m, k)
+    if k >= 64:
+        x[0, 32:64] = 0.0
+        x[-1, :32] *= 50.0
+    return x.to(dtype)
+
+
 def shapes(qtype: Q) -> list[tuple[int, int]]:
     small = GGML_QUANT_SIZES[qtype][0] == 32
-    return ([(37, 32), (64, 64)] if small else []) + [(37, 256), (300, 512)]
+    return ([(37, 32), (64, 64), (21, 96)] if small else []) + [(37, 256), (300, 512)]
 
 
 CASES = [(qtype, n, k) for qtype in FORMATS for n, k in shapes(qtype)]
@@ -94,19 +146,55 @@ def test_dequantize_is_bitwise_gguf(quant, qtype, n, k):
 
 
 @pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=CASE_IDS)
-def test_gemv_and_matmul_match_the_dequantized_product(quant, qtype, n, k):
+def test_gemv_and_matmul_match_the_dequantized_product(quant, exact, qtype, n, k):
     data = random_weight(qtype, n, k, seed=1)
     w = reference(data, qtype)
     weight = torch.from_numpy(data)
     torch.manual_seed(0)
     for dtype in (torch.float32, BF):
-        for m in (1, 3, 8):
-            x = torch.randn(m, k).to(dtype)
-            assert_product_close(quant.gemv(x, weight, int(qtype), k), x, w, False)
-        for m in (1, 9, 33, 64):
-            x = torch.randn(m, k).to(dtype)
+        for m in range(1, 9):
+            x = activations(m, k, dtype)
+            assert_int8_close(quant.gemv(x, weight, int(qtype), k), x, w, exact)
+        for m in (1, 8, 9, 33, 64):
+            x = activations(m, k, dtype)
             y = quant.matmul(x, weight, int(qtype), k)
-            assert_product_close(y, x, w, bf16_weights=m > 8)
+            if m <= 8:
+                assert_int8_close(y, x, w, exact)
+            else:  # dequantized tiles and at::mm on either path
+                assert_product_close(y, x, w, bf16_weights=True)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_exact_env_gives_the_exact_path(quant, monkeypatch, qtype):
+    """VSERVE_QUANT_EXACT=1 within one process: the fp32 path's tolerance, each call; and
+    the default path returns to the int8 one after it (its result repeats bit for bit)."""
+    k = 512
+    data = torch.from_numpy(random_weight(qtype, 64, k, seed=5))
+    w = reference(data.numpy(), qtype)
+    x = activations(3, k, torch.float32)
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    fast = quant.gemv(x, data, int(qtype), k)
+    assert_int8_close(fast, x, w, exact=False)
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    assert_product_close(quant.gemv(x, data, int(qtype), k), x, w, False)
+    assert_product_close(quant.matmul(x, data, int(qtype), k), x, w, False)
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "0")
+    assert torch.equal(quant.gemv(x, data, int(qtype), k), fast)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_gemv_propagates_nan_activations(quant, exact, qtype):
+    """A NaN activation makes its row's outputs NaN on both paths (the int8 path's block
+    scale becomes NaN); the other rows are unaffected."""
+    k = 256
+    data = torch.from_numpy(random_weight(qtype, 16, k, seed=6))
+    w = reference(data.numpy(), qtype)
+    x = activations(3, k, torch.float32)
+    x[1, 100] = float("nan")
+    y = quant.gemv(x, data, int(qtype), k)
+    assert torch.isnan(y[1]).all()
+    keep = torch.tensor([0, 2])
+    assert_int8_close(y[keep], x[keep], w, exact)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
@@ -120,13 +208,13 @@ def test_embedding_is_the_dequantized_rows(quant, qtype):
         assert_bitwise(out, ref[ids].to(dtype))
 
 
-def test_gemv_uses_every_thread_slice(quant):
+def test_gemv_uses_every_thread_slice(quant, exact):
     """Enough rows for several threads' slices: each row lands in its own output column."""
     k, n = 256, 3000
     data = random_weight(Q.Q4_K, n, k, seed=3)
     w = reference(data, Q.Q4_K)
     x = torch.randn(2, k)
-    assert_product_close(quant.gemv(x, torch.from_numpy(data), int(Q.Q4_K), k), x, w, False)
+    assert_int8_close(quant.gemv(x, torch.from_numpy(data), int(Q.Q4_K), k), x, w, exact)
 
 
 def test_inputs_are_checked(quant):
@@ -184,7 +272,7 @@ def gguf_slices():
 
 
 @pytest.mark.parametrize("name", list(GGUF_TENSORS))
-def test_real_gguf_tensors(quant, gguf_slices, name):
+def test_real_gguf_tensors(quant, gguf_slices, exact, name):
     data, qtype, k = gguf_slices[name]
     ref = reference(data, qtype)
     weight = torch.from_numpy(data)
@@ -194,8 +282,8 @@ def test_real_gguf_tensors(quant, gguf_slices, name):
     assert_bitwise(quant.embedding(weight, int(qtype), k, ids, BF), ref[ids].to(BF))
     torch.manual_seed(1)
     for dtype in (torch.float32, BF):
-        for m in (1, 8):
-            x = torch.randn(m, k).to(dtype)
-            assert_product_close(quant.gemv(x, weight, int(qtype), k), x, ref, False)
+        for m in (1, 3, 8):
+            x = activations(m, k, dtype)
+            assert_int8_close(quant.gemv(x, weight, int(qtype), k), x, ref, exact)
         x = torch.randn(33, k).to(dtype)
         assert_product_close(quant.matmul(x, weight, int(qtype), k), x, ref, dtype == BF)

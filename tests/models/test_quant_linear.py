@@ -22,6 +22,13 @@ from vserve.models.quant_linear import (
 from vserve.models.stage import FusedLinear
 
 
+@pytest.fixture(autouse=True)
+def exact_kernels(monkeypatch):
+    """These tests check the layers' plumbing against dense math: the kernels' fp32 path
+    (their int8-activation path has its own error bounds, tests/cpu_ops)."""
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+
+
 @pytest.fixture(scope="module")
 def kernel():
     k = cpu_ops.load_quant()

@@ -22,10 +22,17 @@
 //   dequantize(data, qtype, k, dtype) -> [N, K] fp32 or bf16, bitwise gguf.quants.dequantize
 //             (each weight takes one rounding there and here) and its bf16 rounding
 //   gemv(x [M <= 8, K], data, qtype, k) -> x W^T [M, N] in x's dtype: streams each weight row
-//             once, dequantizes each 16 weights to fp32 in registers and multiply-adds them into
-//             fp32 accumulators of all M activation rows; exact but for the order of the sums
-//   matmul(x [M, K], data, qtype, k) -> [M, N]: gemv for M <= 8; else each thread dequantizes
-//             tiles of output rows into a buffer of x's dtype and multiplies with at::mm
+//             once and multiplies each chunk of it with all M activation rows. With AVX512-VNNI
+//             (the default there) it quantizes the activations to int8 per block of 32 and
+//             sums integer products with vpdpbusd (see "the int8 gemv" below): its only error
+//             beyond fp32 summation is the activations' rounding, at most d_x / 2 each
+//             (d_x = the block's amax / 127), and it runs at memory bandwidth where the fp32
+//             path is compute-bound. The exact path (VSERVE_QUANT_EXACT=1, read on every call,
+//             or a CPU without VNNI) dequantizes each 16 weights to fp32 in registers and
+//             multiply-adds them into fp32 accumulators; exact but for the order of the sums
+//   matmul(x [M, K], data, qtype, k) -> [M, N]: gemv (either path) for M <= 8; else each thread
+//             dequantizes tiles of output rows into a buffer of x's dtype and multiplies with
+//             at::mm
 //   embedding(data, qtype, k, ids [T], dtype) -> [T, K]: the dequantized rows ids
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,10 +44,15 @@
 #endif
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "quant.h"
 #include "vec16.h"
@@ -426,6 +438,443 @@ void check_out_dtype(at::ScalarType dtype) {
 // at least ~64 KB of weight per thread: smaller slices cost more to start than to stream
 int64_t row_grain(int64_t row_bytes) { return std::max<int64_t>(1, (64 << 10) / row_bytes); }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define QUANT_VNNI 1
+#endif
+
+#ifdef QUANT_VNNI
+// ---- the int8 gemv (AVX512-VNNI) ----
+// The activations are quantized once per call, per block of 32 of each row: d_x = amax / 127
+// (fp32), q_x = round(x / d_x) in -127..127. Each weight chunk of 64 quants is unpacked to
+// unsigned bytes (Q4_0 / Q5_0 / Q6_K's q without their -8 / -16 / -32, Q8_0's q + 128, Q4_K /
+// Q5_K's q), and vpdpbusd (unsigned weight x signed activation) sums four products per int32
+// lane, starting from -offset * (the lane's four q_x) so that the lane holds the exact dot of
+// the signed quants. The lanes of one block of 32 are then scaled in fp32 by d_w * d_x (times
+// the sub-block scale of the K-quants; Q4_K / Q5_K subtract dmin * min_j * d_x * sum(q_x) per
+// sub-block), into fp32 accumulators. Its only error beyond fp32 summation is the activations'
+// rounding: at most d_x / 2 per activation (but for blocks whose amax is below ~4e-37, where
+// 1 / d_x overflows and the block counts as zero). Measured on a Zen 4 at 2.6 GHz, one thread,
+// M = 1, weights in L3: 30-37 GB/s for Q4_0 / Q5_0 / Q4_K / Q5_K (the fp32 path: 14-24),
+// 55-65 for Q6_K / Q8_0 (fp32: 14 / 40); from DRAM both threads reach the memory bandwidth.
+
+// 64 quantized activations of a row (two blocks of 32) and what a chunk of weights needs with
+// them, in the order the weights' quants unpack (`XLayout`)
+struct alignas(64) XChunk {
+  int8_t q[64];
+  int32_t off[16];  // -offset * the sum of the lane's four q (formats whose quants have one)
+  float dx[16];     // the d_x of each int32 lane's block
+};
+
+// the K-quants' per-super-block values of one row: d_x of each 16 activations (Q6_K's
+// scales) and of each of the 8 blocks, and d_x * sum(q_x) of each block (Q4_K / Q5_K's mins)
+struct alignas(64) XSums {
+  float dx[16];
+  float dx8[8];
+  float sx[8];
+};
+
+enum class XLayout {
+  kInOrder,      // Q4_0 / Q5_0 / Q8_0 / Q6_K: chunk c = activations 64c..64c + 63
+  kKNibbles,     // Q4_K / Q5_K: chunks of a super-block hold blocks (0, 2), (1, 3), (4, 6),
+                 // (5, 7): the low and high nibbles of its 64-byte halves
+};
+
+// x [M, K] fp32 into chunks [K / 64 rounded up][M] (and sums [K / 256][M] when given)
+void quantize_x(const float* x, int64_t m_rows, int64_t k, int offset, XLayout layout,
+                XChunk* ch, XSums* sums) {
+  const int64_t blocks = k / 32, nch = (blocks + 1) / 2;
+  const __m512 sign = _mm512_set1_ps(-0.0f), big = _mm512_set1_ps(FLT_MAX);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    if (blocks & 1) std::memset(&ch[(nch - 1) * m_rows + m], 0, sizeof(XChunk));
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* p = x + m * k + b * 32;
+      __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
+      __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+      // a NaN or infinity makes the block's d_x NaN: its rows' outputs are NaN, as exact
+      bool bad = (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) |
+                  _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) != 0;
+      float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      if (std::isinf(id)) id = 0.0f;  // amax below ~4e-37: the block counts as zero
+      if (bad) {
+        d = std::numeric_limits<float>::quiet_NaN();
+        id = 0.0f;
+      }
+      __m512 vid = _mm512_set1_ps(id);
+      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // to nearest (even)
+      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+      __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
+      int64_t c = b / 2;
+      int h = static_cast<int>(b & 1);
+      if (layout == XLayout::kKNibbles) {
+        int j = static_cast<int>(b % 8);
+        c = b / 8 * 4 + j / 4 * 2 + j % 2;
+        h = j % 4 / 2;
+      }
+      XChunk& xc = ch[c * m_rows + m];
+      _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h), b0);
+      _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h + 16), b1);
+      for (int l = 0; l < 8; ++l) xc.dx[8 * h + l] = d;
+      if (sums != nullptr) {
+        XSums& xs = sums[(b / 8) * m_rows + m];
+        xs.dx[b % 8 * 2] = xs.dx[b % 8 * 2 + 1] = d;
+        xs.dx8[b % 8] = d;
+        xs.sx[b % 8] =
+            d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      }
+    }
+  }
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(offset));
+  for (int64_t i = 0; i < nch * m_rows; ++i) {
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), off, _mm512_load_si512(ch[i].q));
+    _mm512_store_si512(ch[i].off, _mm512_sub_epi32(_mm512_setzero_si512(), s));
+  }
+}
+
+QUANT_INLINE __m512i idx16(int a, int b, int c, int d) {  // lanes 4i..4i+3 take index i's
+  return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
+}
+
+// the fp16 scales of blocks a and b: lanes 0-7 and 8-15
+QUANT_INLINE __m512 pair_scales(const uint8_t* a, const uint8_t* b) {
+  uint16_t ha, hb;
+  std::memcpy(&ha, a, 2);
+  std::memcpy(&hb, b, 2);
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_set1_epi16(static_cast<short>(ha))),
+      _mm_set1_epi16(static_cast<short>(hb)), 1));
+}
+
+// the 16 nibble bytes at a and at b as [a low, a high, b low, b high]: blocks a, b in order
+QUANT_INLINE __m512i nibbles_pair(const uint8_t* a, const uint8_t* b) {
+  __m256i t = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+  u = _mm512_shuffle_i64x2(u, u, 0xD8);  // 128-bit lanes 0, 2, 1, 3
+  return _mm512_and_si512(u, _mm512_set1_epi8(15));
+}
+
+// the 32-weight formats: unpack(a, b) gives the unsigned quants of blocks a and b in order;
+// their offset is what vpdpbusd's start takes away
+template <class F>
+struct Vnni32;
+
+template <>
+struct Vnni32<Q4_0> {
+  static QUANT_INLINE __m512i unpack(const uint8_t* a, const uint8_t* b) {
+    return nibbles_pair(a + 2, b + 2);
+  }
+};
+
+template <>
+struct Vnni32<Q5_0> {
+  static QUANT_INLINE __m512i unpack(const uint8_t* a, const uint8_t* b) {
+    __m512i u = nibbles_pair(a + 6, b + 6);
+    uint32_t ha, hb;
+    std::memcpy(&ha, a + 2, 4);
+    std::memcpy(&hb, b + 2, 4);
+    __mmask64 high = _mm512_kunpackd(_cvtu32_mask32(hb), _cvtu32_mask32(ha));
+    return _mm512_mask_add_epi8(u, high, u, _mm512_set1_epi8(16));
+  }
+};
+
+template <>
+struct Vnni32<Q8_0> {
+  static QUANT_INLINE __m512i unpack(const uint8_t* a, const uint8_t* b) {
+    __m512i u = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), 1);
+    return _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+};
+
+template <int M>
+QUANT_INLINE void store_rows(__m512 (&acc)[M], const float* minus, void* y, bool bf16_out,
+                             int64_t n, int64_t r) {
+  unroll<M>([&](auto m) QUANT_FLATTEN {
+    constexpr int mi = decltype(m)::value;
+    float v = _mm512_reduce_add_ps(acc[mi]) - (minus != nullptr ? minus[mi] : 0.0f);
+    if (bf16_out)
+      static_cast<bf16*>(y)[mi * n + r] = static_cast<bf16>(v);
+    else
+      static_cast<float*>(y)[mi * n + r] = v;
+  });
+}
+
+// int32 lanes of the exact quant dot, from vpdpbusd started at the chunk's -offset sums
+template <bool kOffset>
+QUANT_INLINE __m512i dot_lanes(__m512i wq, const XChunk& x) {
+  __m512i start = kOffset ? _mm512_load_si512(x.off) : _mm512_setzero_si512();
+  return _mm512_dpbusd_epi32(start, wq, _mm512_load_si512(x.q));
+}
+
+template <class F, int M>
+void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSums*, int64_t k,
+               void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
+  using T = Vnni32<F>;
+  constexpr int A = M == 1 ? 2 : 1;  // independent accumulator chains
+  const int64_t blocks = k / 32, pairs = blocks / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[M] = {}, acc2[M] = {};
+    auto step = [&](const uint8_t* a, const uint8_t* b, const XChunk* x, auto u) QUANT_FLATTEN {
+      __m512i wq = T::unpack(a, b);
+      __m512 dw = pair_scales(a, b);
+      unroll<M>([&](auto m) QUANT_FLATTEN {
+        constexpr int mi = decltype(m)::value;
+        __m512 s = _mm512_mul_ps(dw, _mm512_load_ps(x[mi].dx));
+        __m512 p = _mm512_cvtepi32_ps(dot_lanes<true>(wq, x[mi]));
+        if constexpr (decltype(u)::value == 0)
+          acc[mi] = _mm512_fmadd_ps(p, s, acc[mi]);
+        else
+          acc2[mi] = _mm512_fmadd_ps(p, s, acc2[mi]);
+      });
+    };
+    int64_t p = 0;
+    for (; p + A <= pairs; p += A)
+      unroll<A>([&](auto u) QUANT_FLATTEN {
+        const uint8_t* a = row + 2 * (p + u) * F::kBytes;
+        step(a, a + F::kBytes, xc + (p + u) * M, u);
+      });
+    for (; p < pairs; ++p) {
+      const uint8_t* a = row + 2 * p * F::kBytes;
+      step(a, a + F::kBytes, xc + p * M, C<0>{});
+    }
+    if (blocks & 1) {  // a lone last block: paired with itself against zero activations
+      const uint8_t* a = row + (blocks - 1) * F::kBytes;
+      step(a, a, xc + pairs * M, C<0>{});
+    }
+    if constexpr (A > 1)
+      unroll<M>([&](auto m) QUANT_FLATTEN {
+        acc[decltype(m)::value] = _mm512_add_ps(acc[decltype(m)::value], acc2[decltype(m)::value]);
+      });
+    store_rows<M>(acc, nullptr, y, bf16_out, n, r);
+  }
+}
+
+// Q4_K / Q5_K: the low and high nibbles of 64-byte half h of a super-block's quants are
+// chunks 2h and 2h + 1: sub-blocks (4h, 4h + 2) and (4h + 1, 4h + 3) (XLayout::kKNibbles);
+// Q5_K adds fifth bit j of its 32 bytes to sub-block j
+template <bool kFifth, int M>
+void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSums* xs,
+                 int64_t k, void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
+  using F = KQuant<kFifth>;
+  constexpr int A = M == 1 ? 2 : 1;
+  constexpr uint32_t kMask1 = 0x3f3f3f3f, kMask2 = 0x0f0f0f0f, kMask3 = 0x03030303;
+  const int64_t supers = k / 256;
+  const __m512i nib = _mm512_set1_epi8(15), five = _mm512_set1_epi8(16);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[M][A] = {};
+    __m256 macc[M] = {};
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const uint8_t* b = row + sb * F::kBytes;
+      const XChunk* x = xc + sb * 4 * M;
+      const XSums* s = xs + sb * M;
+      // the 8 scales in the bytes of u[0..1], the 8 mins in u[2..3] (as llama.cpp unpacks)
+      uint32_t u[4];
+      std::memcpy(u, b + 4, 12);
+      u[3] = ((u[2] >> 4) & kMask2) | (((u[1] >> 6) & kMask3) << 4);
+      const uint32_t mins_lo = u[1] & kMask1;
+      u[1] = (u[2] & kMask2) | (((u[0] >> 6) & kMask3) << 4);
+      u[2] = mins_lo;
+      u[0] &= kMask1;
+      __m128i packed = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
+                                     static_cast<int>(u[1]), static_cast<int>(u[0]));
+      __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed));  // scales 0-7, mins 8-15
+      __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_at(b)),
+                                       _mm512_set1_ps(half_at(b + 2)));
+      sm = _mm512_mul_ps(sm, dd);
+      const __m256 scales = _mm512_castps512_ps256(sm), mins = _mm512_extractf32x8_ps(sm, 1);
+      // d * scale_j * d_x_j of each row, in lanes 0-7
+      __m512 sdx[M];
+      unroll<M>([&](auto m) QUANT_FLATTEN {
+        constexpr int mi = decltype(m)::value;
+        macc[mi] = _mm256_fmadd_ps(mins, _mm256_load_ps(s[mi].sx), macc[mi]);
+        sdx[mi] = _mm512_castps256_ps512(_mm256_mul_ps(scales, _mm256_load_ps(s[mi].dx8)));
+      });
+      const uint8_t* qs = b + (kFifth ? 48 : 16);
+      __m512i high{};
+      if constexpr (kFifth)
+        high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+      unroll<2>([&](auto hi) QUANT_FLATTEN {
+        constexpr int h = decltype(hi)::value;
+        __m512i bytes = _mm512_loadu_si512(qs + 64 * h);
+        unroll<2>([&](auto part) QUANT_FLATTEN {
+          constexpr int pt = decltype(part)::value, c = 2 * h + pt;
+          constexpr int sa = 4 * h + pt, sb2 = 4 * h + 2 + pt;  // the chunk's sub-blocks
+          __m512i wq = _mm512_and_si512(pt == 0 ? bytes : _mm512_srli_epi16(bytes, 4), nib);
+          if constexpr (kFifth) {
+            const __m512i bit = _mm512_inserti64x4(
+                _mm512_set1_epi8(static_cast<char>(1 << sa)),
+                _mm256_set1_epi8(static_cast<char>(1 << sb2)), 1);
+            wq = _mm512_mask_add_epi8(wq, _mm512_test_epi8_mask(high, bit), wq, five);
+          }
+          const __m512i idx = idx16(sa, sa, sb2, sb2);
+          unroll<M>([&](auto m) QUANT_FLATTEN {
+            constexpr int mi = decltype(m)::value;
+            __m512 p = _mm512_cvtepi32_ps(dot_lanes<false>(wq, x[c * M + mi]));
+            acc[mi][c % A] =
+                _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, sdx[mi]), acc[mi][c % A]);
+          });
+        });
+      });
+    }
+    __m512 sum[M];
+    float minus[M];
+    unroll<M>([&](auto m) QUANT_FLATTEN {
+      constexpr int mi = decltype(m)::value;
+      sum[mi] = acc[mi][0];
+      if constexpr (A > 1) sum[mi] = _mm512_add_ps(sum[mi], acc[mi][1]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(macc[mi]), _mm256_extractf128_ps(macc[mi], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      minus[mi] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    });
+    store_rows<M>(sum, minus, y, bf16_out, n, r);
+  }
+}
+
+// Q6_K: chunk v of a super-block (weights 64v..64v+63: half h = v / 2, runs 2(v % 2) and
+// 2(v % 2) + 1 of it) takes the low or high nibbles of the half's 64 low bytes and the
+// 2-bit pairs (2(v % 2), 2(v % 2) + 1) of its 32 high bytes; scale 4v + i for lanes 4i..4i+3
+template <int M>
+void vnni_rows_q6k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSums* xs,
+                   int64_t k, void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
+  constexpr int A = M == 1 ? 2 : 1;
+  const int64_t supers = k / 256;
+  const __m512i lo4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[M][A] = {};
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const uint8_t* b = row + sb * Q6_K::kBytes;
+      const XChunk* x = xc + sb * 4 * M;
+      __m512 sc = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
+          _mm512_set1_ps(half_at(b + 208)));
+      // d * scale_i * d_x of each 16 weights of each row
+      __m512 sdx[M];
+      unroll<M>([&](auto m) QUANT_FLATTEN {
+        constexpr int mi = decltype(m)::value;
+        sdx[mi] = _mm512_mul_ps(sc, _mm512_load_ps(xs[sb * M + mi].dx));
+      });
+      unroll<2>([&](auto hi) QUANT_FLATTEN {
+        constexpr int h = decltype(hi)::value;
+        __m512i low = _mm512_loadu_si512(b + 64 * h);
+        __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+        __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        unroll<2>([&](auto qi) QUANT_FLATTEN {
+          constexpr int q = decltype(qi)::value, v = 2 * h + q;
+          __m512i wq =
+              q == 0 ? _mm512_or_si512(_mm512_and_si512(low, lo4),
+                                       _mm512_and_si512(_mm512_slli_epi16(pairs, 4), hi2))
+                     : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), lo4),
+                                       _mm512_and_si512(pairs, hi2));
+          const __m512i idx = idx16(4 * v, 4 * v + 1, 4 * v + 2, 4 * v + 3);
+          unroll<M>([&](auto m) QUANT_FLATTEN {
+            constexpr int mi = decltype(m)::value;
+            __m512 p = _mm512_cvtepi32_ps(dot_lanes<true>(wq, x[v * M + mi]));
+            acc[mi][v % A] =
+                _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, sdx[mi]), acc[mi][v % A]);
+          });
+        });
+      });
+    }
+    __m512 sum[M];
+    unroll<M>([&](auto m) QUANT_FLATTEN {
+      constexpr int mi = decltype(m)::value;
+      sum[mi] = acc[mi][0];
+      if constexpr (A > 1) sum[mi] = _mm512_add_ps(sum[mi], acc[mi][1]);
+    });
+    store_rows<M>(sum, nullptr, y, bf16_out, n, r);
+  }
+}
+
+template <class F, int M>
+QUANT_INLINE void vnni_rows_any(const uint8_t* w, int64_t row_bytes, const XChunk* xc,
+                                const XSums* xs, int64_t k, void* y, bool bf16_out, int64_t n,
+                                int64_t r0, int64_t r1) {
+  if constexpr (std::is_same_v<F, Q4_K>)
+    vnni_rows_k<false, M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0, r1);
+  else if constexpr (std::is_same_v<F, Q5_K>)
+    vnni_rows_k<true, M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0, r1);
+  else if constexpr (std::is_same_v<F, Q6_K>)
+    vnni_rows_q6k<M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0, r1);
+  else
+    vnni_rows<F, M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0, r1);
+}
+
+template <class F, int M = 1>
+void vnni_dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const XChunk* xc,
+                   const XSums* xs, int64_t k, void* y, bool bf16_out, int64_t n, int64_t r0,
+                   int64_t r1) {
+  if constexpr (M < 8) {
+    if (m != M) {
+      vnni_dispatch<F, M + 1>(m, w, row_bytes, xc, xs, k, y, bf16_out, n, r0, r1);
+      return;
+    }
+  }
+  vnni_rows_any<F, M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0, r1);
+}
+
+// the quantization each format's chunks want: offset, layout, super-block sums
+template <class F>
+constexpr int x_offset() {
+  if constexpr (std::is_same_v<F, Q4_0>) return 8;
+  else if constexpr (std::is_same_v<F, Q5_0>) return 16;
+  else if constexpr (std::is_same_v<F, Q8_0>) return 128;
+  else if constexpr (std::is_same_v<F, Q6_K>) return 32;
+  else return 0;
+}
+
+template <class F>
+constexpr XLayout x_layout() {
+  if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>) return XLayout::kKNibbles;
+  else return XLayout::kInOrder;
+}
+
+template <class F>
+constexpr bool x_sums() {
+  return F::kBlock == 256;
+}
+
+// VSERVE_QUANT_EXACT=1 (read on every call: tests flip it) makes gemv dequantize to fp32
+bool exact_forced() {
+  const char* e = std::getenv("VSERVE_QUANT_EXACT");
+  return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0 &&
+         std::strcmp(e, "false") != 0 && std::strcmp(e, "off") != 0;
+}
+
+at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
+  int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto out = at::empty({m, n}, x.options());
+  const int64_t nch = (k / 32 + 1) / 2;
+  // reused by the calls of this thread: a layer's gemvs quantize a few KB each
+  thread_local std::vector<XChunk> chunks;
+  thread_local std::vector<XSums> sums;
+  chunks.resize(nch * m);
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  void* yp = out.data_ptr();
+  bool bf16_out = x.scalar_type() == at::kBFloat16;
+  with_format(qtype, [&](auto fmt) {
+    using F = decltype(fmt);
+    if (x_sums<F>()) sums.resize(k / 256 * m);
+    quantize_x(xf.data_ptr<float>(), m, k, x_offset<F>(), x_layout<F>(), chunks.data(),
+               x_sums<F>() ? sums.data() : nullptr);
+    const XChunk* xc = chunks.data();
+    const XSums* xs = sums.data();
+    at::parallel_for(0, n, row_grain(row_bytes), [&](int64_t lo, int64_t hi) {
+      vnni_dispatch<F>(m, w, row_bytes, xc, xs, k, yp, bf16_out, n, lo, hi);
+    });
+  });
+  return out;
+}
+#endif  // QUANT_VNNI
+
+
 }  // namespace
 
 namespace vserve_quant {
@@ -450,6 +899,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int6
   check_activations(x, k);
   int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
   TORCH_CHECK(m >= 1 && m <= 8, "gemv takes 1 to 8 activation rows, got ", m);
+#ifdef QUANT_VNNI
+  if (!exact_forced()) return gemv_int8(x, data, qtype, k);
+#endif
   auto xf = m == 1 ? x.to(at::kFloat).contiguous() : pack_x(x);
   auto out = at::empty({m, n}, x.options());
   const uint8_t* w = data.data_ptr<uint8_t>();
