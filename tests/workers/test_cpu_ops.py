@@ -321,15 +321,19 @@ def test_fused_plan_of_each_pipeline_stage(kind, tiny_model_dir):
 
 
 @needs_packing
-def test_pipeline_parallel_with_kernels_is_bitwise_one_stage(tiny_model_dir):
-    _, one = _generate(tiny_model_dir("gemma3"), PROMPTS, batch=False, max_tokens=12)
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_pipeline_parallel_with_kernels_is_bitwise_one_stage(tiny_model_dir, quantization):
+    """int8: each stage quantizes its own layers; the last one its tied head from the table."""
+    path = tiny_model_dir("gemma3")
+    _, one = _generate(path, PROMPTS, batch=False, max_tokens=12, quantization=quantization)
     _, two = _generate(
-        tiny_model_dir("gemma3"),
+        path,
         PROMPTS,
         batch=False,
         max_tokens=12,
         multiprocess=True,
         distributed_executor_backend="mp",
         pipeline_parallel_size=2,
+        quantization=quantization,
     )
     assert one == two

@@ -22,9 +22,11 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # the front end reads manifests without importing torch or numpy
+    import numpy as np
+    import torch
 
 MANIFEST = "gguf_weights.json"
 # GGML type ids of the block formats the CPU kernels run (vserve/cpu_ops/quant.cpp)
@@ -64,6 +66,7 @@ def gguf_file(model_path: str | Path) -> Path | None:
 def write_manifest(folder: Path, gguf: Path, hf_config) -> str:
     """Map the file's tensor names to checkpoint names with transformers (the front end's
     process, once per conversion); returns the model's class name (`architectures`)."""
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
@@ -169,6 +172,7 @@ def iter_gguf_weights(
     model_path: str | Path, dtype: torch.dtype, quantized: bool
 ) -> Iterator[tuple[str, torch.Tensor | QuantBlocks]]:
     """(checkpoint name, tensor or QuantBlocks) for every tensor of the folder's GGUF."""
+    import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -196,13 +200,15 @@ def iter_gguf_weights(
         yield name, _float_tensor(values.reshape(shape), name, manifest, dtype)
 
 
-_FLOAT_DTYPES = {0: np.float32, 1: np.float16}
+_FLOAT_DTYPES = {0: "float32", 1: "float16"}  # GGML F32, F16
 
 
 def _mapped(data: np.ndarray) -> torch.Tensor:
     """The file's bytes as a tensor without a copy: pages come from the page cache, shared by
     every process that maps the file. Read-only (the kernels only read them): torch warns
     about that once per tensor, which says nothing here."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(data)
@@ -224,6 +230,9 @@ def _rows_fixed(data: np.ndarray, gguf_name: str, manifest: dict) -> np.ndarray:
 
 
 def _float_tensor(values: np.ndarray, name: str, manifest: dict, dtype: torch.dtype):
+    import numpy as np
+    import torch
+
     t = torch.from_numpy(np.array(values, dtype=np.float32))
     if manifest["architecture"].startswith("gemma") and name.endswith("norm.weight"):
         t = t - 1.0  # stored as the scale 1 + w
