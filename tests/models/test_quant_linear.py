@@ -192,3 +192,21 @@ def test_int8_model_generates(tiny_model_dir):
         finally:
             llm.shutdown()
     assert outs["int8"].outputs[0].token_ids == outs["none"].outputs[0].token_ids
+
+
+def test_without_the_kernels_weights_are_dequantized(tiny_model_dir, monkeypatch, caplog):
+    """No compiler (or VSERVE_CPU_OPS=0): a quantized model still loads, dense, and says so."""
+    from tests.support.engines import make_llm
+    from vserve import SamplingParams
+    from vserve.models import loader
+
+    monkeypatch.setattr(loader.cpu_ops, "load_quant", lambda: None)
+    llm = make_llm(tiny_model_dir("llama"), quantization="int8", max_model_len=64)
+    try:
+        model = llm.engine.client.core.executor.worker.runner.model
+        assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+    assert "weights dequantized at load" in caplog.text

@@ -40,7 +40,7 @@ def load_model(
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    qkernel = _quant_kernel(quantization, device)
+    qkernel = _quant_kernel(quantization, device, dtype)
     if gguf_file(model_path) is not None:
         quantized = quantization == "gguf" and qkernel is not None
         _fill_gguf(model, model_path, dtype, device, stage, quantized)
@@ -65,15 +65,18 @@ def load_model(
     return model
 
 
-def _quant_kernel(quantization: str, device: torch.device):
+def _quant_kernel(quantization: str, device: torch.device, dtype: torch.dtype):
     """The block-format kernels, or None: dense weights (`none`, CUDA, no compiler)."""
     if quantization == "none":
         return None
     kernel = cpu_ops.load_quant() if device.type == "cpu" else None
     if kernel is None:
+        why = "the CPU kernels are unavailable" if device.type == "cpu" else "CPU kernels only"
         logger.warning(
-            "quantization=%r runs on CPU kernels only: weights dequantized at load on %s",
+            "quantization=%r: %s; weights dequantized at load to %s on %s",
             quantization,
+            why,
+            dtype,
             device,
         )
     return kernel
