@@ -144,3 +144,23 @@ def test_embedded_manifest_and_table():
     assert manifest["names"]["blk.3.attn_q.weight"] == "model.layers.3.self_attn.q_proj.weight"
     assert manifest["names"]["token_embd.weight"] == "model.embed_tokens.weight"
     assert not list(folder.glob("*.safetensors"))  # no weight was converted
+
+
+def test_plain_view_reader_reads_what_gguf_reader_reads(tmp_path):
+    from gguf import GGUFReader
+
+    from vserve.models.resolve import _plain_view_reader
+
+    _write(tmp_path / "m.gguf")
+    fast = _plain_view_reader(GGUFReader)(str(tmp_path / "m.gguf"))
+    ref = GGUFReader(str(tmp_path / "m.gguf"))
+    assert list(fast.fields) == list(ref.fields)
+    for name, field in ref.fields.items():
+        mine = fast.fields[name]
+        assert (mine.data, mine.types, mine.offset) == (field.data, field.types, field.offset)
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True))
+        assert mine.contents() == field.contents()
+    for mine, t in zip(fast.tensors, ref.tensors, strict=True):
+        assert (mine.name, mine.tensor_type) == (t.name, t.tensor_type)
+        assert mine.data_offset == t.data_offset
+        assert np.array_equal(mine.data, t.data)
