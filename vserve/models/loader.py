@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -85,19 +86,12 @@ def _quant_kernel(quantization: str, device: torch.device, dtype: torch.dtype):
 def _fill_gguf(model, model_path, dtype, device, stage, quantized: bool) -> None:
     """A GGUF's tensors: block formats parked for `install`, or dequantized (then, dense, the
     same memory-mapped copy as a safetensors checkpoint gets)."""
-    files = [gguf_file(model_path)]
     if quantized:
         model.load_weights(iter_gguf_weights(model_path, dtype, quantized=True))
         return
-    if not weight_cache.enabled(device, files):
-        model.load_weights(iter_gguf_weights(model_path, dtype, quantized=False))
-        return
-    path = weight_cache.cache_file(model_path, files, dtype, stage)
-    if weight_cache.load_into(model, path):
-        logger.info("weights memory-mapped from %s", path)
-        return
-    model.load_weights(iter_gguf_weights(model_path, dtype, quantized=False))
-    weight_cache.save(model, path)
+    files = [gguf_file(model_path)]
+    weights = partial(iter_gguf_weights, model_path, dtype, quantized=False)
+    _fill_cached(model, model_path, files, dtype, device, stage, weights)
 
 
 def _share_tied_blocks(model: nn.Module) -> None:
@@ -112,16 +106,22 @@ def _share_tied_blocks(model: nn.Module) -> None:
 def _fill(
     model: nn.Module, model_path: str, dtype: torch.dtype, device: torch.device, stage: StageInfo
 ) -> None:
-    """The checkpoint's weights, or their memory-mapped copy from an earlier load."""
     files = _safetensors_files(Path(model_path))
+    weights = partial(iter_weights, model_path, dtype)
+    _fill_cached(model, model_path, files, dtype, device, stage, weights)
+
+
+def _fill_cached(model, model_path, files, dtype, device, stage, weights) -> None:
+    """The checkpoint's weights (`weights()`), or their memory-mapped copy from an earlier
+    load."""
     if not files or not weight_cache.enabled(device, files):
-        model.load_weights(iter_weights(model_path, dtype))
+        model.load_weights(weights())
         return
     path = weight_cache.cache_file(model_path, files, dtype, stage)
     if weight_cache.load_into(model, path):
         logger.info("weights memory-mapped from %s", path)
         return
-    model.load_weights(iter_weights(model_path, dtype))
+    model.load_weights(weights())
     weight_cache.save(model, path)
 
 
