@@ -165,13 +165,28 @@ def test_gemv_and_matmul_match_the_dequantized_product(quant, exact, qtype, n, k
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_fp32_activations_take_the_exact_path(quant, monkeypatch, qtype):
+    """fp32 is the exact mode: no int8 rounding of its activations, whatever the CPU (and the
+    same bits as the forced exact path)."""
+    k = 512
+    data = torch.from_numpy(random_weight(qtype, 64, k, seed=6))
+    w = reference(data.numpy(), qtype)
+    x = activations(5, k, torch.float32)
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    y = quant.gemv(x, data, int(qtype), k)
+    assert_product_close(y, x, w, False)
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    assert torch.equal(quant.gemv(x, data, int(qtype), k), y)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
 def test_exact_env_gives_the_exact_path(quant, monkeypatch, qtype):
     """VSERVE_QUANT_EXACT=1 within one process: the fp32 path's tolerance, each call; and
     the default path returns to the int8 one after it (its result repeats bit for bit)."""
     k = 512
     data = torch.from_numpy(random_weight(qtype, 64, k, seed=5))
     w = reference(data.numpy(), qtype)
-    x = activations(3, k, torch.float32)
+    x = activations(3, k, BF)  # fp32 activations always take the exact path (below)
     monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
     fast = quant.gemv(x, data, int(qtype), k)
     assert_int8_close(fast, x, w, exact=False)

@@ -17,7 +17,17 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm():
+    """The default: the GGUF's own blocks (fp32 activations)."""
     return make_llm(None, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def dequantized_llm():
+    """Exact fp32 numerics: the GGUF dequantized at load, as transformers loads it (the
+    quantized kernels round decode activations to int8 per block, as llama.cpp does)."""
+    llm = make_llm(None, max_model_len=512, quantization="none")
+    yield llm
+    llm.shutdown()
 
 
 def test_default_and_alias_resolve_to_embedded():
@@ -40,7 +50,8 @@ def test_capital_of_france(llm):
     assert out.outputs[0].text == " the capital of the country of France. It is the"
 
 
-def test_greedy_equals_transformers(llm):
+def test_greedy_equals_transformers(dequantized_llm):
+    llm = dequantized_llm
     hf = hf_model(str(embedded_model_path()), torch.float32)
     tok = llm.get_tokenizer()
     outs = llm.generate(

@@ -13,6 +13,11 @@ max / median |difference|: llama and mistral 0.26 / 0.030, qwen2 0.24 / 0.029, q
 tokens differs by 0.37, 0.25, 0.21 and 0.023 on the four tiny architectures: vserve's bf16
 path is as close to transformers' bf16 as that is to its own fp32. The bounds below are about
 twice the measured maxima and medians.
+
+The embedded model's default is its GGUF's own blocks (`quantization="gguf"`), whose decode
+steps also round the activations to int8 per block of 32 (as llama.cpp does): measured
+0.42 / 0.049 on 2026-12-01 against transformers' bf16 on the dequantized weights; its bound
+is 0.8 / 0.1. With `quantization="none"` (dense bf16) the 0.33 / 0.07 bound holds as before.
 """
 
 import pytest
@@ -34,7 +39,7 @@ TOLERANCE = {  # kind: (max, median) |logprob difference|
     "qwen3": (0.17, 0.045),
     "gemma3": (0.025, 0.008),
 }
-EMBEDDED_TOLERANCE = (0.33, 0.07)
+EMBEDDED_TOLERANCE = {"none": (0.33, 0.07), "gguf": (0.8, 0.1)}
 
 
 def transformers_logprobs(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -91,10 +96,11 @@ def test_default_bf16_logprobs_match_transformers_bf16(kind, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_embedded_model_bf16_logprobs_match_transformers_bf16():
+@pytest.mark.parametrize("quantization", ["gguf", "none"])
+def test_embedded_model_bf16_logprobs_match_transformers_bf16(quantization):
     from vserve.models.resolve import embedded_model_path
 
-    llm = make_llm(None, dtype="auto", max_model_len=256)
+    llm = make_llm(None, dtype="auto", max_model_len=256, quantization=quantization)
     try:
         assert _resolved_dtype(llm) == "bfloat16"
         tok = llm.get_tokenizer()
@@ -102,5 +108,5 @@ def test_embedded_model_bf16_logprobs_match_transformers_bf16():
         measured = logprob_differences(llm, str(embedded_model_path()), prompts, 16)
     finally:
         llm.shutdown()
-    print("embedded max / median |logprob difference|", measured)
-    assert _within(measured, EMBEDDED_TOLERANCE), measured
+    print("embedded", quantization, "max / median |logprob difference|", measured)
+    assert _within(measured, EMBEDDED_TOLERANCE[quantization]), measured

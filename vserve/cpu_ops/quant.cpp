@@ -23,12 +23,13 @@
 //             (each weight takes one rounding there and here) and its bf16 rounding
 //   gemv(x [M <= 8, K], data, qtype, k) -> x W^T [M, N] in x's dtype: streams each weight row
 //             once and multiplies each chunk of it with all M activation rows. With AVX512-VNNI
-//             (the default there) it quantizes the activations to int8 per block of 32 and
-//             sums integer products with vpdpbusd (see "the int8 gemv" below): its only error
-//             beyond fp32 summation is the activations' rounding, at most d_x / 2 each
+//             and bf16 activations (the default there) it quantizes them to int8 per block of
+//             32 and sums integer products with vpdpbusd (see "the int8 gemv" below): its only
+//             error beyond fp32 summation is the activations' rounding, at most d_x / 2 each
 //             (d_x = the block's amax / 127), and it runs at memory bandwidth where the fp32
-//             path is compute-bound. The exact path (VSERVE_QUANT_EXACT=1, read on every call,
-//             or a CPU without VNNI) dequantizes each 16 weights to fp32 in registers and
+//             path is compute-bound. The exact path (fp32 activations, VSERVE_QUANT_EXACT=1,
+//             read on every call, or a CPU without VNNI) dequantizes each 16 weights to fp32 in
+//             registers and
 //             multiply-adds them into fp32 accumulators; exact but for the order of the sums
 //   matmul(x [M, K], data, qtype, k) -> [M, N]: gemv (either path) for M <= 8; else each thread
 //             dequantizes tiles of output rows into a buffer of x's dtype and multiplies with
@@ -900,7 +901,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int6
   int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
   TORCH_CHECK(m >= 1 && m <= 8, "gemv takes 1 to 8 activation rows, got ", m);
 #ifdef QUANT_VNNI
-  if (!exact_forced()) return gemv_int8(x, data, qtype, k);
+  // bf16 activations only: fp32 is the exact mode (and its results do not depend on the batch
+  // only if every path sums exactly the same products)
+  if (!exact_forced() && x.scalar_type() == at::kBFloat16) return gemv_int8(x, data, qtype, k);
 #endif
   auto xf = m == 1 ? x.to(at::kFloat).contiguous() : pack_x(x);
   auto out = at::empty({m, n}, x.options());
