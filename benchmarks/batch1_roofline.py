@@ -44,8 +44,11 @@ def copy_bandwidth(mib: int = 512, repeats: int = 10, device: str = "cpu") -> fl
     return 2 * src.numel() * src.element_size() / best / 1e9
 
 
-def read_bandwidth(mib: int = 1024, repeats: int = 6) -> float:
-    """GB/s of one pass summing a `mib` MiB fp32 buffer (read only: what a gemv streams)."""
+def read_bandwidth(mib: int = 1024, repeats: int = 6, threads: int | None = None) -> float:
+    """GB/s of one pass summing a `mib` MiB fp32 buffer (read only: what a gemv streams), on
+    `threads` threads (default: torch's)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     best = float("inf")
     for _ in range(repeats):

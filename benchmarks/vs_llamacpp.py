@@ -151,40 +151,6 @@ def vserve_bench(kind: str, quantization: str, args) -> dict:
         return json.loads(Path(f.name).read_text())
 
 
-def read_bandwidth(threads: int) -> float:
-    """GB/s of one pass summing 1 GiB of fp32 on `threads` threads (best of 5)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones(2**28, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(6):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
-
-
-def weight_bytes(gguf: str) -> dict[str, float]:
-    """Bytes a batch-1 step streams: the GGUF's tensors (the tied head reads the embedding
-    table; the embedding lookup itself reads one row), and the same weights in bf16 / Q8_0."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    from vserve.models.gguf_source import read_tensor_table
-
-    table = read_tensor_table(Path(gguf))
-    stored = bf16 = q8 = 0.0
-    for t in table.tensors:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.qtype)]
-        count = 1
-        for d in t.dims:
-            count *= d
-        stored += count // block * size
-        bf16 += 2 * count
-        q8 += count * 34 / 32 if len(t.dims) == 2 else 4 * count
-    return {"gguf": stored, "none": bf16, "int8": q8}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", default=None, help="default: the embedded model's GGUF")
@@ -223,8 +189,16 @@ def main() -> int:
     for q in ("none", "gguf", "int8"):
         result[q] = {"batch1": vserve_bench("latency", q, args)}
         result[q]["batched"] = vserve_bench("throughput", q, args)
-    result["read_gb_s"] = read_bandwidth(args.threads)
-    result["weight_bytes"] = weight_bytes(args.gguf)
+    # the same floor as batch1_roofline.py (this folder is on sys.path when run as a script)
+    from batch1_roofline import read_bandwidth, weight_bytes
+
+    from vserve.models.resolve import resolve_model_path
+
+    folder = resolve_model_path(args.gguf)
+    result["read_gb_s"] = read_bandwidth(threads=args.threads)
+    result["weight_bytes"] = {
+        q: weight_bytes(folder, "bfloat16", q) for q in ("gguf", "none", "int8")
+    }
     print_table(result, args)
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(result, indent=2))
