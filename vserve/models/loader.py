@@ -50,7 +50,6 @@ def load_model(
     if qkernel is not None:
         if quantization == "int8":
             park_int8(model)
-            _share_tied_blocks(model)
         install(model, qkernel, dtype)
     for module in model.modules():
         if hasattr(module, "post_load"):
@@ -92,15 +91,6 @@ def _fill_gguf(model, model_path, dtype, device, stage, quantized: bool) -> None
     files = [gguf_file(model_path)]
     weights = partial(iter_gguf_weights, model_path, dtype, quantized=False)
     _fill_cached(model, model_path, files, dtype, device, stage, weights)
-
-
-def _share_tied_blocks(model: nn.Module) -> None:
-    """A tied lm_head reads the embedding's blocks (the checkpoint holds one table)."""
-    embed = getattr(model.model, "embed_tokens", None)
-    head = getattr(model, "lm_head", None)
-    if getattr(model, "tie", False) and embed is not None and head is not None:
-        if getattr(embed, "quant_weight", None) is not None:
-            head.quant_weight = embed.quant_weight
 
 
 def _fill(

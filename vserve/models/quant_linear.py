@@ -31,14 +31,21 @@ Q8_0 = 8
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, parts: list[Part], in_features: int, bias: torch.Tensor | None, kernel):
+    def __init__(
+        self,
+        parts: list[Part],
+        in_features: int,
+        bias: torch.Tensor | None,
+        kernel,
+        shard_sizes: list[int] | None = None,  # a fused projection's split of the output
+    ):
         super().__init__()
         self.parts = _merged(parts)
         self.in_features = in_features
         self.out_features = sum(_rows(p) for p in self.parts)
         self.bias = bias
         self.qkernel = kernel  # not `kernel`: attach_kernel sets that on every module with one
-        self.shard_sizes: list[int] | None = None  # a fused projection's split
+        self.shard_sizes = shard_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -101,9 +108,7 @@ def _quantized(module: nn.Module, kernel, dtype: torch.dtype) -> nn.Module | Non
             dense = module.weight[start : start + size].detach()
             parts.append(module.quant_shards.get(i, dense))
             start += size
-        layer = QuantLinear(parts, module.in_features, _bias(module), kernel)
-        layer.shard_sizes = module.shard_sizes  # the model splits the output by them
-        return layer
+        return QuantLinear(parts, module.in_features, _bias(module), kernel, module.shard_sizes)
     blocks = getattr(module, "quant_weight", None)
     if blocks is None:
         return None
@@ -154,13 +159,18 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantBlocks:
 
 def park_int8(model: nn.Module) -> int:
     """Q8_0 blocks for every linear weight (and the embedding) whose inputs come in whole
-    blocks, parked for `install`; returns how many weights."""
+    blocks, parked for `install`; returns how many weights. A tied lm_head takes the
+    embedding's blocks (the loader copied one checkpoint table into both)."""
     count = 0
+    tied_to = _tied_embedding(model)
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, (nn.Linear, nn.Embedding)) or weight is None:
             continue
         if weight.shape[1] % 32:
+            continue
+        if module is getattr(model, "lm_head", None) and tied_to is not None:
+            module.quant_weight = tied_to.quant_weight  # quantized just before (modules order)
             continue
         blocks = quantize_q8_0(weight)
         if isinstance(module, FusedLinear):
@@ -172,3 +182,11 @@ def park_int8(model: nn.Module) -> int:
             module.quant_weight = blocks
         count += 1
     return count
+
+
+def _tied_embedding(model: nn.Module) -> nn.Module | None:
+    """This stage's embedding when the lm_head is tied to it and both are here."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if getattr(model, "tie", False) and embed is not None and hasattr(model, "lm_head"):
+        return embed
+    return None
