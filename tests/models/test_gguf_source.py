@@ -164,3 +164,18 @@ def test_plain_view_reader_reads_what_gguf_reader_reads(tmp_path):
         assert (mine.name, mine.tensor_type) == (t.name, t.tensor_type)
         assert mine.data_offset == t.data_offset
         assert np.array_equal(mine.data, t.data)
+
+
+def test_a_truncated_or_corrupt_header_is_a_value_error(tmp_path):
+    _write(tmp_path / "m.gguf")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:200])  # inside the metadata
+    with pytest.raises(ValueError, match="not a readable GGUF header"):
+        read_tensor_table(tmp_path / "cut.gguf")
+    bad = bytearray(data)
+    bad[24 + 8 + len("general.architecture") : 24 + 12 + len("general.architecture")] = (
+        77
+    ).to_bytes(4, "little")  # the first value's type: no such GGUF type
+    (tmp_path / "bad.gguf").write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="not a readable GGUF header"):
+        read_tensor_table(tmp_path / "bad.gguf")

@@ -161,8 +161,9 @@ def test_quantization_defaults_and_refusals(tiny_model_dir, tmp_path):
     assert _config(path, quantization="int8").quantization == "int8"
     with pytest.raises(ValueError, match="needs a GGUF model"):
         _config(path, quantization="gguf")
-    with pytest.raises(ValueError, match="quantization must be one of"):
-        _config(path, quantization="awq")
+    for wrong in ("awq", "", 8, "GGUF"):
+        with pytest.raises(ValueError, match="quantization must be one of"):
+            _config(path, quantization=wrong)
     gguf_like = tmp_path / "described"
     shutil.copytree(path, gguf_like)
     (gguf_like / MANIFEST).write_text(json.dumps({"file": "m.gguf"}))

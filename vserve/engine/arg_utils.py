@@ -191,7 +191,9 @@ class EngineArgs:
         from vserve.models.gguf_source import gguf_file
 
         is_gguf = gguf_file(model_path) is not None
-        value = self.quantization or ("gguf" if is_gguf else "none")
+        value = self.quantization
+        if value is None:
+            value = "gguf" if is_gguf else "none"
         _require(
             value in QUANTIZATIONS,
             f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {value!r}",

@@ -110,9 +110,12 @@ def read_tensor_table(path: Path) -> TensorTable:
     with open(path, "rb") as f:
         head = f.read(HEAD_BYTES)
         try:
-            return _parse_table(memoryview(head), path)
-        except struct.error:  # a longer header: read the whole file
-            return _parse_table(memoryview(head + f.read()), path)
+            try:
+                return _parse_table(memoryview(head), path)
+            except struct.error:  # a longer header: read the whole file
+                return _parse_table(memoryview(head + f.read()), path)
+        except (struct.error, KeyError) as e:  # truncated, or a value type GGUF lacks
+            raise ValueError(f"{path}: not a readable GGUF header ({e!r})") from e
 
 
 def _parse_table(buf: memoryview, path: Path) -> TensorTable:
