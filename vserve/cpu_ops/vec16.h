@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace vec16 {
 
 typedef float vf __attribute__((vector_size(64)));
@@ -35,8 +39,15 @@ inline vf vexp(vf x) {
   const float lo = -87.33654f;
   vf xc = x < lo ? splat(lo) : x;
   vf fx = xc * 1.44269504088896341f + 0.5f;
+#ifdef __AVX512F__
+  // floor in one instruction, and 2^t applied by vscalefps: the same bits as the arithmetic
+  // below (t integral, y * 2^t exact in the range kept), in fewer instructions: the sampler
+  // runs this on every logit
+  vf t = (vf)_mm512_roundscale_ps((__m512)fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
   vf t = (fx + 12582912.0f) - 12582912.0f;   // round to nearest, then floor
   t = t > fx ? t - 1.0f : t;
+#endif
   vf r = xc - t * 0.693359375f;
   r = r - t * -2.12194440e-4f;
   vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
@@ -45,8 +56,12 @@ inline vf vexp(vf x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
+#ifdef __AVX512F__
+  vf res = (vf)_mm512_scalef_ps((__m512)y, (__m512)t);
+#else
   vi e = (__builtin_convertvector(t, vi) + 127) << 23;
   vf res = y * (vf)e;
+#endif
   return x < lo ? splat(0.0f) : res;
 }
 
