@@ -20,6 +20,7 @@ there; elsewhere it is the only path. The `exact` fixture runs the product tests
 """
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,8 +161,10 @@ def test_gemv_and_matmul_match_the_dequantized_product(quant, exact, qtype, n, k
             y = quant.matmul(x, weight, int(qtype), k)
             if m <= 8:
                 assert_int8_close(y, x, w, exact)
-            else:  # dequantized tiles and at::mm on either path
-                assert_product_close(y, x, w, bf16_weights=True)
+            elif dtype == BF and not exact:  # the int8 GEMM
+                assert_int8_close(y, x, w, False)
+            else:  # exact: tiles dequantized to x's dtype and at::mm
+                assert_product_close(y, x, w, bf16_weights=dtype == BF)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
@@ -210,6 +213,61 @@ def test_gemv_propagates_nan_activations(quant, exact, qtype):
     assert torch.isnan(y[1]).all()
     keep = torch.tensor([0, 2])
     assert_int8_close(y[keep], x[keep], w, exact)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_int8_gemm_propagates_nan_rows(quant, qtype):
+    """More than 8 bf16 rows take the int8 GEMM: a NaN activation makes its own row's outputs
+    NaN (its block's d_x is NaN), every other row is the product."""
+    k = 256
+    data = torch.from_numpy(random_weight(qtype, 40, k, seed=7))
+    w = reference(data.numpy(), qtype)
+    x = activations(13, k, BF)
+    x[5, 200] = float("nan")
+    y = quant.matmul(x, data, int(qtype), k)
+    assert torch.isnan(y[5]).all()
+    keep = torch.tensor([i for i in range(13) if i != 5])
+    assert_int8_close(y[keep], x[keep], w, exact=False)
+
+
+def _has_vnni() -> bool:
+    try:
+        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_vnni(), reason="the int8 paths need AVX512-VNNI")
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_int8_gemm_rows_are_the_int8_gemvs(quant, monkeypatch, qtype):
+    """The GEMM (more than 8 rows) and the gemv quantize activations alike and sum exact
+    integer block dots: a row's outputs differ only by fp32 summation order, far less than
+    the activations' rounding that separates either from the exact path."""
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    k = 512
+    data = torch.from_numpy(random_weight(qtype, 70, k, seed=9))
+    w = reference(data.numpy(), qtype)
+    x = activations(20, k, BF)
+    y = quant.matmul(x, data, int(qtype), k).double()
+    ref = torch.cat([quant.gemv(x[i : i + 5], data, int(qtype), k) for i in range(0, 20, 5)])
+    scale = x.double().abs() @ w.double().abs().T
+    tol = 1e-5 * scale + 2.0**-8 * ref.double().abs()
+    assert ((y - ref.double()).abs() <= tol).all()
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    exact = quant.matmul(x, data, int(qtype), k).double()
+    assert ((exact - ref.double()).abs() > tol).any()  # the exact path is another result
+
+
+def test_int8_gemm_streams_a_large_output(quant):
+    """An output past 16 MB (the logits of a batch) is written with streaming stores; a
+    partial last tile of columns is not."""
+    k, n = 32, 131072 + 37
+    data = random_weight(Q.Q8_0, n, k, seed=8)
+    w = reference(data, Q.Q8_0)
+    x = activations(64, k, BF)
+    y = quant.matmul(x, torch.from_numpy(data), int(Q.Q8_0), k)
+    assert y.numel() * y.element_size() > 16 << 20
+    assert_int8_close(y, x, w, exact=False)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
@@ -300,5 +358,9 @@ def test_real_gguf_tensors(quant, gguf_slices, exact, name):
         for m in (1, 3, 8):
             x = activations(m, k, dtype)
             assert_int8_close(quant.gemv(x, weight, int(qtype), k), x, ref, exact)
-        x = torch.randn(33, k).to(dtype)
-        assert_product_close(quant.matmul(x, weight, int(qtype), k), x, ref, dtype == BF)
+        x = activations(33, k, dtype)
+        y = quant.matmul(x, weight, int(qtype), k)
+        if dtype == BF and not exact:
+            assert_int8_close(y, x, ref, False)
+        else:
+            assert_product_close(y, x, ref, bf16_weights=dtype == BF)

@@ -3,9 +3,10 @@
 At batch 1 a decode step streams every weight once, so its time is about bytes / bandwidth:
 the embedded model's GGUF blocks (Q8_0, Q5_0, Q4_K, Q6_K) are 2.2x fewer bytes than bf16. These
 modules keep each weight as it is stored and call `vserve/cpu_ops/quant.cpp`, which
-dequantizes in registers while it streams (`gemv`, up to 8 rows) or tile by tile into the
-model dtype for a matmul (`matmul`, larger batches), and reads only the looked-up rows of a
-quantized embedding table (`embedding`).
+dequantizes in registers while it streams (`gemv`, up to 8 rows) or multiplies int8 quants
+with activations rounded to int8 per block of 32 (`matmul`, larger batches in bf16; the exact
+fp32 path dequantizes tiles for oneDNN), and reads only the looked-up rows of a quantized
+embedding table (`embedding`).
 
 `install` swaps them in after loading, for every nn.Linear / FusedLinear / nn.Embedding that
 received `QuantBlocks` (`stage.load_weights` parks them on the module): a fused projection
