@@ -46,10 +46,15 @@ def copy_bandwidth(mib: int = 512, repeats: int = 10, device: str = "cpu") -> fl
 
 def read_bandwidth(mib: int = 1024, repeats: int = 6, threads: int | None = None) -> float:
     """GB/s of one pass summing a `mib` MiB fp32 buffer (read only: what a gemv streams), on
-    `threads` threads (default: torch's)."""
+    `threads` threads (default: torch's). The buffer lies in 2 MB pages, as the quantized
+    weights do (vserve/models/weight_arena.py): the prefetchers stop at page boundaries, so
+    4 KB pages read slower and would understate the floor."""
+    from vserve.models.weight_arena import huge_page_buffer
+
     if threads is not None:
         torch.set_num_threads(threads)
-    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x = huge_page_buffer(mib * 2**20).view(torch.float32)
+    x.fill_(1.0)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

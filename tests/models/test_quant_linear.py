@@ -20,6 +20,7 @@ from vserve.models.quant_linear import (
     quantize_q8_0,
 )
 from vserve.models.stage import FusedLinear
+from vserve.models.weight_arena import arena_copy
 
 
 @pytest.fixture(autouse=True)
@@ -107,6 +108,41 @@ def test_install_fused_and_plain_linears(kernel):
     x = torch.randn(3, 64)
     torch.testing.assert_close(model.qkv(x), x @ torch.cat([wq, k_dense, wv]).T)
     torch.testing.assert_close(model.o(x), x @ wo.T + bias)
+
+
+def test_install_moves_streamed_blocks_into_one_arena(kernel):
+    """The linears' blocks are copied, in module order, into one huge-page arena (a step
+    streams them from 2 MB pages, not the GGUF's mapped 4 KB ones); a tied embedding reads
+    the head's copy; outputs are unchanged."""
+    model = nn.Module()
+    model.embed = nn.Embedding(96, 64)
+    model.o = nn.Linear(64, 64, bias=False)
+    model.lm_head = nn.Linear(64, 96, bias=False)
+    o, wo = _blocks(Q.Q8_0, 64, 64, 7)
+    head, w_head = _blocks(Q.Q5_0, 96, 64, 8)
+    model.o.quant_weight = o
+    model.lm_head.quant_weight = head
+    model.embed.quant_weight = head  # tied: the same blocks
+    assert install(model, kernel, torch.float32) == 3
+    o_data, head_data = model.o.parts[0].data, model.lm_head.parts[0].data
+    assert o_data.data_ptr() != o.data.data_ptr() and torch.equal(o_data, o.data)
+    assert torch.equal(head_data, head.data)
+    assert o_data.data_ptr() % (2 << 20) == 0  # the arena starts on a huge page
+    assert head_data.data_ptr() == o_data.data_ptr() + o_data.numel()  # 64 x 34: aligned
+    assert model.embed.blocks.data.data_ptr() == head_data.data_ptr()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model.o(x), x @ wo.T)
+    torch.testing.assert_close(model.lm_head(x), x @ w_head.T)
+    torch.testing.assert_close(model.embed(torch.tensor([5])), w_head[5:6])
+
+
+def test_arena_copy_aligns_each_tensor():
+    tensors = [torch.arange(n, dtype=torch.uint8) for n in (1, 100, 64, 0)]
+    copies = arena_copy([t.reshape(-1, 1) for t in tensors])
+    for t, c in zip(tensors, copies, strict=True):
+        assert c.shape == (t.numel(), 1) and torch.equal(c.flatten(), t)
+        assert c.data_ptr() % 64 == 0 or c.numel() == 0
+    assert arena_copy([]) == []
 
 
 def test_park_int8_quantizes_whole_block_linears():

@@ -25,6 +25,7 @@ from torch import nn
 
 from vserve.models.gguf_source import QuantBlocks
 from vserve.models.stage import FusedLinear
+from vserve.models.weight_arena import arena_copy
 
 Part = QuantBlocks | torch.Tensor  # a run of rows in one block format, or dense rows
 GEMV_MAX_ROWS = 8  # the kernel's register-blocked gemv takes up to 8 activation rows
@@ -89,7 +90,8 @@ class QuantEmbedding(nn.Module):
 
 
 def install(model: nn.Module, kernel, dtype: torch.dtype) -> int:
-    """Replace every module holding parked QuantBlocks; returns how many were replaced."""
+    """Replace every module holding parked QuantBlocks; returns how many were replaced. The
+    blocks the linears stream move into one huge-page arena (`weight_arena`)."""
     replaced = 0
     for name, module in list(model.named_modules()):
         new = _quantized(module, kernel, dtype)
@@ -98,7 +100,30 @@ def install(model: nn.Module, kernel, dtype: torch.dtype) -> int:
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
         replaced += 1
+    _into_arena(model)
     return replaced
+
+
+def _into_arena(model: nn.Module) -> None:
+    """Every QuantLinear's blocks, in module order (the order a step streams them), copied
+    into one arena; an embedding that shares a head's blocks (tied) follows them."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    blocks = {_key(p): p for m in linears for p in m.parts if isinstance(p, QuantBlocks)}
+    copies = dict(zip(blocks, arena_copy([p.data for p in blocks.values()]), strict=True))
+
+    done: dict[int, QuantBlocks] = {}  # one moved object per object: sharing stays sharing
+
+    def moved(p: QuantBlocks) -> QuantBlocks:
+        data = copies.get(_key(p))
+        if data is None:
+            return p
+        return done.setdefault(id(p), QuantBlocks(p.qtype, data, p.shape))
+
+    for m in linears:
+        m.parts = [moved(p) if isinstance(p, QuantBlocks) else p for p in m.parts]
+    for m in model.modules():
+        if isinstance(m, QuantEmbedding):
+            m.blocks = moved(m.blocks)
 
 
 def _quantized(module: nn.Module, kernel, dtype: torch.dtype) -> nn.Module | None:
@@ -118,6 +143,10 @@ def _quantized(module: nn.Module, kernel, dtype: torch.dtype) -> nn.Module | Non
     if isinstance(module, nn.Linear):
         return QuantLinear([blocks], module.in_features, _bias(module), kernel)
     return None
+
+
+def _key(p: QuantBlocks) -> tuple[int, tuple[int, ...]]:
+    return p.data.data_ptr(), tuple(p.data.shape)
 
 
 def _bias(module: nn.Linear) -> torch.Tensor | None:
