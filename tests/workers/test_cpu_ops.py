@@ -152,6 +152,28 @@ def test_fp32_decode_attention_matches_the_gathered_two_matmul_path(
         ops.decode_attention(q, k_cache.to(BF), v_cache.to(BF), tables, seq_lens, -1, 0.2, 0.0)
 
 
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, 20.0)])
+def test_decode_attention_split_across_threads_is_bitwise_one_thread(ops, dtype, window, softcap):
+    """One row and one KV head (batch-1 decode of Gemma 3): fewer items than threads, so the
+    kernel splits the positions and the value sums across threads; the result is bitwise
+    the one-thread kernel's, and the gathered path's as before."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, ref, args = _decode_case(dtype, 4, 1, 256, window, softcap, [200], seed=6)
+        torch.set_num_threads(2)
+        q, k_cache, v_cache, tables, seq_lens = args
+        split = ops.decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, window or -1, 256**-0.5, softcap or 0.0
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, one)
+    if dtype == torch.float32:
+        torch.testing.assert_close(split, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_fp32_models_take_only_the_decode_attention_kernel(tiny_model_dir):
     """An fp32 CPU model keeps its eager ops (no fused layers, no packed linears) and its
     attention backend reads the paged cache through the kernel on decode steps."""

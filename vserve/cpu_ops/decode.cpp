@@ -166,32 +166,46 @@ inline float dot16(const T* k, const float* q, int64_t d) {
   return hsum(acc);
 }
 
+// Each (row, KV head) item: scores over its positions, a softmax per query head, then
+// sum p * v. Items run in parallel; with fewer items than threads (batch-1 decode, one KV
+// head) the positions of the score pass and the (query head, 16 dims) sums of the value pass
+// are split across the threads instead: every value is computed as before (same order of
+// sums), so the result does not depend on the split.
 template <typename T>
 void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* btp,
                            const int64_t* slp, int64_t nb, int64_t h, int64_t d, int64_t hkv,
                            int64_t block, int64_t bstride, int64_t tstride, int64_t bt_cols,
                            int64_t window, float fscale, float cap) {
   int64_t groups = h / hkv;
-  at::parallel_for(0, nb * hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(groups * d), acc(groups * d), scores;
-    for (int64_t item = lo; item < hi; ++item) {
-      int64_t r = item / hkv, g = item % hkv;
-      int64_t len = slp[r], qpos = len - 1;
-      int64_t first = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
-      int64_t n = len - first;
-      scores.assign(groups * n, 0.0f);
-      for (int64_t j = 0; j < groups * d; ++j) qf[j] = f(qp[(r * h + g * groups) * d + j]);
-      const int64_t* row_blocks = btp + r * bt_cols;
-      // positions block by block: one table lookup per block, no division per position
-      auto each_position = [&](const T* cache, auto&& body) {
-        for (int64_t p = first; p < len;) {
-          int64_t in_block = p % block, count = std::min(block - in_block, len - p);
-          const T* row = cache + row_blocks[p / block] * bstride + in_block * tstride + g * d;
-          for (int64_t i = 0; i < count; ++i) body(p + i - first, row + i * tstride);
-          p += count;
-        }
-      };
-      each_position(kp, [&](int64_t j, const T* kr) {
+  const bool split = nb * hkv < at::get_num_threads() && d % 16 == 0;
+  // fn over [0, n) in parallel (grain `grain`) when splitting, else on this thread
+  auto over = [&](int64_t n, int64_t grain, auto&& fn) {
+    if (split)
+      at::parallel_for(0, n, grain, fn);
+    else
+      fn(int64_t{0}, n);
+  };
+  auto item_fn = [&](int64_t item, std::vector<float>& qf, std::vector<float>& acc,
+                     std::vector<float>& scores) {
+    int64_t r = item / hkv, g = item % hkv;
+    int64_t len = slp[r], qpos = len - 1;
+    int64_t first = window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0;
+    int64_t n = len - first;
+    scores.assign(groups * n, 0.0f);
+    for (int64_t j = 0; j < groups * d; ++j) qf[j] = f(qp[(r * h + g * groups) * d + j]);
+    const int64_t* row_blocks = btp + r * bt_cols;
+    // positions [lo, hi) of the window block by block: one table lookup per block, no
+    // division per position
+    auto each_position = [&](const T* cache, int64_t lo, int64_t hi, auto&& body) {
+      for (int64_t p = first + lo; p < first + hi;) {
+        int64_t in_block = p % block, count = std::min(block - in_block, first + hi - p);
+        const T* row = cache + row_blocks[p / block] * bstride + in_block * tstride + g * d;
+        for (int64_t i = 0; i < count; ++i) body(p + i - first, row + i * tstride);
+        p += count;
+      }
+    };
+    over(n, 64, [&](int64_t lo, int64_t hi) {
+      each_position(kp, lo, hi, [&](int64_t j, const T* kr) {
         for (int64_t qh = 0; qh < groups; ++qh) {
           const float* qr = qf.data() + qh * d;
           float s = stored<T>(d % 16 == 0 ? dot16(kr, qr, d) : dot<kLanes>(kr, qr, d)) * fscale;
@@ -199,40 +213,51 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
           scores[qh * n + j] = s;
         }
       });
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t qh = 0; qh < groups; ++qh) {
-        float* sc = scores.data() + qh * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
-        float total = 0;
-        int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-          vf e = vexp(load16(sc + j) - m);
-          std::memcpy(sc + j, &e, sizeof(e));
-        }
-        for (; j < n; ++j) sc[j] = vexp(splat(sc[j] - m))[0];
-        for (j = 0; j < n; ++j) total += sc[j];
-        for (int64_t j = 0; j < n; ++j) sc[j] = stored<T>(sc[j] / total);
+    });
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t qh = 0; qh < groups; ++qh) {
+      float* sc = scores.data() + qh * n;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) m = std::max(m, sc[j]);
+      float total = 0;
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) {
+        vf e = vexp(load16(sc + j) - m);
+        std::memcpy(sc + j, &e, sizeof(e));
       }
-      if (d % 16 == 0) {  // each 16 dims of a head summed in a register, not through memory
-        for (int64_t qh = 0; qh < groups; ++qh)
-          for (int64_t c = 0; c < d; c += 16) {
-            const float* pr = scores.data() + qh * n;
-            vf a = {};
-            each_position(vp, [&](int64_t j, const T* vr) { a += pr[j] * load16(vr + c); });
-            std::memcpy(acc.data() + qh * d + c, &a, sizeof(a));
-          }
-      } else {
-        each_position(vp, [&](int64_t j, const T* vr) {
-          for (int64_t qh = 0; qh < groups; ++qh) {
-            float pr = scores[qh * n + j];
-            float* a = acc.data() + qh * d;
-            for (int64_t e = 0; e < d; ++e) a[e] += pr * f(vr[e]);
-          }
-        });
-      }
-      for (int64_t j = 0; j < groups * d; ++j) op[(r * h + g * groups) * d + j] = T(acc[j]);
+      for (; j < n; ++j) sc[j] = vexp(splat(sc[j] - m))[0];
+      for (j = 0; j < n; ++j) total += sc[j];
+      for (int64_t j = 0; j < n; ++j) sc[j] = stored<T>(sc[j] / total);
     }
+    if (d % 16 == 0) {  // each 16 dims of a head summed in a register, not through memory
+      over(groups * (d / 16), 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t u = lo; u < hi; ++u) {
+          int64_t qh = u / (d / 16), c = u % (d / 16) * 16;
+          const float* pr = scores.data() + qh * n;
+          vf a = {};
+          each_position(vp, 0, n, [&](int64_t j, const T* vr) { a += pr[j] * load16(vr + c); });
+          std::memcpy(acc.data() + qh * d + c, &a, sizeof(a));
+        }
+      });
+    } else {
+      each_position(vp, 0, n, [&](int64_t j, const T* vr) {
+        for (int64_t qh = 0; qh < groups; ++qh) {
+          float pr = scores[qh * n + j];
+          float* a = acc.data() + qh * d;
+          for (int64_t e = 0; e < d; ++e) a[e] += pr * f(vr[e]);
+        }
+      });
+    }
+    for (int64_t j = 0; j < groups * d; ++j) op[(r * h + g * groups) * d + j] = T(acc[j]);
+  };
+  if (split) {
+    std::vector<float> qf(groups * d), acc(groups * d), scores;
+    for (int64_t item = 0; item < nb * hkv; ++item) item_fn(item, qf, acc, scores);
+    return;
+  }
+  at::parallel_for(0, nb * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(groups * d), acc(groups * d), scores;
+    for (int64_t item = lo; item < hi; ++item) item_fn(item, qf, acc, scores);
   });
 }
 

@@ -482,16 +482,24 @@ enum class XLayout {
                  // (5, 7): the low and high nibbles of its 64-byte halves
 };
 
-// x [M, K] fp32 into chunks [K / 64 rounded up][M] (and sums [K / 256][M] when given)
-void quantize_x(const float* x, int64_t m_rows, int64_t k, int offset, XLayout layout,
+// 16 activations as fp32: bf16 widens exactly (the gemv takes x in its dtype, no copy)
+QUANT_INLINE __m512 load_x16(const float* p) { return _mm512_loadu_ps(p); }
+QUANT_INLINE __m512 load_x16(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x [M, K] into chunks [K / 64 rounded up][M] (and sums [K / 256][M] when given)
+template <typename T>
+void quantize_x(const T* x, int64_t m_rows, int64_t k, int offset, XLayout layout,
                 XChunk* ch, XSums* sums) {
   const int64_t blocks = k / 32, nch = (blocks + 1) / 2;
   const __m512 sign = _mm512_set1_ps(-0.0f), big = _mm512_set1_ps(FLT_MAX);
   for (int64_t m = 0; m < m_rows; ++m) {
     if (blocks & 1) std::memset(&ch[(nch - 1) * m_rows + m], 0, sizeof(XChunk));
     for (int64_t b = 0; b < blocks; ++b) {
-      const float* p = x + m * k + b * 32;
-      __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
+      const T* p = x + m * k + b * 32;
+      __m512 v0 = load_x16(p), v1 = load_x16(p + 16);
       __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
       float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
       // a NaN or infinity makes the block's d_x NaN: its rows' outputs are NaN, as exact
@@ -852,7 +860,6 @@ bool exact_forced() {
 
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
   int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
-  auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({m, n}, x.options());
   const int64_t nch = (k / 32 + 1) / 2;
   // reused by the calls of this thread: a layer's gemvs quantize a few KB each
@@ -865,8 +872,11 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
   with_format(qtype, [&](auto fmt) {
     using F = decltype(fmt);
     if (x_sums<F>()) sums.resize(k / 256 * m);
-    quantize_x(xf.data_ptr<float>(), m, k, x_offset<F>(), x_layout<F>(), chunks.data(),
-               x_sums<F>() ? sums.data() : nullptr);
+    XSums* sp = x_sums<F>() ? sums.data() : nullptr;
+    if (x.scalar_type() == at::kBFloat16)
+      quantize_x(x.data_ptr<bf16>(), m, k, x_offset<F>(), x_layout<F>(), chunks.data(), sp);
+    else
+      quantize_x(x.data_ptr<float>(), m, k, x_offset<F>(), x_layout<F>(), chunks.data(), sp);
     const XChunk* xc = chunks.data();
     const XSums* xs = sums.data();
     at::parallel_for(0, n, row_grain(row_bytes), [&](int64_t lo, int64_t hi) {
@@ -1124,14 +1134,15 @@ void gemm_rows(int64_t rows, const uint8_t* pq, const float* ps, const float* pm
 }
 
 // x [M, K] fp32 -> GemmX for blocks of kb inputs with the format's offset
-void quantize_rows(const float* x, int64_t m_rows, int64_t k, int kb, int offset, int8_t* q,
+template <typename T>
+void quantize_rows(const T* x, int64_t m_rows, int64_t k, int kb, int offset, int8_t* q,
                    float* dx, int32_t* start, float* sum) {
   const int64_t blocks = k / kb;
   const __m512 sign = _mm512_set1_ps(-0.0f), big = _mm512_set1_ps(FLT_MAX);
   for (int64_t m = 0; m < m_rows; ++m)
     for (int64_t b32 = 0; b32 < k / 32; ++b32) {
-      const float* p = x + m * k + b32 * 32;
-      __m512 v0 = _mm512_loadu_ps(p), v1 = _mm512_loadu_ps(p + 16);
+      const T* p = x + m * k + b32 * 32;
+      __m512 v0 = load_x16(p), v1 = load_x16(p + 16);
       __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
       float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
       bool bad = (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) |
@@ -1189,7 +1200,6 @@ QUANT_INLINE void store_cols(const float* src, void* y, bool bf16_out, int64_t l
 
 at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
   const int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
-  auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({m, n}, x.options());
   const bool bf16_out = x.scalar_type() == at::kBFloat16;
   const uint8_t* w = data.data_ptr<uint8_t>();
@@ -1202,9 +1212,15 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
     std::vector<float> dx(m * blocks), sum(m * blocks);
     std::vector<int32_t> start(m * blocks);
     at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t lo, int64_t hi) {
-      quantize_rows(xf.data_ptr<float>() + lo * k, hi - lo, k, G::kKB, x_offset<F>(),
-                    q.data() + lo * k, dx.data() + lo * blocks, start.data() + lo * blocks,
-                    sum.data() + lo * blocks);
+      auto run = [&](const auto* xp) {
+        quantize_rows(xp + lo * k, hi - lo, k, G::kKB, x_offset<F>(), q.data() + lo * k,
+                      dx.data() + lo * blocks, start.data() + lo * blocks,
+                      sum.data() + lo * blocks);
+      };
+      if (bf16_out)
+        run(x.data_ptr<bf16>());
+      else
+        run(x.data_ptr<float>());
     });
     const GemmX gx{q.data(), dx.data(), start.data(), sum.data(), k, blocks};
     const int64_t tiles = (n + kTileN - 1) / kTileN;
