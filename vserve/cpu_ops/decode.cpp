@@ -166,6 +166,29 @@ inline float dot16(const T* k, const float* q, int64_t d) {
   return hsum(acc);
 }
 
+// dot16 of one key with G query heads (q: G rows of d), each sum in dot16's order: G
+// independent chains instead of one (a lone chain waits on its multiply-add latency)
+template <int G, typename T>
+inline void dot16_heads(const T* k, const float* q, int64_t d, float* out) {
+  vf acc[G];
+  vf k0 = load16(k);
+  for (int g = 0; g < G; ++g) acc[g] = k0 * load16(q + g * d);
+  for (int64_t i = 16; i < d; i += 16) {
+    vf ki = load16(k + i);
+    for (int g = 0; g < G; ++g) acc[g] += ki * load16(q + g * d + i);
+  }
+  for (int g = 0; g < G; ++g) out[g] = hsum(acc[g]);
+}
+
+// the dot16 of k with each of `groups` query heads, 4 at a time
+template <typename T>
+inline void dots16(const T* k, const float* q, int64_t d, int64_t groups, float* out) {
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4) dot16_heads<4>(k, q + g * d, d, out + g);
+  for (; g + 2 <= groups; g += 2) dot16_heads<2>(k, q + g * d, d, out + g);
+  for (; g < groups; ++g) out[g] = dot16(k, q + g * d, d);
+}
+
 // Each (row, KV head) item: scores over its positions, a softmax per query head, then
 // sum p * v. Items run in parallel; with fewer items than threads (batch-1 decode, one KV
 // head) the positions of the score pass and the (query head, 16 dims) sums of the value pass
@@ -205,10 +228,14 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
       }
     };
     over(n, 64, [&](int64_t lo, int64_t hi) {
+      std::vector<float> dots(groups);
       each_position(kp, lo, hi, [&](int64_t j, const T* kr) {
+        if (d % 16 == 0)
+          dots16(kr, qf.data(), d, groups, dots.data());
+        else
+          for (int64_t qh = 0; qh < groups; ++qh) dots[qh] = dot<kLanes>(kr, qf.data() + qh * d, d);
         for (int64_t qh = 0; qh < groups; ++qh) {
-          const float* qr = qf.data() + qh * d;
-          float s = stored<T>(d % 16 == 0 ? dot16(kr, qr, d) : dot<kLanes>(kr, qr, d)) * fscale;
+          float s = stored<T>(dots[qh]) * fscale;
           if (cap > 0) s = std::tanh(s / cap) * cap;
           scores[qh * n + j] = s;
         }
@@ -230,13 +257,32 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
       for (int64_t j = 0; j < n; ++j) sc[j] = stored<T>(sc[j] / total);
     }
     if (d % 16 == 0) {  // each 16 dims of a head summed in a register, not through memory
-      over(groups * (d / 16), 1, [&](int64_t lo, int64_t hi) {
+      // units of 4 x 16 dims of one head (or 16 when d is not a multiple of 64): four
+      // independent chains, each summed over the positions in order
+      const int64_t w = d % 64 == 0 ? 4 : 1, units = groups * (d / (16 * w));
+      over(units, 1, [&](int64_t lo, int64_t hi) {
         for (int64_t u = lo; u < hi; ++u) {
-          int64_t qh = u / (d / 16), c = u % (d / 16) * 16;
+          int64_t qh = u / (d / (16 * w)), c = u % (d / (16 * w)) * 16 * w;
           const float* pr = scores.data() + qh * n;
-          vf a = {};
-          each_position(vp, 0, n, [&](int64_t j, const T* vr) { a += pr[j] * load16(vr + c); });
-          std::memcpy(acc.data() + qh * d + c, &a, sizeof(a));
+          float* out = acc.data() + qh * d + c;
+          if (w == 4) {
+            vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+            each_position(vp, 0, n, [&](int64_t j, const T* vr) {
+              const T* v = vr + c;
+              a0 += pr[j] * load16(v);
+              a1 += pr[j] * load16(v + 16);
+              a2 += pr[j] * load16(v + 32);
+              a3 += pr[j] * load16(v + 48);
+            });
+            std::memcpy(out, &a0, sizeof(a0));
+            std::memcpy(out + 16, &a1, sizeof(a1));
+            std::memcpy(out + 32, &a2, sizeof(a2));
+            std::memcpy(out + 48, &a3, sizeof(a3));
+          } else {
+            vf a = {};
+            each_position(vp, 0, n, [&](int64_t j, const T* vr) { a += pr[j] * load16(vr + c); });
+            std::memcpy(out, &a, sizeof(a));
+          }
         }
       });
     } else {
