@@ -215,6 +215,23 @@ def test_gemv_propagates_nan_activations(quant, exact, qtype):
     assert_int8_close(y[keep], x[keep], w, exact)
 
 
+def _has_vnni() -> bool:
+    try:
+        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="the int8 paths need AVX512-VNNI")
+
+
+@pytest.fixture
+def int8_path(monkeypatch):
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+
+
+@needs_vnni
+@pytest.mark.usefixtures("int8_path")
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
 def test_int8_gemm_propagates_nan_rows(quant, qtype):
     """More than 8 bf16 rows take the int8 GEMM: a NaN activation makes its own row's outputs
@@ -230,21 +247,18 @@ def test_int8_gemm_propagates_nan_rows(quant, qtype):
     assert_int8_close(y[keep], x[keep], w, exact=False)
 
 
-def _has_vnni() -> bool:
-    try:
-        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+GEMM_CASES = [(q, 512) for q in FORMATS] + [
+    (q, k) for q in FORMATS if GGML_QUANT_SIZES[q][0] == 32 for k in (32, 96)
+]  # k = 32 and 96: a lone last block of 32
 
 
-@pytest.mark.skipif(not _has_vnni(), reason="the int8 paths need AVX512-VNNI")
-@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_int8_gemm_rows_are_the_int8_gemvs(quant, monkeypatch, qtype):
+@needs_vnni
+@pytest.mark.parametrize(("qtype", "k"), GEMM_CASES, ids=[f"{q.name}-k{k}" for q, k in GEMM_CASES])
+def test_int8_gemm_rows_are_the_int8_gemvs(quant, monkeypatch, qtype, k):
     """The GEMM (more than 8 rows) and the gemv quantize activations alike and sum exact
     integer block dots: a row's outputs differ only by fp32 summation order, far less than
     the activations' rounding that separates either from the exact path."""
     monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
-    k = 512
     data = torch.from_numpy(random_weight(qtype, 70, k, seed=9))
     w = reference(data.numpy(), qtype)
     x = activations(20, k, BF)
@@ -258,10 +272,13 @@ def test_int8_gemm_rows_are_the_int8_gemvs(quant, monkeypatch, qtype):
     assert ((exact - ref.double()).abs() > tol).any()  # the exact path is another result
 
 
-def test_int8_gemm_streams_a_large_output(quant):
-    """An output past 16 MB (the logits of a batch) is written with streaming stores; a
-    partial last tile of columns is not."""
-    k, n = 32, 131072 + 37
+@needs_vnni
+@pytest.mark.usefixtures("int8_path")
+@pytest.mark.parametrize("n", [131072 + 32, 131072 + 37])
+def test_int8_gemm_streams_a_large_output(quant, n):
+    """An output past 16 MB (the logits of a batch) is written with streaming stores, every
+    row's lines when N is a multiple of 32; a partial last tile of columns is not."""
+    k = 32
     data = random_weight(Q.Q8_0, n, k, seed=8)
     w = reference(data, Q.Q8_0)
     x = activations(64, k, BF)

@@ -16,6 +16,7 @@ rows at such temperatures are checked against the exact kept set instead of the 
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,6 +102,39 @@ def test_exp_is_within_two_ulp(kernel):
     ref = x.double().exp()
     assert ((out - ref).abs() / ref).max().item() < 2 * 2**-24
     assert kernel.exp_for_test(torch.tensor([-float("inf"), -88.0, -1e4])).eq(0).all()
+
+
+def _block_sums(e: np.ndarray) -> tuple[float, float]:
+    """One 2048-token block's sum as the kernel's block pass takes it (two 16-lane fp32
+    accumulators over alternate chunks, lanes added in double) and its double sum by chunks
+    (the walk's)."""
+    lanes = [np.zeros(16, np.float32), np.zeros(16, np.float32)]
+    for c in range(0, len(e), 16):
+        lanes[c // 16 % 2] = (lanes[c // 16 % 2] + e[c : c + 16]).astype(np.float32)
+    fp32 = sum(float(v) for v in lanes[0]) + sum(float(v) for v in lanes[1])
+    exact = sum(sum(float(v) for v in e[c : c + 16]) for c in range(0, len(e), 16))
+    return fp32, exact
+
+
+def test_a_target_between_a_blocks_two_sums_stays_in_that_block(kernel):
+    """The block pass sums in fp32 lanes, the walk in double: a target that falls between the
+    two sums of a block must pick a token of that block, not the first of the next one (a
+    token whose own probability is ~1e-16 here)."""
+    for seed in range(50):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(4096, generator=g) * 2).to(torch.bfloat16)
+        x[2048] = -36.0  # the next block's first token: almost no mass
+        m = float(x.float().max())
+        e = kernel.exp_for_test(x.float() - m).numpy()
+        fp32, exact = _block_sums(e[:2048])
+        if fp32 > exact:
+            break
+    else:
+        pytest.skip("no block whose fp32 sum exceeds its double sum")
+    total = fp32 + _block_sums(e[2048:])[0]
+    u = torch.tensor([(exact + fp32) / 2 / total], dtype=torch.float64)
+    token, _, _ = kernel.sample(x.view(1, -1), torch.ones(1), u, torch.zeros(1, dtype=torch.long))
+    assert int(token) < 2048
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

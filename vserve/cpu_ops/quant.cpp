@@ -969,16 +969,18 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
 // d_w (per column) * d_x (per row) into fp32 accumulators. The activations are quantized as in
 // the gemv (per block of 32, d_x = amax / 127), and the weights' offsets (Q8_0's 128, Q4_0's
 // 8, ...) are taken away by starting each block's int32 sum at -offset * sum(q_x): the sums
-// are exact, so the result equals the gemv's but for the order of the fp32 sums. Q4_K / Q5_K
-// add -dmin * min_j * d_x * sum(q_x) per sub-block. 64 products a vpdpbusd against 32 a
+// are exact, so the result is the gemv's up to fp32 rounding (the order of the sums and of
+// the d_w * d_x products differs). Q4_K / Q5_K add -dmin * min_j * d_x * sum(q_x) per
+// sub-block into the same accumulators. 64 products a vpdpbusd against 32 a
 // vdpbf16ps: ~1.3-1.45x the bf16 matmul's arithmetic rate with the scaling counted.
 
 constexpr int kTileN = 32;  // output rows (columns of y) per tile: two vectors of int32 lanes
 constexpr int kTileM = 6;   // activation rows per micro-tile: 12 int32 + 12 fp32 accumulators
 
-// How each format's quants and scales land in the tile: `chunk(row, c)` gives 64 unsigned
-// quants of a row whose first 32 are inputs `lo(c)`.. and last 32 `hi(c)`..; `scales(row, k,
-// s, c, stride)` writes each block's d_w (and -dmin * min for the K-quants) at stride floats.
+// How each format's quants and scales land in the tile: `chunk(row, k, c)` gives 64 unsigned
+// quants of a row, whose first 32 are inputs lo.. and last 32 hi.. (`range(k, c, lo, hi)`;
+// hi = -1: a lone last block); `scales(row, k, s, m, stride)` writes each block's d_w (and,
+// for the K-quants, -dmin * min into m) at `stride` floats apart.
 template <class F>
 struct GemmFormat {  // Q4_0 / Q5_0 / Q8_0: chunk c = blocks 2c and 2c + 1
   static constexpr int kKB = 32;
@@ -1081,8 +1083,8 @@ QUANT_INLINE void transpose16(__m512i (&r)[16]) {
     r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
     r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
   }
-  // r[4a + c], 128-bit lane l: lane 4l + c' of rows 4a..4a+3, c' = (0, 1, 2, 3)[c] after
-  // the unpacks above ordered them (0: c'0, 1: c'1, 2: c'2, 3: c'3)
+  // now r[4a + c] holds, in its 128-bit lane l, int32 lane 4l + c of rows 4a..4a+3; the two
+  // shuffles below gather lane l of the four groups of rows into r[4l + c]
   for (int c = 0; c < 4; ++c) {
     t[c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);       // lanes 0, 2 of each
     t[4 + c] = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);   // lanes 1, 3
@@ -1205,7 +1207,7 @@ void gemm_rows(int64_t rows, const uint8_t* pq, const float* ps, const float* pm
   gemm_micro<MR, F>(pq, ps, pm, x, m0, out);
 }
 
-// x [M, K] fp32 -> GemmX for blocks of kb inputs with the format's offset
+// x [M, K] (fp32 or bf16) -> GemmX for blocks of kb inputs with the format's offset
 template <typename T>
 void quantize_rows(const T* x, int64_t m_rows, int64_t k, int kb, int offset, int8_t* q,
                    float* dx, int32_t* start, float* sum) {
@@ -1255,10 +1257,10 @@ QUANT_INLINE void store_cols(const float* src, void* y, bool bf16_out, int64_t l
   if (bf16_out) {
     bf16* row = static_cast<bf16*>(y) + m * ldy + n0;
     if (cols == kTileN && stream && (reinterpret_cast<uintptr_t>(row) & 63) == 0) {
-      __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src));
-      __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + 16));
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(row),
-                          _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+      alignas(64) bf16 line[kTileN];  // store16 rounds (with or without AVX512-BF16)
+      store16(line, (vf)_mm512_loadu_ps(src));
+      store16(line + 16, (vf)_mm512_loadu_ps(src + 16));
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(row), _mm512_load_si512(line));
     } else if (cols == kTileN) {
       store16(row, (vf)_mm512_loadu_ps(src));
       store16(row + 16, (vf)_mm512_loadu_ps(src + 16));

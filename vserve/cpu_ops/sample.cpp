@@ -127,8 +127,8 @@ float row_max(const Row<T>& row) {
 }
 
 // block sums of e_i: each lane sums its 64 (of 2048) values in fp32, the lanes and blocks add
-// up in double (a relative error of at most ~4e-6 of a block, against the double sum of
-// every e_i: a token's CDF edge moves by less than the rounding of its own probability)
+// up in double: a block's mass is off by at most ~4e-6 of itself (relative), which the walk
+// spreads over the block's own tokens (walk_cdf)
 template <typename T>
 std::vector<double> block_sums(const Row<T>& row, float temp, float scaled_max) {
   std::vector<double> sums((row.vocab + kBlock - 1) / kBlock);
@@ -146,8 +146,11 @@ std::vector<double> block_sums(const Row<T>& row, float temp, float scaled_max) 
   return sums;
 }
 
-// the first token whose cumulative e exceeds target (searchsorted right=True); rounding that
-// leaves no such token picks the last token with e > 0
+// the first token whose cumulative e exceeds target (searchsorted right=True). The block
+// holding the target is walked in double, its remaining target rescaled from the block's
+// fp32-lane sum to its double sum first, so that the block's share of the target stays in
+// the block (a token in the next one gains nothing from the two sums' rounding); rounding
+// that leaves no such token picks the last token with e > 0
 template <typename T>
 int64_t walk_cdf(const Row<T>& row, float temp, float scaled_max,
                  const std::vector<double>& sums, double target) {
@@ -157,19 +160,28 @@ int64_t walk_cdf(const Row<T>& row, float temp, float scaled_max,
       cum += sums[b];
       continue;
     }
-    int64_t end = std::min(row.vocab, static_cast<int64_t>(b + 1) * kBlock);
-    for (int64_t i = static_cast<int64_t>(b) * kBlock; i < end; i += kW) {
+    const int64_t begin = static_cast<int64_t>(b) * kBlock;
+    const int64_t end = std::min(row.vocab, begin + kBlock);
+    double exact = 0;
+    for (int64_t i = begin; i < end; i += kW) exact += hsum(probs16(row, i, temp, scaled_max));
+    double left = sums[b] > 0 ? (target - cum) * (exact / sums[b]) : 0.0, run = 0;
+    int64_t last = -1;
+    for (int64_t i = begin; i < end; i += kW) {
       vf e = probs16(row, i, temp, scaled_max);
       double chunk = hsum(e);
-      if (cum + chunk <= target) {
-        cum += chunk;
+      for (int l = 0; l < kW && i + l < row.vocab; ++l)
+        if (e[l] > 0.0f) last = i + l;
+      if (run + chunk <= left) {
+        run += chunk;
         continue;
       }
       for (int l = 0; l < kW && i + l < row.vocab; ++l) {
-        cum += static_cast<double>(e[l]);
-        if (cum > target) return i + l;
+        run += static_cast<double>(e[l]);
+        if (run > left) return i + l;
       }
     }
+    if (last >= 0) return last;
+    cum += sums[b];
   }
   for (int64_t i = row.vocab - 1; i > 0; --i)
     if (probs16(row, i, temp, scaled_max)[0] > 0.0f) return i;

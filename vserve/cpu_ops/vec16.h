@@ -41,7 +41,7 @@ inline vf vexp(vf x) {
   vf fx = xc * 1.44269504088896341f + 0.5f;
 #ifdef __AVX512F__
   // floor in one instruction, and 2^t applied by vscalefps: the same bits as the arithmetic
-  // below (t integral, y * 2^t exact in the range kept), in fewer instructions: the sampler
+  // below (t integral; y * 2^t rounded once either way), in fewer instructions: the sampler
   // runs this on every logit
   vf t = (vf)_mm512_roundscale_ps((__m512)fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 #else
