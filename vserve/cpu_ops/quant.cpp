@@ -561,31 +561,45 @@ QUANT_INLINE __m512 load_x16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// 32 activations rounded to int8 (lanes of q0: the first 16, q1: the rest) with their d_x:
+// d_x = amax / 127, q = round(x / d_x) to nearest even. A NaN or infinity makes d_x NaN (the
+// rows' outputs are NaN, as on the exact path); an amax below ~4e-37, whose 1 / d_x
+// overflows, counts as a zero block.
+struct XBlock {
+  __m512i q0, q1;
+  float d;
+};
+
+template <typename T>
+QUANT_INLINE XBlock quantize_block(const T* p) {
+  const __m512 sign = _mm512_set1_ps(-0.0f), big = _mm512_set1_ps(FLT_MAX);
+  __m512 v0 = load_x16(p), v1 = load_x16(p + 16);
+  __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+  bool bad = (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) |
+              _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) != 0;
+  float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  if (std::isinf(id)) id = 0.0f;
+  if (bad) {
+    d = std::numeric_limits<float>::quiet_NaN();
+    id = 0.0f;
+  }
+  __m512 vid = _mm512_set1_ps(id);
+  return {_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid)),
+          d};
+}
+
 // x [M, K] into chunks [K / 64 rounded up][M] (and sums [K / 256][M] when given)
 template <typename T>
 void quantize_x(const T* x, int64_t m_rows, int64_t k, int offset, XLayout layout,
                 XChunk* ch, XSums* sums) {
   const int64_t blocks = k / 32, nch = (blocks + 1) / 2;
-  const __m512 sign = _mm512_set1_ps(-0.0f), big = _mm512_set1_ps(FLT_MAX);
   for (int64_t m = 0; m < m_rows; ++m) {
     if (blocks & 1) std::memset(&ch[(nch - 1) * m_rows + m], 0, sizeof(XChunk));
     for (int64_t b = 0; b < blocks; ++b) {
-      const T* p = x + m * k + b * 32;
-      __m512 v0 = load_x16(p), v1 = load_x16(p + 16);
-      __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
-      float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-      // a NaN or infinity makes the block's d_x NaN: its rows' outputs are NaN, as exact
-      bool bad = (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) |
-                  _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) != 0;
-      float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      if (std::isinf(id)) id = 0.0f;  // amax below ~4e-37: the block counts as zero
-      if (bad) {
-        d = std::numeric_limits<float>::quiet_NaN();
-        id = 0.0f;
-      }
-      __m512 vid = _mm512_set1_ps(id);
-      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));  // to nearest (even)
-      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+      const XBlock xb = quantize_block(x + m * k + b * 32);
+      const __m512i q0 = xb.q0, q1 = xb.q1;
+      const float d = xb.d;
       __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
       int64_t c = b / 2;
       int h = static_cast<int>(b & 1);
@@ -1212,24 +1226,11 @@ template <typename T>
 void quantize_rows(const T* x, int64_t m_rows, int64_t k, int kb, int offset, int8_t* q,
                    float* dx, int32_t* start, float* sum) {
   const int64_t blocks = k / kb;
-  const __m512 sign = _mm512_set1_ps(-0.0f), big = _mm512_set1_ps(FLT_MAX);
   for (int64_t m = 0; m < m_rows; ++m)
     for (int64_t b32 = 0; b32 < k / 32; ++b32) {
-      const T* p = x + m * k + b32 * 32;
-      __m512 v0 = load_x16(p), v1 = load_x16(p + 16);
-      __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
-      float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-      bool bad = (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) |
-                  _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) != 0;
-      float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      if (std::isinf(id)) id = 0.0f;
-      if (bad) {
-        d = std::numeric_limits<float>::quiet_NaN();
-        id = 0.0f;
-      }
-      __m512 vid = _mm512_set1_ps(id);
-      __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
-      __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+      const XBlock xb = quantize_block(x + m * k + b32 * 32);
+      const __m512i q0 = xb.q0, q1 = xb.q1;
+      const float d = xb.d;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * k + b32 * 32), _mm512_cvtepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * k + b32 * 32 + 16),
                        _mm512_cvtepi32_epi8(q1));
