@@ -54,7 +54,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -451,9 +450,8 @@ int64_t row_grain(int64_t row_bytes) { return std::max<int64_t>(1, (64 << 10) / 
 // its unread half (measured: the embedded model's head, 3.0 -> 4.0 ms a step under async).
 class RowShares {
  public:
-  RowShares(int64_t n, int64_t threads, int64_t chunk) : n_(n), threads_(threads), chunk_(chunk) {
-    for (int64_t t = 0; t < threads; ++t) taken_[t].v.store(0, std::memory_order_relaxed);
-  }
+  RowShares(int64_t n, int64_t threads, int64_t chunk)
+      : n_(n), threads_(threads), chunk_(chunk), taken_(threads) {}
   int64_t lo(int64_t t) const { return n_ * t / threads_; }
   int64_t chunks(int64_t t) const { return (n_ * (t + 1) / threads_ - lo(t) + chunk_ - 1) / chunk_; }
   // claims the next chunk of share t from its front (the owner) or its back (a helper)
@@ -476,14 +474,13 @@ class RowShares {
     int64_t a = lo(t) + c * chunk_;
     fn(a, std::min(n_ * (t + 1) / threads_, a + chunk_));
   }
-  static constexpr int kMaxThreads = 256;
 
  private:
-  struct alignas(64) Taken {
-    std::atomic<uint64_t> v;  // chunks taken from the front << 32 | from the back
+  struct alignas(64) Taken {  // one cache line per share
+    std::atomic<uint64_t> v{0};  // chunks taken from the front << 32 | from the back
   };
   int64_t n_, threads_, chunk_;
-  Taken taken_[kMaxThreads];
+  std::vector<Taken> taken_;
 };
 
 // min_share: the fewest bytes worth a thread (streaming: ~64 KB; the GEMM, whose tiles are
@@ -491,8 +488,7 @@ class RowShares {
 template <class Fn>
 void stream_rows(int64_t n, int64_t row_bytes, Fn&& fn, int64_t min_share = 64 << 10) {
   const int64_t threads = std::min<int64_t>(
-      {static_cast<int64_t>(at::get_num_threads()), RowShares::kMaxThreads,
-       std::max<int64_t>(1, n * row_bytes / min_share)});
+      at::get_num_threads(), std::max<int64_t>(1, n * row_bytes / min_share));
   if (threads <= 1) {
     fn(int64_t{0}, n);
     return;
@@ -500,14 +496,14 @@ void stream_rows(int64_t n, int64_t row_bytes, Fn&& fn, int64_t min_share = 64 <
   const int64_t share_bytes = n * row_bytes / threads;
   const int64_t chunk =
       std::max<int64_t>(1, std::clamp<int64_t>(share_bytes / 16, 64 << 10, 256 << 10) / row_bytes);
-  auto shares = std::make_unique<RowShares>(n, threads, chunk);
+  RowShares shares(n, threads, chunk);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t c;
-      while (shares->claim(t, true, c)) shares->run(t, c, fn);
+      while (shares.claim(t, true, c)) shares.run(t, c, fn);
       for (int64_t o = 1; o < threads; ++o) {
         int64_t u = (t + o) % threads;
-        while (shares->claim(u, false, c)) shares->run(u, c, fn);
+        while (shares.claim(u, false, c)) shares.run(u, c, fn);
       }
     }
   });
@@ -750,6 +746,53 @@ void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSum
   }
 }
 
+// a super-block chunk's exact quant dots with each of the M rows' activations x[0..M),
+// scaled per lane by the rows' d * sub-block scale * d_x (sdx, lanes picked by idx), into
+// accumulator chain C % A (a constant: the accumulators stay in registers)
+template <bool kOffset, int C, int M, int A>
+QUANT_INLINE void add_chunk(__m512 (&acc)[M][A], __m512i wq, const XChunk* x, __m512i idx,
+                            const __m512 (&sdx)[M]) {
+  unroll<M>([&](auto m) QUANT_FLATTEN {
+    constexpr int mi = decltype(m)::value;
+    __m512 p = _mm512_cvtepi32_ps(dot_lanes<kOffset>(wq, x[mi]));
+    acc[mi][C % A] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, sdx[mi]), acc[mi][C % A]);
+  });
+}
+
+// Q4_K / Q5_K: the unsigned quants of chunk (h, p) of a super-block, from the 64 quant bytes
+// of half h (`bytes`) and, for Q5_K, its 32 fifth-bit bytes in both 256-bit halves (`high`,
+// `kquant_high`): sub-block 4h + p in the first 32 bytes, 4h + 2 + p in the last 32
+QUANT_INLINE __m512i kquant_high(const uint8_t* b) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+}
+
+template <bool kFifth>
+QUANT_INLINE __m512i kquant_chunk(__m512i bytes, __m512i high, int h, int p) {
+  __m512i q = _mm512_and_si512(p == 0 ? bytes : _mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+  if constexpr (kFifth) {
+    const int sa = 4 * h + p, sb = sa + 2;
+    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << sa)),
+                                           _mm256_set1_epi8(static_cast<char>(1 << sb)), 1);
+    q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(high, bit), q, _mm512_set1_epi8(16));
+  }
+  return q;
+}
+
+// Q6_K: the 2-bit pairs of half h (its 32 high bytes, then the same shifted by 2), and the
+// unsigned quants of chunk q of the half from them and its 64 low bytes
+QUANT_INLINE __m512i q6k_pairs(const uint8_t* b, int h) {
+  __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+}
+
+QUANT_INLINE __m512i q6k_chunk(__m512i low, __m512i pairs, int q) {
+  const __m512i lo4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+  return q == 0 ? _mm512_or_si512(_mm512_and_si512(low, lo4),
+                                  _mm512_and_si512(_mm512_slli_epi16(pairs, 4), hi2))
+                : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), lo4),
+                                  _mm512_and_si512(pairs, hi2));
+}
+
 // Q4_K / Q5_K: the low and high nibbles of 64-byte half h of a super-block's quants are
 // chunks 2h and 2h + 1: sub-blocks (4h, 4h + 2) and (4h + 1, 4h + 3) (XLayout::kKNibbles);
 // Q5_K adds fifth bit j of its 32 bytes to sub-block j
@@ -760,7 +803,6 @@ void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XS
   constexpr int A = M == 1 ? 2 : 1;
   constexpr uint32_t kMask1 = 0x3f3f3f3f, kMask2 = 0x0f0f0f0f, kMask3 = 0x03030303;
   const int64_t supers = k / 256;
-  const __m512i nib = _mm512_set1_epi8(15), five = _mm512_set1_epi8(16);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
     __m512 acc[M][A] = {};
@@ -792,29 +834,15 @@ void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XS
         sdx[mi] = _mm512_castps256_ps512(_mm256_mul_ps(scales, _mm256_load_ps(s[mi].dx8)));
       });
       const uint8_t* qs = b + (kFifth ? 48 : 16);
-      __m512i high{};
-      if constexpr (kFifth)
-        high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+      const __m512i high = kFifth ? kquant_high(b) : _mm512_setzero_si512();
       unroll<2>([&](auto hi) QUANT_FLATTEN {
         constexpr int h = decltype(hi)::value;
         __m512i bytes = _mm512_loadu_si512(qs + 64 * h);
         unroll<2>([&](auto part) QUANT_FLATTEN {
           constexpr int pt = decltype(part)::value, c = 2 * h + pt;
           constexpr int sa = 4 * h + pt, sb2 = 4 * h + 2 + pt;  // the chunk's sub-blocks
-          __m512i wq = _mm512_and_si512(pt == 0 ? bytes : _mm512_srli_epi16(bytes, 4), nib);
-          if constexpr (kFifth) {
-            const __m512i bit = _mm512_inserti64x4(
-                _mm512_set1_epi8(static_cast<char>(1 << sa)),
-                _mm256_set1_epi8(static_cast<char>(1 << sb2)), 1);
-            wq = _mm512_mask_add_epi8(wq, _mm512_test_epi8_mask(high, bit), wq, five);
-          }
-          const __m512i idx = idx16(sa, sa, sb2, sb2);
-          unroll<M>([&](auto m) QUANT_FLATTEN {
-            constexpr int mi = decltype(m)::value;
-            __m512 p = _mm512_cvtepi32_ps(dot_lanes<false>(wq, x[c * M + mi]));
-            acc[mi][c % A] =
-                _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, sdx[mi]), acc[mi][c % A]);
-          });
+          const __m512i wq = kquant_chunk<kFifth>(bytes, high, h, pt);
+          add_chunk<false, c>(acc, wq, x + c * M, idx16(sa, sa, sb2, sb2), sdx);
         });
       });
     }
@@ -840,7 +868,6 @@ void vnni_rows_q6k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const 
                    int64_t k, void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
   constexpr int A = M == 1 ? 2 : 1;
   const int64_t supers = k / 256;
-  const __m512i lo4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
     __m512 acc[M][A] = {};
@@ -859,23 +886,12 @@ void vnni_rows_q6k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const 
       });
       unroll<2>([&](auto hi) QUANT_FLATTEN {
         constexpr int h = decltype(hi)::value;
-        __m512i low = _mm512_loadu_si512(b + 64 * h);
-        __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-        __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        __m512i low = _mm512_loadu_si512(b + 64 * h), pairs = q6k_pairs(b, h);
         unroll<2>([&](auto qi) QUANT_FLATTEN {
           constexpr int q = decltype(qi)::value, v = 2 * h + q;
-          __m512i wq =
-              q == 0 ? _mm512_or_si512(_mm512_and_si512(low, lo4),
-                                       _mm512_and_si512(_mm512_slli_epi16(pairs, 4), hi2))
-                     : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), lo4),
-                                       _mm512_and_si512(pairs, hi2));
-          const __m512i idx = idx16(4 * v, 4 * v + 1, 4 * v + 2, 4 * v + 3);
-          unroll<M>([&](auto m) QUANT_FLATTEN {
-            constexpr int mi = decltype(m)::value;
-            __m512 p = _mm512_cvtepi32_ps(dot_lanes<true>(wq, x[v * M + mi]));
-            acc[mi][v % A] =
-                _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, sdx[mi]), acc[mi][v % A]);
-          });
+          const __m512i wq = q6k_chunk(low, pairs, q);
+          add_chunk<true, v>(acc, wq, x + v * M, idx16(4 * v, 4 * v + 1, 4 * v + 2, 4 * v + 3),
+                             sdx);
         });
       });
     }
@@ -1027,17 +1043,7 @@ struct GemmFormat<KQuant<kFifth>> {  // chunk 4 sb + 2h + p: sub-blocks 4h + p a
     const uint8_t* b = row + c / 4 * KQuant<kFifth>::kBytes;
     const int h = static_cast<int>(c % 4 / 2), p = static_cast<int>(c % 2);
     __m512i bytes = _mm512_loadu_si512(b + (kFifth ? 48 : 16) + 64 * h);
-    __m512i q = _mm512_and_si512(p == 0 ? bytes : _mm512_srli_epi16(bytes, 4),
-                                 _mm512_set1_epi8(15));
-    if constexpr (kFifth) {
-      __m512i high =
-          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
-      const int sa = 4 * h + p, sb2 = sa + 2;
-      __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << sa)),
-                                       _mm256_set1_epi8(static_cast<char>(1 << sb2)), 1);
-      q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(high, bit), q, _mm512_set1_epi8(16));
-    }
-    return q;
+    return kquant_chunk<kFifth>(bytes, kFifth ? kquant_high(b) : _mm512_setzero_si512(), h, p);
   }
   static void scales(const uint8_t* row, int64_t k, float* s, float* m, int64_t stride) {
     for (int64_t sb = 0; sb < k / 256; ++sb) {
@@ -1064,15 +1070,8 @@ struct GemmFormat<Q6_K> {  // chunk 4 sb + v = inputs 64v.. of super-block sb, i
   }
   static QUANT_INLINE __m512i chunk(const uint8_t* row, int64_t, int64_t c) {
     const uint8_t* b = row + c / 4 * Q6_K::kBytes;
-    const int v = static_cast<int>(c % 4), h = v / 2, q = v % 2;
-    const __m512i lo4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
-    __m512i low = _mm512_loadu_si512(b + 64 * h);
-    __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-    __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-    return q == 0 ? _mm512_or_si512(_mm512_and_si512(low, lo4),
-                                    _mm512_and_si512(_mm512_slli_epi16(pairs, 4), hi2))
-                  : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), lo4),
-                                    _mm512_and_si512(pairs, hi2));
+    const int v = static_cast<int>(c % 4), h = v / 2;
+    return q6k_chunk(_mm512_loadu_si512(b + 64 * h), q6k_pairs(b, h), v % 2);
   }
   static void scales(const uint8_t* row, int64_t k, float* s, float*, int64_t stride) {
     for (int64_t sb = 0; sb < k / 256; ++sb) {
