@@ -101,11 +101,25 @@ QUANT_INLINE float half_at(const uint8_t* p) {
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// two 8-lane halves as one 16-lane vector (AVX2: the halves are its two registers)
+QUANT_INLINE vi join8(__m256i lo, __m256i hi) {
+  vi v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+}
+#endif
+
 // 16 unsigned / signed bytes as int32 lanes. GCC 12 lowers __builtin_convertvector from a
-// byte vector to sixteen scalar extensions, so AVX-512 builds say vpmovzxbd / vpmovsxbd.
+// byte vector to sixteen scalar extensions, so AVX-512 builds say vpmovzxbd / vpmovsxbd and
+// AVX2 builds two 8-lane vpmovzxbd / vpmovsxbd (scalar: 0.4-1.4 GB/s a thread on a Zen 3).
 QUANT_INLINE vi bytes16(const uint8_t* p) {
 #ifdef __AVX512F__
   return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return join8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+               _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   vb b;
   std::memcpy(&b, p, sizeof(b));
@@ -116,6 +130,9 @@ QUANT_INLINE vi bytes16(const uint8_t* p) {
 QUANT_INLINE vi sbytes16(const uint8_t* p) {
 #ifdef __AVX512F__
   return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return join8(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+               _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   vsb b;
   std::memcpy(&b, p, sizeof(b));
