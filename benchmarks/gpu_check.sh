@@ -162,6 +162,19 @@ step roofline_gemma_batch1 90 "$PY" benchmarks/batch1_roofline.py --model "$GEMM
   --dtype bfloat16 --input-len 128 --output-len 64 --num-iters 2 \
   --output-json "$RESULTS/roofline_gemma_batch1.json"
 
+# -- 4. tensor parallel: TP=2 against TP=1 (tput_llama_async_eager_t0: TP runs eagerly), only
+# where more than one GPU is visible -------------------------------------------------------------
+NUM_GPUS=0
+if [ "$CUDA" = 1 ]; then
+  NUM_GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+fi
+if [ "$NUM_GPUS" -gt 1 ]; then
+  tput tput_llama_tp2_async_eager_t0 "$LLAMA" 0 --async-scheduling --enforce-eager \
+    --tensor-parallel-size 2
+else
+  echo "=== tput_llama_tp2_async_eager_t0: not run ($NUM_GPUS GPU visible, TP=2 needs 2) ==="
+fi
+
 # -- summary -------------------------------------------------------------------------------------
 echo
 "$PY" benchmarks/gpu_summary.py "$RESULTS" "$STEPS" "$OUT" "$CUDA" "$((SECONDS - START))"

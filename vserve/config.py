@@ -48,12 +48,18 @@ class CacheConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     pipeline_parallel_size: int = 1
+    # ranks per stage that split every layer (grid rank = pp_rank * tp + tp_rank)
+    tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # uni | mp
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port
     nnodes: int = 1
     node_rank: int = 0
     layer_partition: tuple[int, ...] = ()  # decoder layers per stage; () = even split
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

@@ -38,14 +38,18 @@ from vserve.attention.base import AttentionMetadata
 logger = logging.getLogger("vserve.worker")
 
 
-def use_cuda_graphs(device: str, attention_backend: str, enforce_eager: bool, pp_size: int) -> bool:
+def use_cuda_graphs(
+    device: str, attention_backend: str, enforce_eager: bool, pp_size: int, tp_size: int = 1
+) -> bool:
     """Graphs need CUDA and the graph-safe Triton backend (the torch backend builds per-step
-    index tensors on the host); pipeline stages exchange hidden states eagerly."""
+    index tensors on the host); pipeline stages exchange hidden states eagerly, and tensor
+    parallel ranks all-reduce eagerly too (NCCL inside a captured graph is not yet tested)."""
     return (
         torch.device(device).type == "cuda"
         and attention_backend == "triton"
         and not enforce_eager
         and pp_size == 1
+        and tp_size == 1
     )
 
 

@@ -24,6 +24,7 @@ from vserve import cpu_ops
 from vserve.attention import get_attention_backend
 from vserve.attention.base import AttentionMetadata
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
+from vserve.distributed.tp_comm import TPShard
 from vserve.models.loader import load_model
 from vserve.models.stage import StageInfo
 from vserve.workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
@@ -117,6 +118,10 @@ class ModelRunner:
             else StageInfo.split(hf_config.num_hidden_layers, config.pp_size, config.pp_rank)
         )
         self.pp = pp_comm
+        # tensor parallel: every rank of the last stage computes the logits (an all-gather),
+        # TP rank 0 alone samples and sends the ids to the first stage's ranks
+        self.tp = TPShard(config.tp_rank, config.tp_size, pp_comm.tp if pp_comm else None)
+        self.is_sampler = self.stage.is_last and config.tp_rank == 0
         max_blocks = -(-config.max_model_len // config.block_size)
         self.batch = InputBatch(
             config.max_num_seqs,
@@ -148,6 +153,7 @@ class ModelRunner:
             self.device,
             self.config.max_model_len,
             self.config.quantization,
+            self.tp,
         )
         self.windows = {
             self.model.layer_specs[i].sliding_window
@@ -213,7 +219,9 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode CUDA graphs read the KV cache tensors, so they are captured after them."""
         cfg = self.config
-        if not use_cuda_graphs(cfg.device, cfg.attention_backend, cfg.enforce_eager, cfg.pp_size):
+        if not use_cuda_graphs(
+            cfg.device, cfg.attention_backend, cfg.enforce_eager, cfg.pp_size, cfg.tp_size
+        ):
             return None
         graphs = DecodeGraphs(
             self.model,
@@ -283,11 +291,14 @@ class ModelRunner:
 
     def _empty_output(self, so: SchedulerOutput, timing: StepTiming):
         timing.forward_start = timing.forward_end = time.perf_counter()
-        if not self.stage.is_last:
+        if not self.is_sampler:
             return None
         return AsyncStepOutput(so.step_id, None, None, None, None, timing)
 
-    def _sample(self, so, inputs: StepInputs, logits, timing, bitmask) -> AsyncStepOutput:
+    def _sample(self, so, inputs: StepInputs, logits, timing, bitmask) -> AsyncStepOutput | None:
+        if not self.is_sampler:  # another TP rank samples; the first stage takes its ids
+            self._expect_sampled(so, inputs)
+            return None
         layout = inputs.layout
         result = self.step_sampler.sample(layout, logits, so.grammar_req_ids, bitmask)
         host = pending = None
@@ -309,7 +320,7 @@ class ModelRunner:
         for req_id, tokens in result.spec_ids.items():  # verified drafts: host rows now
             self.batch.append_tokens(self.batch.row_of[req_id], tokens)
         timing.forward_end = time.perf_counter()
-        if self.pp is not None:  # the last stage's own span (with its sampling)
+        if self.config.pp_size > 1:  # the last stage's own span (with its sampling)
             timing.stage_forwards.append((timing.forward_start, timing.forward_end))
         return AsyncStepOutput(
             so.step_id,
@@ -495,7 +506,7 @@ class ModelRunner:
 
     # -- feedback --------------------------------------------------------------------------------
     def _expect_sampled(self, so, inputs: StepInputs) -> None:
-        """Non-last PP stages: the last stage sends the sampled ids back to stage 0."""
+        """Ranks that do not sample: the sampling rank sends its ids to the first stage."""
         layout = inputs.layout
         plain = layout.plain
         if self.stage.is_first and plain:

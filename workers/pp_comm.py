@@ -1,6 +1,14 @@
-"""Pipeline-parallel communication over torch.distributed.
+"""Communication of the TP x PP grid over torch.distributed.
 
-Four process groups, so that traffic of different kinds never interleaves:
+Ranks are placed by `vserve.distributed.grid.GridRank` (rank = pp_rank * tp + tp_rank). Each
+TP column is a pipeline of its own: stage to stage, hidden states go between the ranks of
+equal TP rank (the hidden states after an all-reduce are the same on every TP rank). Requests
+enter at rank 0, which passes them to its TP peers and down its column; every other rank takes
+them from the rank before it (`GridRank.request_source`). The sampling rank (TP rank 0 of the
+last stage) sends the sampled ids to every first-stage rank and each step's reply to rank 0.
+The TP group of the stage (`tp`, a `TPComm`) is built here too, after the groups below.
+
+Process groups, so that traffic of different kinds never interleaves:
 
 * chain (gloo): each request rank 0 receives from the engine core travels down the pipeline,
   rank to rank, sent without waiting: a stage never waits for a later stage to take a request
@@ -36,6 +44,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from vserve.distributed.grid import GridRank
+from vserve.distributed.tp_comm import build_tp_comm
 from vserve.envs import ENV
 
 FRAME_BYTES = 16 * 1024  # a request or reply frame: int64 length, then its first bytes
@@ -45,53 +55,59 @@ _GOODBYE = -1  # the length of the frame `close` sends: no request follows
 class PPComm:
     def __init__(
         self,
-        rank: int,
-        world_size: int,
+        grid: GridRank,
         master_addr: str,
         master_port: int,
         device: torch.device,
         hidden_size: int,
         dtype: torch.dtype,
+        tp_shm: bool = True,
     ) -> None:
-        self.rank, self.world_size = rank, world_size
+        """`tp_shm`: the TP group lives on one host (CPU: all-reduce in shared memory)."""
+        self.grid = grid
+        self.rank, self.world_size = grid.rank, grid.world_size
+        self.stage, self.last_stage = grid.pp_rank, grid.pp_size - 1
         self.device, self.hidden_size, self.dtype = device, hidden_size, dtype
         timeout = datetime.timedelta(seconds=ENV.dist_timeout)
-        self._listener, store = _make_store(rank, world_size, master_addr, master_port, timeout)
+        self._listener, store = _make_store(
+            self.rank, self.world_size, master_addr, master_port, timeout
+        )
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+            "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
         self.chain = dist.new_group(backend="gloo")
         self.ctrl = dist.new_group(backend="gloo")
         self.reply = dist.new_group(backend="gloo")
         self.data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
         self.spans = dist.new_group(backend="gloo")
-        self.last = world_size - 1
+        self.tp = build_tp_comm(grid, device, tp_shm, ENV.dist_timeout)
+        self.source = grid.request_source
         self._next_request: tuple[object, torch.Tensor] | None = None  # posted frame receive
         # sends not yet waited for (gloo completes a send only in `wait`), with their tensors;
         # the engine keeps at most pp + 1 steps in flight, so the oldest beyond this many was
         # taken long ago and waiting for it costs nothing
         self._inflight: deque[tuple[object, torch.Tensor]] = deque()
-        self._max_inflight = 4 * (world_size + 2)
+        self._max_inflight = 4 * (grid.pp_size + 2)
 
     # -- control plane -----------------------------------------------------------------------------
     def pass_request(self, data: bytes | None) -> bytes:
-        """Rank 0 passes the engine core's request; each other rank receives it from the
-        previous rank (and posts the receive of the next one at once). Every rank but the
-        last sends it on to the next without waiting."""
-        if self.rank > 0:
-            data = self._take_request()
+        """Rank 0 passes the engine core's request; each other rank receives it from its
+        source rank (and posts the receive of the next one at once). Every rank sends it on
+        to its targets without waiting."""
+        if self.source is not None:
+            data = self._take_request(self.source)
         assert data is not None
-        if self.rank < self.last:
-            self._send_framed(data, self.rank + 1, self.chain)
+        for dst in self.grid.request_targets:
+            self._send_framed(data, dst, self.chain)
         return data
 
-    def _take_request(self) -> bytes:
+    def _take_request(self, src: int) -> bytes:
         if self._next_request is None:
-            self._next_request = _post_frame(self.rank - 1, self.chain)
+            self._next_request = _post_frame(src, self.chain)
         work, frame = self._next_request
         work.wait()
-        data = _read_frame(frame, self.rank - 1, self.chain)
-        self._next_request = _post_frame(self.rank - 1, self.chain)
+        data = _read_frame(frame, src, self.chain)
+        self._next_request = _post_frame(src, self.chain)
         return data
 
     def min_over_ranks(self, value: int) -> int:
@@ -104,9 +120,10 @@ class PPComm:
             work.wait()
 
     def recv_reply(self) -> bytes:
-        work, frame = _post_frame(self.last, self.reply)
+        sampler = self.grid.sampler_rank
+        work, frame = _post_frame(sampler, self.reply)
         work.wait()
-        return _read_frame(frame, self.last, self.reply)
+        return _read_frame(frame, sampler, self.reply)
 
     def _send_framed(self, data: bytes, dst: int, group) -> None:
         for work, tensor in _frames(data, dst, group):
@@ -119,9 +136,9 @@ class PPComm:
         them. On CPU both come in one message (each message costs the sender a gloo send,
         about as long as the copy of a batch's hidden states)."""
         shape = (so.total_num_scheduled_tokens, self.hidden_size)
-        src = self.rank - 1
+        src = self.grid.peer(self.stage - 1)
         if self.device.type != "cpu":
-            spans = torch.empty(self.rank, 2, dtype=torch.float64)
+            spans = torch.empty(self.stage, 2, dtype=torch.float64)
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
             works = [dist.irecv(spans, src=src, group=self.spans)]
             works.append(dist.irecv(buf, src=src, group=self.data))
@@ -133,12 +150,12 @@ class PPComm:
 
             return wait_device
         num_bytes = shape[0] * shape[1] * self.dtype.itemsize
-        packed = torch.empty(num_bytes + 16 * self.rank, dtype=torch.uint8)
+        packed = torch.empty(num_bytes + 16 * self.stage, dtype=torch.uint8)
         work = dist.irecv(packed, src=src, group=self.data)
 
         def wait_cpu():
             work.wait()
-            times = packed[num_bytes:].clone().view(torch.float64).view(self.rank, 2)
+            times = packed[num_bytes:].clone().view(torch.float64).view(self.stage, 2)
             hidden = packed[:num_bytes].view(self.dtype).view(shape)
             return hidden, [(start, end) for start, end in times.tolist()]
 
@@ -146,22 +163,26 @@ class PPComm:
 
     def send_hidden(self, so, hidden: torch.Tensor, spans: list[tuple[float, float]]) -> None:
         """`spans`: the forward (start, end) of this stage and of every one before it."""
-        spans_t = torch.tensor(spans, dtype=torch.float64).reshape(self.rank + 1, 2)
+        spans_t = torch.tensor(spans, dtype=torch.float64).reshape(self.stage + 1, 2)
+        dst = self.grid.peer(self.stage + 1)
         if self.device.type != "cpu":  # (the spans stay off the device: no copy to wait for)
-            self._isend(spans_t, self.rank + 1, self.spans)
-            self._isend(hidden.contiguous(), self.rank + 1, self.data)
+            self._isend(spans_t, dst, self.spans)
+            self._isend(hidden.contiguous(), dst, self.data)
             return
         packed = torch.cat(
             [hidden.contiguous().view(-1).view(torch.uint8), spans_t.view(-1).view(torch.uint8)]
         )
-        self._isend(packed, self.rank + 1, self.data)
+        self._isend(packed, dst, self.data)
 
     def send_sampled(self, so, token_ids: torch.Tensor) -> None:
-        self._isend(token_ids.contiguous(), 0, self.data)
+        """The sampler's ids to every first-stage rank that builds inputs from them."""
+        ids = token_ids.contiguous()
+        for dst in self.grid.feedback_ranks:
+            self._isend(ids, dst, self.data)
 
     def recv_sampled(self, so, num: int):
         buf = torch.empty(num, dtype=torch.int64, device=self.device)
-        work = dist.irecv(buf, src=self.last, group=self.data)
+        work = dist.irecv(buf, src=self.grid.sampler_rank, group=self.data)
         return buf, work.wait
 
     def _isend(self, tensor: torch.Tensor, dst: int, group) -> None:
@@ -174,10 +195,10 @@ class PPComm:
             self._inflight.popleft()[0].wait()
 
     def close(self) -> None:
-        """After the shutdown request: the next rank's posted frame receive gets a goodbye
-        frame, and this rank waits for the one the previous rank sends it."""
-        if self.rank < self.last:
-            self._track(*_goodbye_frame(self.rank + 1, self.chain))
+        """After the shutdown request: each target's posted frame receive gets a goodbye
+        frame, and this rank waits for the one its source sends it."""
+        for dst in self.grid.request_targets:
+            self._track(*_goodbye_frame(dst, self.chain))
         if self._next_request is not None:
             try:
                 self._next_request[0].wait(datetime.timedelta(seconds=10))
@@ -189,6 +210,7 @@ class PPComm:
                 work.wait()
             except RuntimeError:
                 pass
+        self.tp.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         if self._listener is not None:

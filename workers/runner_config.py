@@ -21,6 +21,9 @@ class RunnerConfig:
     attention_backend: str = "torch"
     pp_rank: int = 0
     pp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    nnodes: int = 1  # hosts the grid spans (a TP group on one host all-reduces in shm)
     layer_partition: tuple[int, ...] = ()  # decoder layers per stage; () = even split
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -29,9 +32,19 @@ class RunnerConfig:
     sliding_window: int | None = None  # the sliding-window KV group's window (None: no group)
     local_block_cap: int = 0  # most blocks that group holds
 
+    @property
+    def rank(self) -> int:
+        """In the TP x PP grid (vserve.distributed.grid)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def local_rank(self) -> int:
+        """Among the ranks of this host (the hosts split the grid evenly, in rank order)."""
+        return self.rank % (self.pp_size * self.tp_size // self.nnodes)
+
     @staticmethod
-    def of(config: EngineConfig, pp_rank: int = 0) -> RunnerConfig:
-        """What pipeline stage `pp_rank` needs of the engine's config."""
+    def of(config: EngineConfig, pp_rank: int = 0, tp_rank: int = 0) -> RunnerConfig:
+        """What TP rank `tp_rank` of pipeline stage `pp_rank` needs of the engine's config."""
         m, c, s, d = config.model, config.cache, config.scheduler, config.device
         return RunnerConfig(
             model_path=m.model,
@@ -44,6 +57,9 @@ class RunnerConfig:
             attention_backend=d.attention_backend,
             pp_rank=pp_rank,
             pp_size=config.parallel.pipeline_parallel_size,
+            tp_rank=tp_rank,
+            tp_size=config.parallel.tensor_parallel_size,
+            nnodes=config.parallel.nnodes,
             layer_partition=config.parallel.layer_partition,
             kv_cache_memory_bytes=c.kv_cache_memory_bytes,
             gpu_memory_utilization=c.gpu_memory_utilization,

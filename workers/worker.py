@@ -1,5 +1,6 @@
-"""A worker: one pipeline stage on one device. The executor calls these methods, in process
-(uni-process executor) or through `vserve.workers.worker_proc` (multiprocess executor)."""
+"""A worker: one pipeline stage (or one TP shard of it) on one device. The executor calls
+these methods, in process (uni-process executor) or through `vserve.workers.worker_proc`
+(multiprocess executor)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ class Worker:
         if num_threads:
             self.set_threads(num_threads, prefill_threads or num_threads)
         if config.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", config.pp_rank)))
-        self.name = f"worker_{config.pp_rank}"
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", config.local_rank)))
+        self.name = f"worker_{config.rank}"
         with phase("model config", self.name):
             hf_config = load_hf_config(config.model_path)
         self.runner = ModelRunner(config, hf_config, pp_comm)

@@ -1,11 +1,12 @@
-"""The worker process: one pipeline stage, driven by requests from the engine core.
+"""The worker process: one rank of the TP x PP grid (a pipeline stage, or one TP shard of
+it), driven by requests from the engine core.
 
 Only rank 0 talks to the engine core (two pipes); every request travels on from rank to rank
-over torch.distributed (`PPComm.pass_request`), so stages may live on other hosts. Each step's
-result comes from the last stage: with PP or CUDA a reply thread waits for the host copy of
-the sampled ids and sends it, so the main loop takes the next request at once (a single CPU
-stage replies inline). A rank that fails reports its error (rank 0 and the last rank carry
-the message to the engine) and exits non-zero.
+over torch.distributed (`PPComm.pass_request`), so ranks may live on other hosts. Each step's
+result comes from the sampling rank (TP rank 0 of the last stage): with PP or CUDA a reply
+thread waits for the host copy of the sampled ids and sends it, so the main loop takes the
+next request at once (a single CPU stage replies inline). A rank that fails reports its error
+(rank 0 and the sampling rank carry the message to the engine) and exits non-zero.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ IDLE_TRIM_S = 1.0  # no request for this long: the worker is idle and trims its 
 
 @dataclass(frozen=True)
 class RankSetup:
-    rank: int
-    world_size: int
+    rank: int  # in the grid: pp_rank * tensor_parallel_size + tp_rank
+    world_size: int  # pipeline x tensor parallel sizes
     master_addr: str
     master_port: int
     num_threads: int | None = None
@@ -74,12 +75,15 @@ class _RankLoop:
     def __init__(self, runner_config, setup: RankSetup, req_conn, resp_conn) -> None:
         import torch
 
+        from vserve.distributed.grid import GridRank, tp_group_on_one_host
         from vserve.workers.pp_comm import PPComm
         from vserve.workers.worker import Worker
 
         self.setup = setup
         self.rank, self.world = setup.rank, setup.world_size
-        self.is_last = self.rank == self.world - 1
+        grid = GridRank(setup.rank, runner_config.pp_size, runner_config.tp_size)
+        assert grid.world_size == self.world, (grid, self.world)
+        self.is_sampler = grid.is_sampler
         self.req_conn, self.resp_conn = req_conn, resp_conn
         self.busy = False  # a request came since the heap was last trimmed
         self._send_lock = threading.Lock()
@@ -94,27 +98,28 @@ class _RankLoop:
                 "float16": torch.float16,
             }[runner_config.dtype]
             self.pp = PPComm(
-                self.rank,
-                self.world,
+                grid,
                 setup.master_addr,
                 setup.master_port,
                 torch.device(runner_config.device),
                 hf.hidden_size,
                 dtype,
+                tp_shm=tp_group_on_one_host(grid, runner_config.nnodes),
             )
         self.all_cpus = available_cpus()
         if setup.cpus:
             pin_process(os.getpid(), setup.cpus)
         self.worker = Worker(runner_config, self.pp, setup.num_threads, setup.prefill_threads)
-        # a later CPU stage takes its requests ahead of its forward (vserve.workers.pp_prefetch)
+        # a CPU rank fed by another rank takes its requests ahead of its forward (and a later
+        # stage posts the receive of its hidden states then: vserve.workers.pp_prefetch)
         self.prefetch = (
-            RequestPrefetch(self.pp, post_hidden=True)
+            RequestPrefetch(self.pp, post_hidden=not grid.is_first_stage)
             if self.pp is not None and self.rank > 0 and runner_config.device == "cpu"
             else None
         )
         # On CPU the ids are on the host when a step returns: one stage replies at once instead
         # of waking its reply thread (which waits for the GIL while the next step runs)
-        self.inline_replies = self.world == 1 and runner_config.device == "cpu"
+        self.inline_replies = grid.pp_size == 1 and self.rank == 0 and runner_config.device == "cpu"
         self.replies: queue.Queue = queue.Queue()
         self.reply_thread = threading.Thread(
             target=self._reply_loop, daemon=True, name="vserve-reply"
@@ -141,7 +146,8 @@ class _RankLoop:
             except BaseException:
                 message = f"worker rank {self.rank}: {traceback.format_exc()}"
                 logger.error(message)
-                self.replies.put(("error", message))
+                if self.rank == 0 or self.is_sampler:  # the ranks rank 0 listens to
+                    self.replies.put(("error", message))
                 self.replies.put(None)
                 self.reply_thread.join(timeout=10)
                 return 1
@@ -198,7 +204,7 @@ class _RankLoop:
     def _expect_reply(self, out) -> None:
         if self.inline_replies:
             self._send(wire.encode(wire.Out(out.get())))
-        elif self.is_last:
+        elif self.is_sampler:
             self.replies.put(("local", out))
         elif self.rank == 0:
             self.replies.put(("remote", None))

@@ -1,5 +1,7 @@
-"""Pipeline parallel across two "hosts" on 127.0.0.1: node 1 runs `vserve worker`, node 0 runs
-the engine; the tokens equal a single-host run."""
+"""Pipeline parallel, and TP x PP, across two "hosts" on 127.0.0.1: node 1 runs `vserve
+worker`, node 0 runs the engine; the tokens equal a single-host run. With TP x PP each host
+holds a whole stage (its TP group all-reduces in shared memory); with TP alone the TP group
+spans the hosts (gloo)."""
 
 import os
 import signal
@@ -21,7 +23,8 @@ pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def test_two_hosts_equal_one(tiny_model_dir):
+@pytest.mark.parametrize("pp, tp", [(2, 1), (2, 2), (1, 2)])
+def test_two_hosts_equal_one(tiny_model_dir, pp, tp):
     model = tiny_model_dir("gemma3")
     single = make_llm(model, max_model_len=256)
     expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, PARAMS, use_tqdm=False)]
@@ -34,7 +37,9 @@ def test_two_hosts_equal_one(tiny_model_dir):
         "--max-model-len",
         "256",
         "--pipeline-parallel-size",
-        "2",
+        str(pp),
+        "--tensor-parallel-size",
+        str(tp),
         "--nnodes",
         "2",
         "--master-addr",
@@ -50,7 +55,8 @@ def test_two_hosts_equal_one(tiny_model_dir):
             model,
             dtype="float32",
             max_model_len=256,
-            pipeline_parallel_size=2,
+            pipeline_parallel_size=pp,
+            tensor_parallel_size=tp,
             nnodes=2,
             node_rank=0,
             master_addr="127.0.0.1",

@@ -45,6 +45,16 @@ def test_a_reservation_never_takes_a_workers_last_core():
     assert plan_placement([0], 1, 1).worker_threads == (1,)
 
 
+def test_tensor_parallel_ranks_keep_their_own_cores_without_a_reservation():
+    p = plan_placement(range(8), 4, 0, pin_workers=True)  # TP=2 x PP=2 on eight cores
+    assert p.worker_cpus == ((0, 1), (2, 3), (4, 5), (6, 7)) and p.worker_threads == (2,) * 4
+    assert p.host_cpus == () and p.num_reserved == 0
+    p = plan_placement(range(5), 2, 1, pin_workers=True)  # a reserved core still comes first
+    assert p.host_cpus == (0,) and p.worker_cpus == ((1, 2), (3, 4))
+    p = plan_placement(range(2), 4, 0, pin_workers=True)  # fewer cores than ranks: unpinned
+    assert p.worker_cpus == ((),) * 4 and p.worker_threads == (1,) * 4
+
+
 def test_unpinned_pp_stages_prefill_on_their_share_of_the_hosts_cores():
     """Prompt-heavy steps run on round(cores x the stage's share of the local layers) threads,
     never fewer than decode steps; pinned workers keep their own group's count."""

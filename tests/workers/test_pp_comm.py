@@ -8,6 +8,7 @@ import traceback
 import pytest
 import torch
 
+from vserve.distributed.grid import GridRank
 from vserve.executor.multiproc import free_port
 
 WORLD = 3
@@ -20,7 +21,8 @@ def _rank(rank: int, port: int, sent, results) -> None:
     try:
         from vserve.workers.pp_comm import PPComm
 
-        comm = PPComm(rank, WORLD, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
+        grid = GridRank(rank, WORLD)
+        comm = PPComm(grid, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
         if rank == 0:
             for i in range(AHEAD):
                 comm.pass_request(f"request {i}".encode() * (i + 1))
@@ -48,7 +50,7 @@ def _framed_rank(rank: int, port: int, results) -> None:
     try:
         from vserve.workers.pp_comm import FRAME_BYTES, PPComm
 
-        comm = PPComm(rank, 2, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
+        comm = PPComm(GridRank(rank, 2), "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
         sizes = [0, 1, FRAME_BYTES - 8, FRAME_BYTES - 7, 3 * FRAME_BYTES + 5]
         messages = [bytes((i * 7 + n) % 251 for n in range(size)) for i, size in enumerate(sizes)]
         got = []
@@ -273,7 +275,7 @@ def test_rendezvous_store_listens_on_master_addr_only():
     from vserve.workers.pp_comm import PPComm
 
     port = free_port()
-    comm = PPComm(0, 1, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
+    comm = PPComm(GridRank(0, 1), "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
     try:
         assert _listening(port) == ["0100007F"]  # 127.0.0.1, little-endian hex
     finally:

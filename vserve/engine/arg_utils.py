@@ -61,6 +61,7 @@ class EngineArgs:
     served_model_name: str | list[str] | None = None
     async_scheduling: bool | None = None
     pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     master_addr: str = "127.0.0.1"
     master_port: int = 0
@@ -92,7 +93,9 @@ class EngineArgs:
             f"attention_backend must be one of {available_backends()}, got {backend!r}",
         )
         async_on, reason = self._async_decision()
-        parallel = self._parallel_config(device, async_on, hf_config, model_cfg.max_model_len)
+        parallel = self._parallel_config(
+            device, async_on, hf_config, model_cfg.max_model_len, model_cfg.quantization
+        )
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             max_num_seqs = CPU_DEFAULT_MAX_NUM_SEQS if device == "cpu" else DEFAULT_MAX_NUM_SEQS
@@ -143,6 +146,10 @@ class EngineArgs:
         _require(
             spec is None or self.pipeline_parallel_size == 1,
             "speculative decoding with pipeline parallel is not supported",
+        )
+        _require(
+            spec is None or self.tensor_parallel_size == 1,
+            "speculative decoding with tensor parallel is not supported",
         )
         return spec
 
@@ -206,20 +213,30 @@ class EngineArgs:
         return value
 
     def _parallel_config(
-        self, device: str, async_on: bool, hf_config, max_model_len: int
+        self, device: str, async_on: bool, hf_config, max_model_len: int, quantization: str
     ) -> ParallelConfig:
         pp = self.pipeline_parallel_size
         _require(
             isinstance(pp, int) and pp >= 1, f"pipeline_parallel_size must be >= 1, got {pp!r}"
         )
-        backend = self.distributed_executor_backend or default_executor(pp, device, async_on)
+        tp = self.tensor_parallel_size
+        _require(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be >= 1, got {tp!r}")
+        if tp > 1:
+            _check_tensor_parallel(hf_config, tp, quantization)
+        backend = self.distributed_executor_backend or default_executor(pp * tp, device, async_on)
         _require(
             backend in ("uni", "mp"),
             f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}",
         )
         _require(
-            not (pp > 1 and backend == "uni"),
-            "pipeline_parallel_size > 1 needs distributed_executor_backend='mp'",
+            not (pp * tp > 1 and backend == "uni"),
+            "pipeline_parallel_size or tensor_parallel_size > 1 needs "
+            "distributed_executor_backend='mp'",
+        )
+        _require(
+            (pp * tp) % self.nnodes == 0,
+            f"nnodes {self.nnodes} must divide the grid's {pp * tp} ranks (pipeline x tensor "
+            "parallel sizes)",
         )
         _require(
             self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
@@ -237,13 +254,32 @@ class EngineArgs:
             else ()
         )
         return ParallelConfig(
-            pp, backend, self.master_addr, self.master_port, self.nnodes, self.node_rank, partition
+            pp,
+            tp,
+            backend,
+            self.master_addr,
+            self.master_port,
+            self.nnodes,
+            self.node_rank,
+            partition,
         )
 
     def _async_decision(self) -> tuple[bool, str | None]:
         if self.async_scheduling is False:
             return False, "async_scheduling=False was requested"
         return True, None
+
+
+def _check_tensor_parallel(hf_config, tp: int, quantization: str) -> None:
+    """The combinations tensor parallel supports: dense weights, heads and MLP that split."""
+    from vserve.models.parallel_layers import check_tp
+
+    _require(
+        quantization == "none",
+        f"tensor_parallel_size > 1 needs dense weights (quantization='none'), got "
+        f"quantization={quantization!r}: GGUF / int8 blocks are not sharded",
+    )
+    check_tp(hf_config, tp)
 
 
 def kv_sliding_window(hf_config, backend: str, max_model_len: int) -> int | None:
@@ -255,11 +291,12 @@ def kv_sliding_window(hf_config, backend: str, max_model_len: int) -> int | None
     return max(windows)
 
 
-def default_executor(pp: int, device: str, async_on: bool) -> str:
-    """Workers get their own processes for PP, and on CPU whenever async scheduling is on:
-    there the forward can only overlap the scheduler from another process. On CUDA a single
-    worker stays in the engine core's process (kernels run asynchronously)."""
-    if pp > 1 or (async_on and device == "cpu"):
+def default_executor(world_size: int, device: str, async_on: bool) -> str:
+    """Workers get their own processes for PP or TP (`world_size`: their product), and on CPU
+    whenever async scheduling is on: there the forward can only overlap the scheduler from
+    another process. On CUDA a single worker stays in the engine core's process (kernels run
+    asynchronously)."""
+    if world_size > 1 or (async_on and device == "cpu"):
         return "mp"
     return "uni"
 

@@ -1,4 +1,4 @@
-"""Workers in their own processes (spawned), one per pipeline stage of this host.
+"""Workers in their own processes (spawned), one per rank of the TP x PP grid on this host.
 
 The engine core sends each `SchedulerOutput` to rank 0 (which passes it on to the
 other ranks) and receives one reply per step, in order. `execute_model` returns a future;
@@ -22,6 +22,7 @@ from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
+from vserve.distributed.grid import local_ranks
 from vserve.executor.base import Executor, StepFuture
 from vserve.executor.placement import layer_shares
 from vserve.executor.placement_control import PlacementController, overrides_from_env
@@ -50,13 +51,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def local_ranks(pp: int, nnodes: int, node_rank: int) -> range:
-    if pp % nnodes:
-        raise ValueError(f"pipeline_parallel_size {pp} must be a multiple of nnodes {nnodes}")
-    per_node = pp // nnodes
-    return range(node_rank * per_node, (node_rank + 1) * per_node)
-
-
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         par = config.parallel
@@ -71,20 +65,22 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         req_r, self.req_w = ctx.Pipe(duplex=False)
         self.resp_r, resp_w = ctx.Pipe(duplex=False)
-        ranks = local_ranks(par.pipeline_parallel_size, par.nnodes, 0)
+        ranks = local_ranks(par.world_size, par.nnodes, 0)
+        tp = par.tensor_parallel_size
         self.placement = PlacementController(
             len(ranks),
             overrides_from_env(),
             lambda p: self._send(wire.Place(_per_rank(p, ranks))),
             measure_self=config.async_scheduling,
-            layer_shares=layer_shares(par.layer_partition, ranks),
+            layer_shares=layer_shares(par.layer_partition, [r // tp for r in ranks]),
+            pin_workers=tp > 1,
         )
         initial = self.placement.placement
         self.procs = []
         for i, rank in enumerate(ranks):
             setup = RankSetup(
                 rank,
-                par.pipeline_parallel_size,
+                par.world_size,
                 par.master_addr,
                 port,
                 initial.worker_threads[i],
@@ -94,7 +90,7 @@ class MultiprocExecutor(Executor):
             conns = (req_r, resp_w) if rank == 0 else (None, None)
             proc = ctx.Process(
                 target=worker_main,
-                args=(RunnerConfig.of(config, rank), setup, *conns),
+                args=(RunnerConfig.of(config, rank // tp, rank % tp), setup, *conns),
                 name=f"vserve-worker-{rank}",
                 daemon=True,
             )

@@ -15,6 +15,12 @@ the workers one core, so it pays only when the host work per step is a real shar
 |          | per worker                            |                    |                   |
 | bind     | the groups the user named             | size of its group  | CPUs no worker    |
 |          |                                       |                    | has (or unpinned) |
+| 0, TP    | one contiguous group per worker       | size of its group  | unpinned          |
+
+Tensor-parallel ranks of a stage compute at the same time and meet at every all-reduce, so
+each keeps its own cores (`pin_workers`) even when no core is reserved: an OpenMP team that
+shares a core with another rank's stalls the whole group (unless there are fewer cores than
+workers: then they stay unpinned, one thread each).
 
 Prefill threads: unpinned workers of PP stages share the host's cores, and in a prompt-heavy
 step (a prefill chunk) a stage's work is its share of the local stages' layers, where the
@@ -102,15 +108,20 @@ def plan_placement(
     num_reserved: int,
     overrides: PlacementOverrides = PlacementOverrides(),
     layer_shares: Sequence[float] = (),
+    pin_workers: bool = False,
 ) -> Placement:
     """The placement for `num_reserved` host cores (capped so every worker keeps a core).
-    `layer_shares`: each local worker's share of the local stages' decoder layers (PP)."""
+    `layer_shares`: each local worker's share of the local stages' decoder layers (PP).
+    `pin_workers` (TP): every worker on its own cores even with none reserved."""
     cpus = tuple(sorted(cpus))
     if overrides.nobind:
         return _unpinned(cpus, num_workers, layer_shares)
     if overrides.bind is not None:
         return _bound(cpus, num_workers, overrides.bind)
     reserved = max(0, min(num_reserved, len(cpus) - num_workers))
+    if reserved == 0 and pin_workers and len(cpus) >= num_workers:
+        groups = _split(cpus, num_workers)
+        return Placement(groups, tuple(len(g) for g in groups), (), 0)
     if reserved == 0:
         return _unpinned(cpus, num_workers, layer_shares)
     host, rest = cpus[:reserved], cpus[reserved:]

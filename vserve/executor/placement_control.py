@@ -52,6 +52,7 @@ class PlacementController:
         cpus: tuple[int, ...] | None = None,
         os_hooks=None,
         layer_shares: tuple[float, ...] = (),
+        pin_workers: bool = False,
     ) -> None:
         """`measure_self`: this process (the engine core) works beside the forward (async
         scheduling), so its CPU time counts as host work. `os_hooks` (tests): replacements for
@@ -66,13 +67,19 @@ class PlacementController:
         self.num_workers = num_workers
         self.overrides = overrides
         self.layer_shares = layer_shares  # PP: prompt-heavy steps' threads follow these
+        self.pin_workers = pin_workers  # TP: each worker on its own cores
         self.send_to_workers = send_to_workers
         self.host_pids: list[int] = [os.getpid()]  # pinned to the host CPUs
         self._original = {os.getpid(): self.cpus}  # each host process's CPUs before us
         self.measured_pids = [os.getpid()] if measure_self else []  # CPU time = host work
         self.worker_pids: list[int] = []  # set once the workers run
         self.placement = plan_placement(
-            self.cpus, num_workers, overrides.num_reserved or 0, overrides, layer_shares
+            self.cpus,
+            num_workers,
+            overrides.num_reserved or 0,
+            overrides,
+            layer_shares,
+            pin_workers,
         )
         self.num_changes = 0
         self._reset_window()
@@ -121,7 +128,14 @@ class PlacementController:
         if wanted == current:
             return
         self.apply(
-            plan_placement(self.cpus, self.num_workers, wanted, self.overrides, self.layer_shares)
+            plan_placement(
+                self.cpus,
+                self.num_workers,
+                wanted,
+                self.overrides,
+                self.layer_shares,
+                self.pin_workers,
+            )
         )
         logger.info(
             "CPU placement: %d core(s) reserved for host work (host CPU %.2f x the "

@@ -1,9 +1,12 @@
-"""`vserve worker`: the pipeline stages of one non-zero host of a multi-host engine.
+"""`vserve worker`: the grid ranks (pipeline stages, TP shards) of one non-zero host of a
+multi-host engine.
 
-Every host runs the same model arguments; host `node_rank` owns ranks
-`[node_rank * pp / nnodes, (node_rank + 1) * pp / nnodes)`. The ranks meet the engine's host
-through torch.distributed's TCP rendezvous at `--master-addr:--master-port`; all requests and
-replies travel over torch.distributed through rank 0, so no other socket crosses hosts.
+Every host runs the same model arguments; host `node_rank` owns grid ranks
+`[node_rank * world / nnodes, (node_rank + 1) * world / nnodes)` (world = pp x tp; ranks of a
+stage are contiguous, so a host holds whole stages when nnodes divides pp). The ranks meet
+the engine's host through torch.distributed's TCP rendezvous at `--master-addr:--master-port`;
+all requests and replies travel over torch.distributed through rank 0, so no other socket
+crosses hosts.
 
 Ctrl-C or SIGTERM stops the ranks (SIGTERM, then SIGKILL after `STOP_GRACE_S`) and returns at
 once; the ranks also exit by themselves if this process dies.
@@ -19,7 +22,7 @@ from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
 from vserve.cpu_affinity import available_cpus
-from vserve.executor.multiproc import local_ranks
+from vserve.distributed.grid import local_ranks
 from vserve.executor.placement import layer_shares, plan_placement
 from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.worker_proc import RankSetup, worker_main
@@ -36,7 +39,7 @@ def run_remote_workers(config: EngineConfig) -> int:
         )
     if not par.master_port:
         raise ValueError("--master-port is required for multi-host pipeline parallel")
-    ranks = local_ranks(par.pipeline_parallel_size, par.nnodes, par.node_rank)
+    ranks = local_ranks(par.world_size, par.nnodes, par.node_rank)
     received: list[int] = []
     with _stop_signals(received):  # from before the first rank starts to the return
         procs = _start_ranks(config, ranks)
@@ -52,23 +55,29 @@ def run_remote_workers(config: EngineConfig) -> int:
 
 def _start_ranks(config: EngineConfig, ranks: range) -> list:
     par = config.parallel
+    tp = par.tensor_parallel_size
     placement = plan_placement(
-        available_cpus(), len(ranks), 0, layer_shares=layer_shares(par.layer_partition, ranks)
+        available_cpus(),
+        len(ranks),
+        0,
+        layer_shares=layer_shares(par.layer_partition, [r // tp for r in ranks]),
+        pin_workers=tp > 1,
     )
     ctx = mp.get_context("spawn")
     procs = []
     for i, rank in enumerate(ranks):
         setup = RankSetup(
             rank,
-            par.pipeline_parallel_size,
+            par.world_size,
             par.master_addr,
             par.master_port,
             placement.worker_threads[i],
-            prefill_threads=placement.prefill_threads_of(i),
+            placement.worker_cpus[i],
+            placement.prefill_threads_of(i),
         )
         proc = ctx.Process(
             target=worker_main,
-            args=(RunnerConfig.of(config, rank), setup),
+            args=(RunnerConfig.of(config, rank // tp, rank % tp), setup),
             name=f"vserve-worker-{rank}",
             daemon=True,
         )

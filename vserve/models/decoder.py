@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
+from vserve.distributed.tp_comm import TPShard
 from vserve.models.hf_config import layer_windows
 from vserve.models.layers import (
     Attention,
@@ -19,7 +20,15 @@ from vserve.models.layers import (
     gated_mlp,
     rope_inv_freq,
 )
-from vserve.models.stage import FusedLinear, StageInfo, check_all_loaded, load_weights
+from vserve.models.parallel_layers import (
+    embedding,
+    gate_up_linear,
+    lm_head,
+    qkv_linear,
+    row_linear,
+    split_heads,
+)
+from vserve.models.stage import StageInfo, check_all_loaded, load_weights
 
 STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -38,14 +47,25 @@ def head_dim_of(hf_config) -> int:
 
 class SelfAttention(nn.Module):
     def __init__(
-        self, hf_config, spec: AttentionLayerSpec, layer_idx: int, qk_norm: bool, bias: bool
+        self,
+        hf_config,
+        spec: AttentionLayerSpec,
+        layer_idx: int,
+        qk_norm: bool,
+        bias: bool,
+        tp: TPShard = TPShard(),
     ) -> None:
+        """`spec`: this rank's heads (all of them without tensor parallel)."""
         super().__init__()
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.qkv_proj = FusedLinear(hf_config.hidden_size, [h * d, kv * d, kv * d], bias=bias)
-        self.o_proj = nn.Linear(
-            h * d, hf_config.hidden_size, bias=getattr(hf_config, "attention_bias", False)
+        split = split_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
+        self.qkv_proj = qkv_linear(hf_config.hidden_size, split, d, bias, tp)
+        self.o_proj = row_linear(
+            hf_config.num_attention_heads * d,
+            hf_config.hidden_size,
+            getattr(hf_config, "attention_bias", False),
+            tp,
         )
         eps = hf_config.rms_norm_eps
         self.q_norm = RMSNorm(d, eps) if qk_norm else None
@@ -66,17 +86,17 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, spec, layer_idx, qk_norm, bias) -> None:
+    def __init__(self, hf_config, spec, layer_idx, qk_norm, bias, tp: TPShard = TPShard()):
         super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = SelfAttention(hf_config, spec, layer_idx, qk_norm, bias)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        eps, hidden = hf_config.rms_norm_eps, hf_config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = SelfAttention(hf_config, spec, layer_idx, qk_norm, bias, tp)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
         mlp_bias = getattr(hf_config, "mlp_bias", False)
         inter = hf_config.intermediate_size
         self.mlp = nn.Module()
-        self.mlp.gate_up_proj = FusedLinear(hf_config.hidden_size, [inter, inter], bias=mlp_bias)
-        self.mlp.down_proj = nn.Linear(inter, hf_config.hidden_size, bias=mlp_bias)
+        self.mlp.gate_up_proj = gate_up_linear(hidden, inter, mlp_bias, tp)
+        self.mlp.down_proj = row_linear(inter, hidden, mlp_bias, tp)
         self.act = getattr(hf_config, "hidden_act", "silu")
         self.kernel = None
 
@@ -92,20 +112,24 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, hf_config, stage: StageInfo, max_positions: int) -> None:
+    def __init__(
+        self, hf_config, stage: StageInfo, max_positions: int, tp: TPShard = TPShard()
+    ) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.stage = stage
+        self.tp = tp
         model_type = hf_config.model_type
         qk_norm = model_type.startswith("qwen3")
         bias = model_type == "qwen2" or getattr(hf_config, "attention_bias", False)
         self.tie = getattr(hf_config, "tie_word_embeddings", False)
         d = head_dim_of(hf_config)
         self.windows = layer_windows(hf_config)
-        self.layer_specs = [
+        split = split_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
+        self.layer_specs = [  # this rank's heads
             AttentionLayerSpec(
-                hf_config.num_attention_heads,
-                hf_config.num_key_value_heads,
+                split.num_heads,
+                split.num_kv_heads,
                 d,
                 d**-0.5,
                 self.windows[i],
@@ -114,14 +138,14 @@ class DecoderForCausalLM(nn.Module):
         ]
         self.model = nn.Module()
         if stage.is_first:
-            self.model.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+            self.model.embed_tokens = embedding(hf_config.vocab_size, hf_config.hidden_size, tp)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(hf_config, self.layer_specs[i], i, qk_norm, bias)
+            DecoderLayer(hf_config, self.layer_specs[i], i, qk_norm, bias, tp)
             for i in range(stage.start_layer, stage.end_layer)
         )
         if stage.is_last:
             self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = lm_head(hf_config.hidden_size, hf_config.vocab_size, tp)
         inv_freq, scaling = rope_inv_freq(hf_config)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
         self.kernel = None

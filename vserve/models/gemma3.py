@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
+from vserve.distributed.tp_comm import TPShard
 from vserve.models.decoder import STACKED, _tie, head_dim_of, rename_layer
 from vserve.models.layers import (
     Attention,
@@ -16,17 +17,29 @@ from vserve.models.layers import (
     gated_mlp,
     rope_inv_freq,
 )
-from vserve.models.stage import FusedLinear, StageInfo, check_all_loaded, load_weights
+from vserve.models.parallel_layers import (
+    embedding,
+    gate_up_linear,
+    lm_head,
+    qkv_linear,
+    row_linear,
+    split_heads,
+)
+from vserve.models.stage import StageInfo, check_all_loaded, load_weights
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, hf_config, spec: AttentionLayerSpec, layer_idx: int) -> None:
+    def __init__(
+        self, hf_config, spec: AttentionLayerSpec, layer_idx: int, tp: TPShard = TPShard()
+    ) -> None:
+        """`spec`: this rank's heads (all of them without tensor parallel)."""
         super().__init__()
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         bias = getattr(hf_config, "attention_bias", False)
-        self.qkv_proj = FusedLinear(hf_config.hidden_size, [h * d, kv * d, kv * d], bias=bias)
-        self.o_proj = nn.Linear(h * d, hf_config.hidden_size, bias=bias)
+        split = split_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
+        self.qkv_proj = qkv_linear(hf_config.hidden_size, split, d, bias, tp)
+        self.o_proj = row_linear(hf_config.num_attention_heads * d, hf_config.hidden_size, bias, tp)
         self.q_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
         self.attn = Attention(spec, layer_idx)
@@ -43,14 +56,16 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, hf_config, spec: AttentionLayerSpec, layer_idx: int) -> None:
+    def __init__(
+        self, hf_config, spec: AttentionLayerSpec, layer_idx: int, tp: TPShard = TPShard()
+    ) -> None:
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn = Gemma3Attention(hf_config, spec, layer_idx)
+        self.self_attn = Gemma3Attention(hf_config, spec, layer_idx, tp)
         self.mlp = nn.Module()
         inter = hf_config.intermediate_size
-        self.mlp.gate_up_proj = FusedLinear(hidden, [inter, inter], bias=False)
-        self.mlp.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.mlp.gate_up_proj = gate_up_linear(hidden, inter, False, tp)
+        self.mlp.down_proj = row_linear(inter, hidden, False, tp)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -74,19 +89,23 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, hf_config, stage: StageInfo, max_positions: int) -> None:
+    def __init__(
+        self, hf_config, stage: StageInfo, max_positions: int, tp: TPShard = TPShard()
+    ) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.stage = stage
+        self.tp = tp
         d = head_dim_of(hf_config)
         types = hf_config.layer_types
         self.windows = [
             hf_config.sliding_window if t == "sliding_attention" else None for t in types
         ]
-        self.layer_specs = [
+        split = split_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
+        self.layer_specs = [  # this rank's heads
             AttentionLayerSpec(
-                hf_config.num_attention_heads,
-                hf_config.num_key_value_heads,
+                split.num_heads,
+                split.num_kv_heads,
                 d,
                 hf_config.query_pre_attn_scalar**-0.5,
                 self.windows[i],
@@ -96,15 +115,15 @@ class Gemma3ForCausalLM(nn.Module):
         ]
         self.model = nn.Module()
         if stage.is_first:
-            self.model.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+            self.model.embed_tokens = embedding(hf_config.vocab_size, hf_config.hidden_size, tp)
             self.embed_scale = hf_config.hidden_size**0.5
         self.model.layers = nn.ModuleList(
-            Gemma3DecoderLayer(hf_config, self.layer_specs[i], i)
+            Gemma3DecoderLayer(hf_config, self.layer_specs[i], i, tp)
             for i in range(stage.start_layer, stage.end_layer)
         )
         if stage.is_last:
             self.model.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = lm_head(hf_config.hidden_size, hf_config.vocab_size, tp)
         self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)
         self.tie = True  # Gemma 3 always ties the head to the embedding
         self.rotaries = nn.ModuleList(

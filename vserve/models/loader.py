@@ -1,5 +1,6 @@
-"""Build one pipeline stage of a model on a device and fill it from safetensors files or a
-GGUF (`gguf_source`), with linear weights dense or in block formats (`quant_linear`)."""
+"""Build one pipeline stage of a model (one tensor-parallel shard of it) on a device and fill
+it from safetensors files or a GGUF (`gguf_source`), with linear weights dense or in block
+formats (`quant_linear`; one rank only)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from vserve import cpu_ops
+from vserve.distributed.tp_comm import TPShard
 from vserve.models import weight_cache
 from vserve.models.fused_decode import attach_kernel
 from vserve.models.gguf_source import gguf_file, iter_gguf_weights
@@ -31,22 +33,29 @@ def load_model(
     device: torch.device,
     max_positions: int,
     quantization: str = "none",
+    tp: TPShard = TPShard(),
 ) -> nn.Module:
+    """Tensor parallel (`tp.size > 1`) takes dense weights only: block formats raise."""
+    if tp.size > 1 and quantization != "none":
+        raise ValueError(
+            f"quantization={quantization!r} with tensor parallel is not supported "
+            "(GGUF blocks are not sharded); use quantization='none'"
+        )
     cls = model_class(hf_config.architectures[0] if hf_config.architectures else "")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(hf_config, stage, max_positions)
+            model = cls(hf_config, stage, max_positions, tp)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
     qkernel = _quant_kernel(quantization, device, dtype)
     if gguf_file(model_path) is not None:
         quantized = quantization == "gguf" and qkernel is not None
-        _fill_gguf(model, model_path, dtype, device, stage, quantized)
+        _fill_gguf(model, model_path, dtype, device, (stage, tp), quantized)
     else:
-        _fill(model, model_path, dtype, device, stage)
+        _fill(model, model_path, dtype, device, (stage, tp))
     if qkernel is not None:
         if quantization == "int8":
             park_int8(model)
@@ -94,7 +103,11 @@ def _fill_gguf(model, model_path, dtype, device, stage, quantized: bool) -> None
 
 
 def _fill(
-    model: nn.Module, model_path: str, dtype: torch.dtype, device: torch.device, stage: StageInfo
+    model: nn.Module,
+    model_path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    stage: tuple[StageInfo, TPShard],
 ) -> None:
     files = _safetensors_files(Path(model_path))
     weights = partial(iter_weights, model_path, dtype)
@@ -107,7 +120,8 @@ def _fill_cached(model, model_path, files, dtype, device, stage, weights) -> Non
     if not files or not weight_cache.enabled(device, files):
         model.load_weights(weights())
         return
-    path = weight_cache.cache_file(model_path, files, dtype, stage)
+    stage_info, tp = stage
+    path = weight_cache.cache_file(model_path, files, dtype, stage_info, tp.key())
     if weight_cache.load_into(model, path):
         logger.info("weights memory-mapped from %s", path)
         return

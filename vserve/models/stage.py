@@ -46,12 +46,25 @@ class StageInfo:
 class FusedLinear(nn.Linear):
     """Several projections of the same input in one matmul (q/k/v, gate/up)."""
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: list[int],
+        bias: bool,
+        shard_offsets: list[int] | None = None,
+    ) -> None:
+        """`shard_offsets`: tensor parallel, the first row of each shard's slice of its
+        checkpoint tensor (None: the whole tensor)."""
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = shard_sizes
+        self.shard_offsets = shard_offsets
         self.quant_shards: dict[int, QuantBlocks] = {}  # for vserve.models.quant_linear
 
     def load_shard(self, param_name: str, tensor, shard: int) -> None:
+        if self.shard_offsets is not None:
+            if isinstance(tensor, QuantBlocks):
+                raise ValueError("tensor parallel takes dense weights, not GGUF blocks")
+            tensor = tensor.narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
         if isinstance(tensor, QuantBlocks):
             expected = (self.shard_sizes[shard], self.in_features)
             _check_shape(f"shard {shard}", tensor.shape, expected)
@@ -85,6 +98,10 @@ def load_weights(
                 modules[fused_path].load_shard(leaf, tensor, shard)
                 loaded.add(f"{fused_path}.{leaf}#{shard}")
                 continue
+        loader = getattr(modules.get(module_path), "load_weight", None)
+        if loader is not None:  # a layer that narrows its own slice (tensor parallel)
+            loaded.add(f"{module_path}.{loader(leaf, tensor)}")
+            continue
         if name in params:
             _check_shape(ckpt_name, tuple(tensor.shape), tuple(params[name].shape))
             if isinstance(tensor, QuantBlocks):  # parked: quant_linear.install takes it

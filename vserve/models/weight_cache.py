@@ -46,8 +46,13 @@ def enabled(device: torch.device, files: list[Path]) -> bool:
     )
 
 
-def cache_file(model_path: str, files: list[Path], dtype: torch.dtype, stage) -> Path:
+def cache_file(
+    model_path: str, files: list[Path], dtype: torch.dtype, stage, shard: str = ""
+) -> Path:
+    """`shard`: the tensor-parallel shard's key ("" for a single rank)."""
     key = [str(LAYOUT_VERSION), torch.__version__, str(dtype), repr(stage)]
+    if shard:
+        key.append(shard)
     for file in files:
         stat = file.stat()
         key.append(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")

@@ -1,0 +1,180 @@
+"""Tensor-parallel layers: each rank holds its slice of a weight and loads it by narrowing the
+checkpoint tensor (`load_weight`, called by `stage.load_weights`), so the sharding lives in
+the layer that owns it.
+
+| layer                   | weight slice on rank r of n        | after the matmul             |
+|-------------------------|------------------------------------|------------------------------|
+| q/k/v, gate/up (column) | its heads / its 1/n of the rows    | nothing (local heads)        |
+| o, down (row)           | its 1/n of the input columns       | all-reduce, then the bias    |
+| embedding (vocab)       | rows [r * V/n, (r + 1) * V/n)      | zero foreign ids, all-reduce |
+| lm_head (vocab)         | the same rows                      | all-gather, drop the padding |
+
+The vocabulary is padded to a multiple of n (zero rows). Query heads split evenly; KV heads
+too when there are at least n of them, else each is replicated on n / num_kv_heads ranks
+(rank r keeps KV head r * num_kv_heads // n). With n == 1 the factories below return the
+plain layers the models always used, so a single rank runs exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vserve.distributed.tp_comm import TPShard
+from vserve.models.stage import FusedLinear
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    q_first: int  # its first query head
+    kv_first: int  # its first KV head
+
+
+def check_tp(hf_config, tp_size: int) -> None:
+    """ValueError unless the model's heads and MLP split over `tp_size` ranks."""
+    heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    inter = hf_config.intermediate_size
+    if heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} must divide the {heads} attention heads")
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} and the {kv} KV heads: one must divide the other"
+        )
+    if inter % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} must divide the intermediate size {inter}"
+        )
+
+
+def split_heads(num_heads: int, num_kv_heads: int, tp: TPShard) -> HeadSplit:
+    n, r = tp.size, tp.rank
+    heads = num_heads // n
+    if num_kv_heads >= n:
+        kv = num_kv_heads // n
+        return HeadSplit(heads, kv, r * heads, r * kv)
+    return HeadSplit(heads, 1, r * heads, r * num_kv_heads // n)
+
+
+def qkv_linear(hidden: int, split: HeadSplit, head_dim: int, bias: bool, tp: TPShard):
+    d = head_dim
+    sizes = [split.num_heads * d, split.num_kv_heads * d, split.num_kv_heads * d]
+    if tp.size == 1:
+        return FusedLinear(hidden, sizes, bias=bias)
+    offsets = [split.q_first * d, split.kv_first * d, split.kv_first * d]
+    return FusedLinear(hidden, sizes, bias=bias, shard_offsets=offsets)
+
+
+def gate_up_linear(hidden: int, inter: int, bias: bool, tp: TPShard):
+    if tp.size == 1:
+        return FusedLinear(hidden, [inter, inter], bias=bias)
+    local = inter // tp.size
+    return FusedLinear(hidden, [local, local], bias=bias, shard_offsets=[tp.rank * local] * 2)
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TPShard):
+    if tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+def embedding(vocab: int, hidden: int, tp: TPShard):
+    if tp.size == 1:
+        return nn.Embedding(vocab, hidden)
+    return VocabParallelEmbedding(vocab, hidden, tp)
+
+
+def lm_head(hidden: int, vocab: int, tp: TPShard):
+    if tp.size == 1:
+        return nn.Linear(hidden, vocab, bias=False)
+    return ParallelLMHead(hidden, vocab, tp)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r @ W_r^T) + b: the input's columns split over the ranks. The matmul
+    is a plain nn.Linear (`linear`), which the CPU packing may swap for a packed one."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPShard) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.linear = nn.Linear(in_features // tp.size, out_features, bias=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.comm.all_reduce(self.linear(x))
+        return y if self.bias is None else y + self.bias
+
+    def load_weight(self, leaf: str, tensor: torch.Tensor) -> str:
+        if leaf == "bias":
+            _copy(self.bias, tensor, "bias")
+            return "bias"
+        local = self.in_features // self.tp.size
+        _copy(self.linear.weight, tensor.narrow(1, self.tp.rank * local, local), leaf)
+        return "linear.weight"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [first, first + rows) of the table; ids outside look up zeros; then all-reduce."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TPShard) -> None:
+        super().__init__()
+        self.tp, self.vocab = tp, vocab
+        self.rows = -(-vocab // tp.size)
+        self.first = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.rows)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = h.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.comm.all_reduce(h)
+
+    def load_weight(self, leaf: str, tensor: torch.Tensor) -> str:
+        _copy_vocab_rows(self.weight, tensor, self.first, self.vocab, leaf)
+        return "weight"
+
+
+class ParallelLMHead(nn.Module):
+    """The logits of rows [first, first + rows) of the vocabulary on each rank, gathered on
+    every rank in vocabulary order, the padding dropped."""
+
+    def __init__(self, hidden: int, vocab: int, tp: TPShard) -> None:
+        super().__init__()
+        self.tp, self.vocab = tp, vocab
+        self.rows = -(-vocab // tp.size)
+        self.first = tp.rank * self.rows
+        self.linear = nn.Linear(hidden, self.rows, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tp.comm.all_gather_last(self.linear(hidden))[..., : self.vocab]
+
+    def load_weight(self, leaf: str, tensor: torch.Tensor) -> str:
+        _copy_vocab_rows(self.linear.weight, tensor, self.first, self.vocab, leaf)
+        return "linear.weight"
+
+
+def _copy_vocab_rows(target, tensor, first: int, vocab: int, what: str) -> None:
+    """Rows [first, first + len(target)) of a [vocab, hidden] tensor; zeros past the end."""
+    if tuple(tensor.shape) != (vocab, target.shape[1]):
+        raise ValueError(
+            f"weight {what}: shape {tuple(tensor.shape)} does not fit ({vocab}, {target.shape[1]})"
+        )
+    count = max(0, min(target.shape[0], vocab - first))
+    with torch.no_grad():
+        target.zero_()
+        target[:count].copy_(tensor[first : first + count])
+
+
+def _copy(target, tensor, what: str) -> None:
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(
+            f"weight {what}: shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(tensor)
