@@ -43,7 +43,16 @@ LAYERS = [
         ],
     ),
     ("core", ["vserve.core", "vserve.config"]),
-    ("models", ["vserve.models", "vserve.attention", "vserve.cpu_ops", "vserve.csrc_triton"]),
+    (
+        "models",
+        [
+            "vserve.models",
+            "vserve.attention",
+            "vserve.cpu_ops",
+            "vserve.csrc_triton",
+            "vserve.distributed",
+        ],
+    ),
     ("workers", ["vserve.workers"]),
     ("executor", ["vserve.executor"]),
     ("engine", ["vserve.engine"]),
