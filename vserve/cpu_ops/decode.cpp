@@ -208,13 +208,23 @@ template <typename T>
 void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* btp,
                            const int64_t* slp, int64_t nb, int64_t h, int64_t d, int64_t hkv,
                            int64_t block, int64_t bstride, int64_t tstride, int64_t bt_cols,
-                           int64_t window, float fscale, float cap) {
+                           int64_t window, float fscale, float cap,
+                           const vserve_layer::ParallelFor* par = nullptr) {
   int64_t groups = h / hkv;
-  const bool split = nb * hkv < at::get_num_threads() && d % 16 == 0;
-  // fn over [0, n) in parallel (grain `grain`) when splitting, else on this thread
+  const int64_t threads = par != nullptr ? par->threads : at::get_num_threads();
+  const bool split = nb * hkv < threads && d % 16 == 0;
+  // fn over [0, n) in parallel (chunks of at least `grain`): ATen's threads, or the caller's
+  // (the decode stack's)
+  auto parallel = [&](int64_t n, int64_t grain, auto&& fn) {
+    if (par != nullptr)
+      par->run(n, grain, fn);
+    else
+      at::parallel_for(0, n, grain, fn);
+  };
+  // fn over [0, n) in parallel when splitting, else on this thread
   auto over = [&](int64_t n, int64_t grain, auto&& fn) {
     if (split)
-      at::parallel_for(0, n, grain, fn);
+      parallel(n, grain, fn);
     else
       fn(int64_t{0}, n);
   };
@@ -311,7 +321,7 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
     for (int64_t item = 0; item < nb * hkv; ++item) item_fn(item, qf, acc, scores);
     return;
   }
-  at::parallel_for(0, nb * hkv, 1, [&](int64_t lo, int64_t hi) {
+  parallel(nb * hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(groups * d), acc(groups * d), scores;
     for (int64_t item = lo; item < hi; ++item) item_fn(item, qf, acc, scores);
   });
@@ -370,9 +380,10 @@ void vserve_layer::attention_rows(const bf16* q, const bf16* k_cache, const bf16
                                   bf16* out, const int64_t* block_tables,
                                   const int64_t* seq_lens, int64_t nb, int64_t h, int64_t d,
                                   int64_t hkv, int64_t block, int64_t bt_cols, int64_t window,
-                                  float scale, float softcap) {
+                                  float scale, float softcap, const ParallelFor* par) {
   decode_attention_rows<bf16>(q, k_cache, v_cache, out, block_tables, seq_lens, nb, h, d, hkv,
-                              block, block * hkv * d, hkv * d, bt_cols, window, scale, softcap);
+                              block, block * hkv * d, hkv * d, bt_cols, window, scale, softcap,
+                              par);
 }
 
 namespace {

@@ -21,8 +21,10 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -77,13 +79,17 @@ struct Layer {
   float scale, softcap, eps;
 };
 
-// one linear's gemv in a step: each part's prepared activations and row shares
+// what the threads share in a step: one linear's gemv (each part's prepared activations and
+// row shares), or a loop of the master's (fn over [0, n) in chunks)
 struct Job {
   const Linear* linear = nullptr;
   bf16* y = nullptr;  // [rows, linear->out]
   std::vector<vserve_quant::GemvInput> inputs;
   std::vector<RowShares> shares;
-  int64_t total = 0;  // chunks over all parts
+  const std::function<void(int64_t, int64_t)>* fn = nullptr;  // a loop
+  int64_t n = 0, chunk = 1;
+  std::atomic<int64_t> next{0};
+  int64_t total = 0;  // chunks (over all parts)
   std::atomic<int64_t> done{0};
 };
 
@@ -165,15 +171,21 @@ class DecodeStack {
 
  private:
   std::vector<Layer> layers_;
-  std::vector<std::unique_ptr<Job>> jobs_;  // 4 per layer
+  std::vector<std::unique_ptr<Job>> jobs_;   // 4 per layer
+  std::vector<std::unique_ptr<Job>> loops_;  // the attention's loops, taken in turn
+  size_t loops_used_ = 0;
   int64_t planned_threads_ = 0;
   int64_t hidden_ = 0, max_width_ = 0;
   std::vector<bf16> x_, qkv_, qn_, kn_, qr_, kr_, attn_, o_, tmp_, mlp_in_, gate_up_, act_, down_;
-  std::atomic<int64_t> phase_{0};
+  std::atomic<int64_t> phase_{0};  // jobs published in this step
+  std::atomic<Job*> current_{nullptr};  // the latest
   std::atomic<bool> stop_{false};
+  vserve_layer::ParallelFor par_;
 
   void plan(int64_t threads);
   void run_job(Job& job, const bf16* x, int64_t m);
+  void publish(Job& job);
+  void team_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
   void work(Job& job, int64_t tid, int64_t m) const;
   void helper(int64_t tid, int64_t m);
   void master(at::Tensor& out, int64_t m, const std::vector<at::Tensor>& cos,
@@ -227,12 +239,28 @@ void DecodeStack::plan(int64_t threads) {
       }
       jobs_.push_back(std::move(job));
     }
+  // the attention of a layer runs at most 2 loops per item it splits (fewer items than
+  // threads), or one over its items
+  loops_.clear();
+  for (size_t i = 0; i < layers_.size() * (2 * threads + 1); ++i)
+    loops_.push_back(std::make_unique<Job>());
+  par_.threads = threads;
+  par_.run = [this](int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+    team_for(n, grain, fn);
+  };
   planned_threads_ = threads;
 }
 
 // the rows of `job` this thread can claim: its own share of each part from the front, then
 // the others' from their back
 void DecodeStack::work(Job& job, int64_t tid, int64_t m) const {
+  if (job.fn != nullptr) {
+    for (int64_t lo; (lo = job.next.fetch_add(job.chunk, std::memory_order_relaxed)) < job.n;) {
+      (*job.fn)(lo, std::min(job.n, lo + job.chunk));
+      job.done.fetch_add(1, std::memory_order_release);
+    }
+    return;
+  }
   const Linear& lin = *job.linear;
   auto chunk_of = [&](size_t p) {
     const Part& part = lin.parts[p];
@@ -268,7 +296,7 @@ void DecodeStack::run_job(Job& job, const bf16* x, int64_t m) {
   const Linear& lin = *job.linear;
   for (size_t p = 0; p < lin.parts.size(); ++p)
     vserve_quant::gemv_prepare(job.inputs[p], x, m, lin.in, lin.parts[p].qtype);
-  phase_.fetch_add(1, std::memory_order_release);
+  publish(job);
   work(job, 0, m);
   wait_until([&] { return job.done.load(std::memory_order_acquire) == job.total; });
   if (lin.bias.has_value()) {
@@ -277,6 +305,35 @@ void DecodeStack::run_job(Job& job, const bf16* x, int64_t m) {
       for (int64_t i = 0; i < lin.out; ++i)
         job.y[r * lin.out + i] = b(f(job.y[r * lin.out + i]) + f(bias[i]));
   }
+}
+
+// a job for the helpers: they take the latest one published (a late helper may skip one,
+// whose chunks the master has taken)
+void DecodeStack::publish(Job& job) {
+  current_.store(&job, std::memory_order_release);
+  phase_.fetch_add(1, std::memory_order_release);
+}
+
+// fn over [0, n) on the team, in chunks of at least `grain` (one per thread); on the master
+// alone when the step has used up its loops
+void DecodeStack::team_for(int64_t n, int64_t grain,
+                           const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  const int64_t chunk = std::max<int64_t>(grain, (n + planned_threads_ - 1) / planned_threads_);
+  if (loops_used_ >= loops_.size() || chunk >= n) {
+    fn(0, n);
+    return;
+  }
+  Job& job = *loops_[loops_used_++];
+  job.fn = &fn;
+  job.n = n;
+  job.chunk = chunk;
+  job.total = (n + chunk - 1) / chunk;
+  job.next.store(0, std::memory_order_relaxed);
+  job.done.store(0, std::memory_order_relaxed);
+  publish(job);
+  work(job, 0, 0);
+  wait_until([&] { return job.done.load(std::memory_order_acquire) == job.total; });
 }
 
 void DecodeStack::helper(int64_t tid, int64_t m) {
@@ -289,7 +346,7 @@ void DecodeStack::helper(int64_t tid, int64_t m) {
     });
     if (now == seen) return;  // stopped
     seen = now;
-    work(*jobs_[seen - 1], tid, m);
+    work(*current_.load(std::memory_order_acquire), tid, m);
   }
 }
 
@@ -335,7 +392,7 @@ void DecodeStack::layer(const Layer& l, size_t li, bf16* h, int64_t m, const bf1
   const bf16* kc = static_cast<const bf16*>(kv.data_ptr());
   vserve_layer::attention_rows(qr_.data(), kc, kc + kv.stride(0), attn_.data(), tables, lens, m,
                                l.heads, d, l.kv_heads, kv.size(2), bt_cols, l.window, l.scale,
-                               l.softcap);
+                               l.softcap, &par_);
   // attn_ rows are [heads * d] = qd wide: the o projection's input
   TORCH_CHECK(l.linear[1].in == qd, "DecodeStack: o input");
   run_job(*jobs_[4 * li + 1], attn_.data(), m);
@@ -441,7 +498,9 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
     for (auto& sh : job->shares) sh.reset();
     job->done.store(0, std::memory_order_relaxed);
   }
+  loops_used_ = 0;
   phase_.store(0, std::memory_order_relaxed);
+  current_.store(nullptr, std::memory_order_relaxed);
   stop_.store(false, std::memory_order_relaxed);
   auto out = h.contiguous().clone();
   const at::Tensor* slots[2] = {&sl[0], &sl[1]};
