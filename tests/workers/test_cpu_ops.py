@@ -302,8 +302,9 @@ def test_fused_decode_on_quantized_weights_is_bitwise_the_per_op_path(
     assert fused_b == per_op_b
     llm = make_llm(path, dtype="bfloat16", max_model_len=128, quantization="int8")
     try:
-        layers = llm.engine.client.core.executor.worker.runner.model.fused.layers
-        assert layers and all(f.quantized for f in layers)
+        fused = llm.engine.client.core.executor.worker.runner.model.fused
+        assert fused.layers and all(f.quantized for f in fused.layers)
+        assert fused.stack is not None  # the fused runs above took the one-call stack
     finally:
         llm.shutdown()
 

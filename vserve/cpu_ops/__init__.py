@@ -23,6 +23,10 @@ GGUF block-quantized weights (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their GGUF 
 dequantization, a small-batch gemv that dequantizes blocks in registers while streaming the
 weight, a batched matmul over dequantized tiles, and the embedding lookup of quantized rows;
 `decoder_layer_q` runs a whole decode layer on them.
+
+`stack.cpp` builds into it too: `DecodeStack` runs every layer of a decode step (up to 8 rows)
+on GGUF blocks in one call, with one parallel region for the step instead of a fork and join
+per gemv (vserve/models/fused_decode.py).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode.cpp")
 SAMPLE_SOURCE = Path(__file__).with_name("sample.cpp")
 QUANT_SOURCE = Path(__file__).with_name("quant.cpp")
+STACK_SOURCE = Path(__file__).with_name("stack.cpp")
 _state: dict[str, object] = {}
 
 
@@ -60,7 +65,7 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-def build_dir(sources: tuple[Path, ...] = (SOURCE, QUANT_SOURCE)) -> Path:
+def build_dir(sources: tuple[Path, ...] = (SOURCE, QUANT_SOURCE, STACK_SOURCE)) -> Path:
     headers = b"".join(h.read_bytes() for h in sorted(sources[0].parent.glob("*.h")))
     key = (
         b"".join(s.read_bytes() for s in sources)
@@ -110,7 +115,7 @@ def _load(key: str, build):
 
 
 def _build():
-    return _compile((SOURCE, QUANT_SOURCE), "vserve_cpu_ops")
+    return _compile((SOURCE, QUANT_SOURCE, STACK_SOURCE), "vserve_cpu_ops")
 
 
 def _compile(sources: tuple[Path, ...], name: str):

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "layer_rows.h"
 #include "quant.h"
 #include "vec16.h"
 
@@ -60,6 +61,15 @@ inline float sum_squares(const bf16* x, int64_t n) {
   return s;
 }
 
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+namespace vserve_layer {
+
 // style 0 (Llama): bf16(weight * bf16(x * r)); style 1 (Gemma): bf16(x * r * scale_fp32)
 void rms_row(const bf16* x, bf16* out, int64_t n, const void* w, int64_t style, float eps) {
   float r = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
@@ -72,12 +82,20 @@ void rms_row(const bf16* x, bf16* out, int64_t n, const void* w, int64_t style, 
   }
 }
 
-void check_bf16(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+void rotary_row(const bf16* xr, bf16* o, int64_t d, const bf16* c, const bf16* s,
+                int64_t rot) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < rot; ++i) {
+    float other = i < half ? -f(xr[i + half]) : f(xr[i - half]);
+    o[i] = b(f(b(f(xr[i]) * f(c[i]))) + f(b(other * f(s[i]))));
+  }
+  for (int64_t i = rot; i < d; ++i) o[i] = xr[i];
 }
 
-}  // namespace
+}  // namespace vserve_layer
+
+using vserve_layer::rms_row;
+using vserve_layer::rotary_row;
 
 // x [T, n] or [T, H, n] bf16 (rows of a token dense, any token stride) -> normalized,
 // contiguous; weight: fp32 scale (style 1, Gemma) or bf16 weight (style 0, Llama)
@@ -109,7 +127,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               x.stride(1) == x.size(2), "rotary: x must be bf16 [T, H, D] with dense heads");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
-  int64_t t = x.size(0), h = x.size(1), d = x.size(2), rot = cos.size(-1), half = rot / 2;
+  int64_t t = x.size(0), h = x.size(1), d = x.size(2), rot = cos.size(-1);
   TORCH_CHECK(rot % 2 == 0 && rot <= d && cos.numel() == t * rot && sin.sizes() == cos.sizes(),
               "rotary: cos and sin must be [T, (1,) rot] with an even rot <= head dim");
   auto out = at::empty({t, h, d}, x.options());
@@ -121,15 +139,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   at::parallel_for(0, t * h, 256, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       int64_t ti = r / h, hi_ = r % h;
-      const bf16* xr = xp + ti * xs + hi_ * d;
-      const bf16* c = cp + ti * rot;
-      const bf16* s = sp + ti * rot;
-      bf16* o = op + r * d;
-      for (int64_t i = 0; i < rot; ++i) {
-        float other = i < half ? -f(xr[i + half]) : f(xr[i - half]);
-        o[i] = b(f(b(f(xr[i]) * f(c[i]))) + f(b(other * f(s[i]))));
-      }
-      for (int64_t i = rot; i < d; ++i) o[i] = xr[i];
+      rotary_row(xp + ti * xs + hi_ * d, op + r * d, d, cp + ti * rot, sp + ti * rot, rot);
     }
   });
   return out;
@@ -198,13 +208,23 @@ template <typename T>
 void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const int64_t* btp,
                            const int64_t* slp, int64_t nb, int64_t h, int64_t d, int64_t hkv,
                            int64_t block, int64_t bstride, int64_t tstride, int64_t bt_cols,
-                           int64_t window, float fscale, float cap) {
+                           int64_t window, float fscale, float cap,
+                           const vserve_layer::ParallelFor* par = nullptr) {
   int64_t groups = h / hkv;
-  const bool split = nb * hkv < at::get_num_threads() && d % 16 == 0;
-  // fn over [0, n) in parallel (grain `grain`) when splitting, else on this thread
+  const int64_t threads = par != nullptr ? par->threads : at::get_num_threads();
+  const bool split = nb * hkv < threads && d % 16 == 0;
+  // fn over [0, n) in parallel (chunks of at least `grain`): ATen's threads, or the caller's
+  // (the decode stack's)
+  auto parallel = [&](int64_t n, int64_t grain, auto&& fn) {
+    if (par != nullptr)
+      par->run(n, grain, fn);
+    else
+      at::parallel_for(0, n, grain, fn);
+  };
+  // fn over [0, n) in parallel when splitting, else on this thread
   auto over = [&](int64_t n, int64_t grain, auto&& fn) {
     if (split)
-      at::parallel_for(0, n, grain, fn);
+      parallel(n, grain, fn);
     else
       fn(int64_t{0}, n);
   };
@@ -301,7 +321,7 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
     for (int64_t item = 0; item < nb * hkv; ++item) item_fn(item, qf, acc, scores);
     return;
   }
-  at::parallel_for(0, nb * hkv, 1, [&](int64_t lo, int64_t hi) {
+  parallel(nb * hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(groups * d), acc(groups * d), scores;
     for (int64_t item = lo; item < hi; ++item) item_fn(item, qf, acc, scores);
   });
@@ -354,6 +374,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   else
     run(static_cast<const float*>(q.data_ptr()));
   return out;
+}
+
+void vserve_layer::attention_rows(const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                                  bf16* out, const int64_t* block_tables,
+                                  const int64_t* seq_lens, int64_t nb, int64_t h, int64_t d,
+                                  int64_t hkv, int64_t block, int64_t bt_cols, int64_t window,
+                                  float scale, float softcap, const ParallelFor* par) {
+  decode_attention_rows<bf16>(q, k_cache, v_cache, out, block_tables, seq_lens, nb, h, d, hkv,
+                              block, block * hkv * d, hkv * d, bt_cols, window, scale, softcap,
+                              par);
 }
 
 namespace {
@@ -533,6 +563,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv);
   m.def("linear", &linear);
   m.def("decoder_layer_q", &decoder_layer_q);
+  vserve_layer::bind_stack(m);
   auto quant = m.def_submodule("quant", "GGUF block-format kernels (quant.cpp)");
   quant.def("dequantize", &vserve_quant::dequantize, py::arg("data"), py::arg("qtype"),
             py::arg("k"), py::arg("dtype") = at::kFloat);

@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "quant.h"
+#include "row_shares.h"
 #include "vec16.h"
 
 #define QUANT_INLINE inline __attribute__((always_inline))
@@ -465,55 +466,18 @@ int64_t row_grain(int64_t row_bytes) { return std::max<int64_t>(1, (64 << 10) / 
 // from their far end. A thread the OS preempts (the engine's host work beside the forward,
 // on a machine with no spare core) then no longer holds up the whole call at the join with
 // its unread half (measured: the embedded model's head, 3.0 -> 4.0 ms a step under async).
-class RowShares {
- public:
-  RowShares(int64_t n, int64_t threads, int64_t chunk)
-      : n_(n), threads_(threads), chunk_(chunk), taken_(threads) {}
-  int64_t lo(int64_t t) const { return n_ * t / threads_; }
-  int64_t chunks(int64_t t) const { return (n_ * (t + 1) / threads_ - lo(t) + chunk_ - 1) / chunk_; }
-  // claims the next chunk of share t from its front (the owner) or its back (a helper)
-  bool claim(int64_t t, bool front, int64_t& c) {
-    auto& v = taken_[t].v;
-    uint64_t cur = v.load(std::memory_order_relaxed);
-    const uint64_t total = static_cast<uint64_t>(chunks(t));
-    for (;;) {
-      uint64_t f = cur >> 32, b = cur & 0xFFFFFFFFu;
-      if (f + b >= total) return false;
-      uint64_t next = front ? cur + (uint64_t{1} << 32) : cur + 1;
-      if (v.compare_exchange_weak(cur, next, std::memory_order_relaxed)) {
-        c = static_cast<int64_t>(front ? f : total - 1 - b);
-        return true;
-      }
-    }
-  }
-  template <class Fn>
-  void run(int64_t t, int64_t c, Fn& fn) const {
-    int64_t a = lo(t) + c * chunk_;
-    fn(a, std::min(n_ * (t + 1) / threads_, a + chunk_));
-  }
-
- private:
-  struct alignas(64) Taken {  // one cache line per share
-    std::atomic<uint64_t> v{0};  // chunks taken from the front << 32 | from the back
-  };
-  int64_t n_, threads_, chunk_;
-  std::vector<Taken> taken_;
-};
+// (vserve_rows::RowShares, row_shares.h)
 
 // min_share: the fewest bytes worth a thread (streaming: ~64 KB; the GEMM, whose tiles are
 // arithmetic-bound, one tile)
 template <class Fn>
 void stream_rows(int64_t n, int64_t row_bytes, Fn&& fn, int64_t min_share = 64 << 10) {
-  const int64_t threads = std::min<int64_t>(
-      at::get_num_threads(), std::max<int64_t>(1, n * row_bytes / min_share));
+  auto shares = vserve_rows::RowShares::of(n, row_bytes, at::get_num_threads(), min_share);
+  const int64_t threads = shares.threads();
   if (threads <= 1) {
     fn(int64_t{0}, n);
     return;
   }
-  const int64_t share_bytes = n * row_bytes / threads;
-  const int64_t chunk =
-      std::max<int64_t>(1, std::clamp<int64_t>(share_bytes / 16, 64 << 10, 256 << 10) / row_bytes);
-  RowShares shares(n, threads, chunk);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t c;
@@ -1460,6 +1424,72 @@ at::Tensor embedding(const at::Tensor& data, int64_t qtype, int64_t k, const at:
       dequant_rows(d, qtype, k, row_bytes, ip, lo, hi, out.data_ptr<bf16>() + lo * k);
   });
   return out;
+}
+
+const void* GemvInput::data() const {
+  return reinterpret_cast<const void*>(
+      (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+}
+
+bool supported_qtype(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+  }
+  return false;
+}
+
+int64_t row_bytes_of(int64_t qtype, int64_t k) {
+  return k % block_size(qtype) == 0 ? k / block_size(qtype) * block_bytes(qtype) : -1;
+}
+
+void gemv_prepare(GemvInput& in, const bf16* x, int64_t m, int64_t k, int64_t qtype) {
+  TORCH_CHECK(m >= 1 && m <= 8 && k % block_size(qtype) == 0, "gemv_prepare: shape");
+  in.m = m;
+  in.k = k;
+  in.qtype = qtype;
+#ifdef QUANT_VNNI
+  in.int8 = !exact_forced();  // as gemv decides, call by call
+#else
+  in.int8 = false;
+#endif
+  if (in.int8) {
+#ifdef QUANT_VNNI
+    with_format(qtype, [&](auto fmt) {
+      using F = decltype(fmt);
+      const int64_t nch = (k / 32 + 1) / 2, nsums = x_sums<F>() ? k / 256 * m : 0;
+      in.buf.resize(nch * m * sizeof(XChunk) + nsums * sizeof(XSums) + 64);
+      auto* ch = static_cast<XChunk*>(const_cast<void*>(in.data()));
+      XSums* sums = nsums > 0 ? reinterpret_cast<XSums*>(ch + nch * m) : nullptr;
+      quantize_x(x, m, k, x_offset<F>(), x_layout<F>(), ch, sums);
+    });
+#endif
+    return;
+  }
+  // fp32 [K / 16][M][16] (pack_x; one row: x in order)
+  in.buf.resize(m * k * sizeof(float) + 64);
+  float* xf = static_cast<float*>(const_cast<void*>(in.data()));
+  for (int64_t c = 0; c < k / 16; ++c)
+    for (int64_t mi = 0; mi < m; ++mi)
+      for (int l = 0; l < 16; ++l)
+        xf[(c * m + mi) * 16 + l] = static_cast<float>(x[mi * k + c * 16 + l]);
+}
+
+void gemv_rows(const GemvInput& in, const uint8_t* w, int64_t row_bytes, bf16* y, int64_t ldy,
+               int64_t r0, int64_t r1) {
+  with_format(in.qtype, [&](auto fmt) {
+    using F = decltype(fmt);
+#ifdef QUANT_VNNI
+    if (in.int8) {
+      const auto* ch = static_cast<const XChunk*>(in.data());
+      const int64_t nch = (in.k / 32 + 1) / 2;
+      const auto* sums = reinterpret_cast<const XSums*>(ch + nch * in.m);
+      vnni_dispatch<F>(in.m, w, row_bytes, ch, sums, in.k, y, true, ldy, r0, r1);
+      return;
+    }
+#endif
+    gemv_dispatch<F>(in.m, w, row_bytes, static_cast<const float*>(in.data()), in.k, y, true,
+                     ldy, r0, r1);
+  });
 }
 
 }  // namespace vserve_quant

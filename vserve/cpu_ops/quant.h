@@ -4,6 +4,10 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <vector>
 
 namespace vserve_quant {
 
@@ -13,5 +17,22 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int6
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k);
 at::Tensor embedding(const at::Tensor& data, int64_t qtype, int64_t k, const at::Tensor& ids,
                      at::ScalarType dtype);
+
+// The gemv of `gemv` in two halves, for callers that run its rows on their own threads (the
+// decode stack, stack.cpp): `prepare` quantizes (or widens) M <= 8 bf16 activation rows once
+// as `gemv` does, `rows` computes output rows [r0, r1) of that product into y (bf16, row
+// stride ldy) from any thread. Each output row is computed alone, in gemv's order, so any
+// split of the rows gives gemv's values exactly.
+struct GemvInput {
+  std::vector<uint8_t> buf;  // quantized activation chunks, or fp32 activations
+  int64_t m = 0, k = 0, qtype = 0;
+  bool int8 = false;
+  const void* data() const;
+};
+void gemv_prepare(GemvInput& in, const c10::BFloat16* x, int64_t m, int64_t k, int64_t qtype);
+void gemv_rows(const GemvInput& in, const uint8_t* w, int64_t row_bytes, c10::BFloat16* y,
+               int64_t ldy, int64_t r0, int64_t r1);
+bool supported_qtype(int64_t qtype);
+int64_t row_bytes_of(int64_t qtype, int64_t k);  // -1 when k is not a whole number of blocks
 
 }  // namespace vserve_quant

@@ -6,6 +6,10 @@ A step whose rows all decode one token runs each layer as a single call into vse
 (QuantLinear's parts). It calls the same kernels in the same order as the per-op path the model
 takes for every other step, so its outputs are bitwise those of that path
 (tests/workers/test_cpu_ops.py).
+
+On GGUF blocks a step of up to 8 rows runs all the layers in one call instead
+(`DecodeStack`, vserve/cpu_ops/stack.cpp): one parallel region for the step, buffers
+allocated once, the same kernels in the same order, so the same bits.
 """
 
 from __future__ import annotations
@@ -49,10 +53,14 @@ class FusedLayer:
     quantized: bool = False
 
 
+STACK_MAX_ROWS = 8  # DecodeStack's rows: the quantized gemv's
+
+
 class FusedDecode:
     def __init__(self, kernel, layers: list[FusedLayer]) -> None:
         self.kernel = kernel
         self.layers = layers
+        self.stack = _decode_stack(kernel, layers)
 
     @staticmethod
     def can_run(meta: AttentionMetadata, backend) -> bool:
@@ -63,13 +71,23 @@ class FusedDecode:
 
     def run(self, h: torch.Tensor, ropes, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         seq_lens = meta.seq_lens.long()
-        dense_fn, quant_fn = self.kernel.decoder_layer, self.kernel.decoder_layer_q
         full = (meta.slot_mapping, meta.block_tables.long())
         local = (
             full
             if meta.local_block_tables is None
             else (meta.local_slot_mapping, meta.local_block_tables.long())
         )  # sliding-window group
+        if self.stack is not None and h.shape[0] <= STACK_MAX_ROWS and h.dtype == torch.bfloat16:
+            return self.stack.run(
+                h,
+                [c for c, _ in ropes],
+                [s for _, s in ropes],
+                [kv_caches[f.layer_idx] for f in self.layers],
+                *full,
+                *local,
+                seq_lens,
+            )
+        dense_fn, quant_fn = self.kernel.decoder_layer, self.kernel.decoder_layer_q
         for f in self.layers:
             cos, sin = ropes[f.rope]
             slots, tables = local if f.consts.window > 0 else full
@@ -88,6 +106,22 @@ class FusedDecode:
                 *f.consts,
             )
         return h
+
+
+def _decode_stack(kernel, layers: list[FusedLayer]):
+    """The one-call stack of `layers` when every linear is GGUF blocks (no dense part), or
+    None (the kernel lacks it, bf16 weights, a dense part)."""
+    stack_cls = getattr(kernel, "DecodeStack", None)
+    if stack_cls is None or not layers:
+        return None
+    if not all(f.quantized and all(t > 0 for ts in f.plain for t in ts) for f in layers):
+        return None
+    if any(b is not None and b.dtype != torch.bfloat16 for f in layers for b in f.biases):
+        return None
+    stack = stack_cls()
+    for f in layers:
+        stack.add_layer(f.weights, f.plain, f.biases, f.norms, *f.consts, f.rope)
+    return stack
 
 
 def build_fused(model, kernel) -> FusedDecode | None:

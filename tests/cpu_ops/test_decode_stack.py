@@ -1,0 +1,133 @@
+"""DecodeStack (vserve/cpu_ops/stack.cpp): all the layers of a decode step in one call on GGUF
+blocks, bitwise the per-layer `decoder_layer_q` calls it replaces, on the int8 and the exact
+gemv path, for 1 and several rows, both norm styles and a sliding-window layer. The caches it
+writes are bitwise theirs too."""
+
+import shutil
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tests.cpu_ops.test_quant_kernels import random_weight
+from vserve import cpu_ops
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the kernels cannot be built",
+)
+BF = torch.bfloat16
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 256, 2, 1, 128, 512, 4
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the CPU kernels failed to build (see the log)"
+    return module
+
+
+def _blocks(qtype, n, k, seed):
+    return torch.from_numpy(random_weight(qtype, n, k, seed))
+
+
+def _layer(seed: int, style: int, window: int):
+    qd, kd = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    parts = [
+        [_blocks(Q.Q5_0, qd + kd, HIDDEN, seed), _blocks(Q.Q8_0, kd, HIDDEN, seed + 1)],
+        [_blocks(Q.Q4_K, HIDDEN, qd, seed + 2)],
+        [_blocks(Q.Q6_K, 2 * INTER, HIDDEN, seed + 3)],
+        [_blocks(Q.Q4_0, HIDDEN // 2, INTER, seed + 4), _blocks(Q.Q5_K, HIDDEN // 2, INTER, 9)],
+    ]
+    formats = ([Q.Q5_0, Q.Q8_0], [Q.Q4_K], [Q.Q6_K], [Q.Q4_0, Q.Q5_K])
+    qtypes = [[int(t) for t in ts] for ts in formats]
+    g = torch.Generator().manual_seed(seed)
+    if style == 1:  # Gemma: fp32 scales, with q / k norms
+        norms = [1 + 0.1 * torch.randn(HIDDEN, generator=g) for _ in range(4)]
+        norms += [1 + 0.1 * torch.randn(HEAD_DIM, generator=g) for _ in range(2)]
+    else:  # Llama: bf16 weights, no q / k norms
+        norms = [(1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(BF) for _ in range(2)]
+    biases = [None, None, None, None]
+    if style == 0:
+        biases[0] = (0.1 * torch.randn(qd + 2 * kd, generator=g)).to(BF)
+    consts = (HEADS, KV_HEADS, HEAD_DIM, window, HEAD_DIM**-0.5, 0.0, 1e-6, style, style)
+    return parts, qtypes, biases, norms, consts
+
+
+def _inputs(rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, HIDDEN, generator=g).to(BF)
+    lens = torch.tensor([5 + 3 * r for r in range(rows)])
+    tables = torch.arange(rows * 8).view(rows, 8)  # 8 blocks of 4 per row
+    slots = torch.stack(
+        [tables[r, (lens[r] - 1) // BLOCK] * BLOCK + (lens[r] - 1) % BLOCK for r in range(rows)]
+    )
+    angles = torch.randn(rows, 1, HEAD_DIM, generator=g)
+    return h, lens, tables, slots, angles.cos().to(BF), angles.sin().to(BF)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("style", [1, 0])
+def test_stack_is_bitwise_the_per_layer_calls(ops, monkeypatch, exact, rows, style):
+    if exact:
+        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    layers = [_layer(10 * i, style, window=8 if i == 1 else -1) for i in range(3)]
+    h, lens, tables, slots, cos, sin = _inputs(rows)
+    g = torch.Generator().manual_seed(1)
+    caches = [
+        torch.randn(2, rows * 8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(BF) for _ in layers
+    ]
+    stack = ops.DecodeStack()
+    for parts, qtypes, biases, norms, consts in layers:
+        stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+    mine = [c.clone() for c in caches]
+    out = stack.run(h, [cos], [sin], mine, slots, tables, slots, tables, lens)
+    ref = h
+    for (parts, qtypes, biases, norms, consts), cache in zip(layers, caches):
+        ref = ops.decoder_layer_q(
+            ref, parts, qtypes, biases, norms, cache, slots, tables, lens, cos, sin, *consts
+        )
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    for a, b in zip(mine, caches):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert torch.equal(h, _inputs(rows)[0])  # its input stays as it was
+
+
+def test_stack_runs_on_one_thread_and_inside_a_parallel_region(ops):
+    """The master alone takes every chunk when no helper comes (one thread)."""
+    parts, qtypes, biases, norms, consts = _layer(0, 1, -1)
+    h, lens, tables, slots, cos, sin = _inputs(2)
+    cache = torch.zeros(2, 16, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF)
+    stack = ops.DecodeStack()
+    stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = stack.run(h, [cos], [sin], [cache.clone()], slots, tables, slots, tables, lens)
+    finally:
+        torch.set_num_threads(threads)
+    two = stack.run(h, [cos], [sin], [cache.clone()], slots, tables, slots, tables, lens)
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+
+
+def test_stack_rejects_bad_inputs(ops):
+    parts, qtypes, biases, norms, consts = _layer(0, 1, -1)
+    stack = ops.DecodeStack()
+    with pytest.raises(RuntimeError, match="GGUF blocks"):
+        stack.add_layer(
+            [[torch.zeros(4, 4, dtype=BF)]] + parts[1:],
+            [[8]] + qtypes[1:],
+            biases,
+            norms,
+            *consts,
+            0,
+        )
+    stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+    h, lens, tables, slots, cos, sin = _inputs(9)
+    cache = torch.zeros(2, 72, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        stack.run(h, [cos], [sin], [cache], slots, tables, slots, tables, lens)
+    h, lens, tables, slots, cos, sin = _inputs(1)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        stack.run(h, [cos], [sin], [cache], slots + 10**6, tables, slots + 10**6, tables, lens)

@@ -1,0 +1,39 @@
+// decode.cpp's row kernels, for the decode stack (stack.cpp), which strings them together
+// on preallocated buffers exactly as decode.cpp's ops do on tensors.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <functional>
+
+namespace vserve_layer {
+
+using bf16 = c10::BFloat16;
+
+// rms_norm of one row of n: style 1 (Gemma) with an fp32 scale, 0 (Llama) with a bf16 weight
+void rms_row(const bf16* x, bf16* out, int64_t n, const void* w, int64_t style, float eps);
+
+// rotary of one head of d (the first rot dims; cos, sin: rot each)
+void rotary_row(const bf16* x, bf16* out, int64_t d, const bf16* cos, const bf16* sin,
+                int64_t rot);
+
+// a parallel loop of the caller's threads: run(n, grain, fn) calls fn(lo, hi) over [0, n)
+struct ParallelFor {
+  int64_t threads;
+  std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)> run;
+};
+
+// decode_attention on bf16: q [nb, h, d] -> out [nb, h, d]; caches [blocks, block, hkv, d]
+// dense; block_tables [nb, bt_cols] and seq_lens [nb] int64. Its parallel loops run on `par`
+// (not ATen's threads) when given; the result does not depend on the split.
+void attention_rows(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf16* out,
+                    const int64_t* block_tables, const int64_t* seq_lens, int64_t nb, int64_t h,
+                    int64_t d, int64_t hkv, int64_t block, int64_t bt_cols, int64_t window,
+                    float scale, float softcap, const ParallelFor* par);
+
+// the decode stack's Python binding (stack.cpp), added to the extension's module
+void bind_stack(pybind11::module& m);
+
+}  // namespace vserve_layer
