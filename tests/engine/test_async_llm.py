@@ -136,7 +136,7 @@ def test_failing_stats_listener_marks_the_engine_dead(tiny_model_dir, monkeypatc
     """Review A10: the handler task ended on the exception, and every request hung."""
     llm = _slow_engine(tiny_model_dir("llama"), monkeypatch)
 
-    def broken(stats):
+    def broken(stats, engine):
         raise RuntimeError("listener bug")
 
     _assert_dies_cleanly(llm, lambda: llm.stats_listeners.append(broken), "listener bug")

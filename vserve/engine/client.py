@@ -26,7 +26,10 @@ class EngineCoreClient(Protocol):
 
     num_kv_blocks: int
 
-    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
+        """Send it to an engine (data parallel: the least loaded one, or `data_parallel_rank`);
+        returns that engine's rank."""
+        ...
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
@@ -52,7 +55,9 @@ class AsyncEngineCoreClient(Protocol):
         """Bind to the running event loop (call from inside it)."""
         ...
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None: ...
+    async def add_request_async(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> int: ...
 
     async def abort_requests_async(self, request_ids: list[str]) -> None: ...
 
@@ -71,9 +76,12 @@ class InprocClient:
         self.num_kv_blocks = self.core.num_kv_blocks
         self.num_adds = 0  # so that an abort never reaches a later request of the same id
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
+        if data_parallel_rank not in (None, 0):
+            raise ValueError(f"data_parallel_rank {data_parallel_rank}: there is one engine")
         self.num_adds += 1
         self.core.add_request(request, self.num_adds)
+        return 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
