@@ -22,6 +22,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.utils.monitor
+import zmq.utils.z85
 
 from vserve.envs import read_env
 
