@@ -164,3 +164,14 @@ def test_two_hosts_headless(model, expected, monkeypatch):
         if host1.poll() is None:
             host1.kill()
             host1.wait()
+
+
+def test_data_parallel_times_tensor_parallel(model, expected):
+    """DP 2 x TP 2: two engines of two TP ranks each (six processes) give one engine's
+    tokens, and both serve."""
+    llm = LLM(model, data_parallel_size=2, tensor_parallel_size=2, **ARGS)
+    try:
+        assert _ids(llm.generate(_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
+        assert llm.engine.client.router.num_assigned == {0: 6, 1: 6}
+    finally:
+        llm.shutdown()

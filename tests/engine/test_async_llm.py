@@ -68,11 +68,11 @@ def test_failed_send_leaves_no_state(engine, monkeypatch):
         send = llm.client.add_request_async
         calls = []
 
-        async def flaky(request):
+        async def flaky(request, *rank):
             calls.append(request.request_id)
             if len(calls) == 2:
                 raise OverflowError("injected: cannot encode")
-            await send(request)
+            return await send(request, *rank)
 
         monkeypatch.setattr(llm.client, "add_request_async", flaky)
         params = SamplingParams(n=2, temperature=1.0, max_tokens=400, ignore_eos=True)
