@@ -18,6 +18,7 @@ import pytest
 from tests.support.engines import make_llm
 from tests.support.proc_utils import descendants, kill, wait_dead
 from vserve import LLM, SamplingParams
+from vserve.engine.mp_client import EngineDeadError
 from vserve.executor.multiproc import free_port
 
 pytestmark = pytest.mark.slow
@@ -124,12 +125,8 @@ def test_bad_data_parallel_arguments(model):
         )
 
 
-def test_two_hosts_headless(model, expected, monkeypatch):
-    """Host 1 runs `vserve serve --headless` (rank 1), host 0 the front end and rank 0, over
-    TCP on 127.0.0.1 with CURVE keys from VSERVE_DP_SECRET; both ranks serve, the tokens equal
-    one engine's, and the headless host exits 0 with its engine once the head shuts down."""
-    monkeypatch.setenv("VSERVE_DP_SECRET", "test-secret")
-    port = free_port()
+def _headless_pair(model, port):
+    """A `--headless` host (rank 1, its own process) and the head's `LLM` (rank 0)."""
     dp = [
         "--data-parallel-size",
         "2",
@@ -152,6 +149,20 @@ def test_two_hosts_headless(model, expected, monkeypatch):
             data_parallel_rpc_port=port,
             **ARGS,
         )
+    except BaseException:
+        host1.kill()
+        host1.wait()
+        raise
+    return host1, llm
+
+
+def test_two_hosts_headless(model, expected, monkeypatch):
+    """Host 1 runs `vserve serve --headless` (rank 1), host 0 the front end and rank 0, over
+    TCP on 127.0.0.1 with CURVE keys from VSERVE_DP_SECRET; both ranks serve, the tokens equal
+    one engine's, and the headless host exits 0 with its engine once the head shuts down."""
+    monkeypatch.setenv("VSERVE_DP_SECRET", "test-secret")
+    host1, llm = _headless_pair(model, free_port())
+    try:
         tree = descendants(host1.pid)
         assert len(tree) >= 2  # its engine core and that core's worker
         outs = llm.generate(_prompts(PROMPTS), GREEDY, use_tqdm=False)
@@ -175,3 +186,34 @@ def test_data_parallel_times_tensor_parallel(model, expected):
         assert llm.engine.client.router.num_assigned == {0: 6, 1: 6}
     finally:
         llm.shutdown()
+
+
+def test_remote_engine_death_is_seen_at_once(model):
+    """The remote engine core SIGKILLed: the head sees its connection drop and fails the
+    work (no keep-serving: the whole engine is dead) within moments; the headless host exits
+    1 and leaves nothing behind. Plain TCP on loopback (no secret)."""
+    host1, llm = _headless_pair(model, free_port())
+    try:
+        tree = descendants(host1.pid)
+        core = next(p for p in tree if b"core_proc" in _cmdline(p))
+        kill(core, signal.SIGKILL)
+        start = time.monotonic()
+        long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+        with pytest.raises(EngineDeadError, match="engine 1 .remote. disconnected"):
+            llm.generate(_prompts(PROMPTS[:4]), long, use_tqdm=False)
+        assert time.monotonic() - start < 5
+        llm.shutdown()
+        assert host1.wait(timeout=30) == 1
+        assert wait_dead(tree, timeout=10) == []
+    finally:
+        if host1.poll() is None:
+            host1.kill()
+            host1.wait()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
