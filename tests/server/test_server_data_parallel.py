@@ -145,3 +145,60 @@ def _is_engine_core(pid: int) -> bool:
             return b"vserve.engine.core_proc" in f.read()
     except OSError:
         return False
+
+
+def test_keep_serving_fails_only_the_dead_engines_requests(model, expected):
+    """--data-parallel-keep-serving: engine 1 killed with a request pinned to it in flight;
+    that request fails (500), /health stays 200, new requests succeed on engine 0, naming
+    engine 1 is a 400, and the server still stops cleanly (exit 0, nothing left)."""
+    srv = ServerProcess(
+        [model, *TINY_ARGS, "--max-model-len", "1024", "--data-parallel-size", "2"]
+        + ["--data-parallel-keep-serving"]
+    ).wait_ready()
+    try:
+        box = {}
+
+        def pinned_long_request():
+            box["status"] = httpx.post(
+                srv.url + "/v1/completions",
+                json=_body(PROMPTS[1], 900),
+                headers={"X-data-parallel-rank": "1"},
+                timeout=60,
+            ).status_code
+
+        before = set(p for p in srv.remember_tree() if _is_engine_core(p))
+        thread = threading.Thread(target=pinned_long_request)
+        thread.start()
+        time.sleep(1.0)
+        victim = _engine_with_work(before)
+        kill(victim, signal.SIGKILL)
+        thread.join(timeout=30)
+        assert box["status"] == 500
+        assert httpx.get(srv.url + "/health").status_code == 200
+        r = httpx.post(srv.url + "/v1/completions", json=_body(PROMPTS[0]))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[0]
+        pinned = httpx.post(
+            srv.url + "/v1/completions",
+            json=_body(PROMPTS[0]),
+            headers={"X-data-parallel-rank": "1"},
+        )
+        assert pinned.status_code == 400 and "dead" in pinned.text
+    finally:
+        assert srv.stop() == 0
+
+
+def _engine_with_work(pids: set[int]) -> int:
+    """The engine core whose worker is busy (the one running the pinned request)."""
+    from vserve.proc_tree import descendants
+
+    def cpu(pid: int) -> int:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+        except OSError:
+            return 0
+
+    first = {p: sum(cpu(w) for w in descendants(p)) for p in pids}
+    time.sleep(0.5)
+    return max(pids, key=lambda p: sum(cpu(w) for w in descendants(p)) - first[p])
