@@ -125,15 +125,15 @@ _WATCHED = (
 
 
 def watch_disconnect(sock: zmq.Socket, on_gone: Callable[[], None], name: str) -> threading.Thread:
-    """Call `on_gone` once a peer that completed its handshake disconnects (its process died
-    or shut down, or its host is gone), or the socket closes. A stranger refused at the
-    handshake is no peer: handshake events carry no descriptor, so each is matched to the
-    oldest connection still waiting for one."""
+    """Call `on_gone` once a peer disconnects (its process died or shut down, or its host is
+    gone), or the socket closes. A stranger refused at the handshake is no peer: handshake
+    events carry no descriptor, so each is matched to the oldest connection waiting for one,
+    and only the disconnects of connections refused that way, or still waiting, are ignored."""
     monitor = sock.get_monitor_socket(_WATCHED)
 
     def watch() -> None:
         waiting: list[int] = []  # descriptors of connections not through the handshake
-        peers: set[int] = set()
+        refused: set[int] = set()
         try:
             while True:
                 msg = zmq.utils.monitor.recv_monitor_message(monitor)
@@ -141,13 +141,15 @@ def watch_disconnect(sock: zmq.Socket, on_gone: Callable[[], None], name: str) -
                 if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                     waiting.append(fd)
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and waiting:
-                    peers.add(waiting.pop(0))
-                elif event & _HANDSHAKE_FAILED and waiting:
                     waiting.pop(0)
-                elif event == zmq.EVENT_DISCONNECTED and fd in peers:
+                elif event & _HANDSHAKE_FAILED and waiting:
+                    refused.add(waiting.pop(0))
+                elif event == zmq.EVENT_DISCONNECTED:
+                    if fd in refused or fd in waiting:
+                        refused.discard(fd)
+                        waiting = [w for w in waiting if w != fd]
+                        continue
                     return
-                elif event == zmq.EVENT_DISCONNECTED and fd in waiting:
-                    waiting.remove(fd)
                 elif event == zmq.EVENT_MONITOR_STOPPED:
                     return
         except zmq.ZMQError:

@@ -46,6 +46,7 @@ from vserve.envs import ENV
 logger = logging.getLogger("vserve")
 READY_TIMEOUT_S = ENV.engine_ready_timeout
 WATCHDOG_GRACE_S = 2.0  # lets the engine core's own step deadline report first
+SEND_RETRY_S = 0.002  # a send finds no engine socket connected (start-up, or it is gone)
 
 
 def watchdog_periods(timeout: float) -> tuple[float, float]:
@@ -398,10 +399,15 @@ class SyncMPClient(_ClientBase):
             waiter.put(self._error(message))
 
     def _send(self, frames) -> None:
-        if self.dead_message is not None:
-            raise EngineDeadError(self.dead_message)
         with self._send_lock:
-            self.engine.input_sock.send_multipart(frames)
+            while True:  # a PUSH without a peer (the engine gone) would block for ever
+                if self.dead_message is not None:
+                    raise EngineDeadError(self.dead_message)
+                try:
+                    self.engine.input_sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    time.sleep(SEND_RETRY_S)
 
     # -- client API --------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
@@ -539,9 +545,14 @@ class AsyncMPClient(_ClientBase):
                     fut.set_result(self._error(message))
 
     async def _send(self, frames) -> None:
-        if self.dead_message is not None:
-            raise EngineDeadError(self.dead_message)
-        await self._in.send_multipart(frames)
+        while True:  # a PUSH without a peer (the engine gone) would wait for ever
+            if self.dead_message is not None:
+                raise EngineDeadError(self.dead_message)
+            try:
+                await self._in.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await asyncio.sleep(SEND_RETRY_S)
 
     # -- client API --------------------------------------------------------------------------------
     async def add_request_async(
