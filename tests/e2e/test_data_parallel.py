@@ -51,7 +51,16 @@ def expected(model):
 
 @pytest.fixture(scope="module")
 def dp_llm(model):
-    llm = LLM(model, data_parallel_size=2, data_parallel_keep_serving=True, **ARGS)
+    # every step sleeps 5 ms: long requests are surely in flight when an engine is killed
+    saved = os.environ.get("VSERVE_FAULT_INJECT")
+    os.environ["VSERVE_FAULT_INJECT"] = "execute_model_delay:5"
+    try:
+        llm = LLM(model, data_parallel_size=2, data_parallel_keep_serving=True, **ARGS)
+    finally:
+        if saved is None:
+            del os.environ["VSERVE_FAULT_INJECT"]
+        else:
+            os.environ["VSERVE_FAULT_INJECT"] = saved
     yield llm
     llm.shutdown()
 
@@ -80,7 +89,7 @@ def test_killed_engine_fails_its_requests_the_other_serves_on(dp_llm, expected):
     engine 1's tree survives."""
     victim = dp_llm.engine.client.clients[1].engine.proc.pid
     tree = [victim, *descendants(victim)]
-    long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
     box = {}
     thread = threading.Thread(
         target=lambda: box.update(outs=dp_llm.generate(_prompts(PROMPTS[:4]), long, use_tqdm=False))

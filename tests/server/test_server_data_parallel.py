@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [[2, 10 + i, 20 + 2 * i, 30 + 3 * i] for i in range(10)]
 MAX_TOKENS = 4
+# every step sleeps 5 ms: a long request is surely in flight when an engine is killed
+SLOW_STEPS = {"VSERVE_FAULT_INJECT": "execute_model_delay:5"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def server(model):
     srv = ServerProcess(
-        [model, *TINY_ARGS, "--max-model-len", "1024", "--data-parallel-size", "2"]
+        [model, *TINY_ARGS, "--max-model-len", "1024", "--data-parallel-size", "2"], SLOW_STEPS
     ).wait_ready()
     yield srv
     if srv.proc.poll() is None:
@@ -148,57 +150,46 @@ def _is_engine_core(pid: int) -> bool:
 
 
 def test_keep_serving_fails_only_the_dead_engines_requests(model, expected):
-    """--data-parallel-keep-serving: engine 1 killed with a request pinned to it in flight;
-    that request fails (500), /health stays 200, new requests succeed on engine 0, naming
-    engine 1 is a 400, and the server still stops cleanly (exit 0, nothing left)."""
+    """--data-parallel-keep-serving: one engine killed with a long request pinned to each;
+    the dead engine's request fails (500, naming it), the other's finishes, /health stays
+    200, new requests succeed, naming the dead rank is a 400, and the server still stops
+    cleanly (exit 0, nothing left)."""
     srv = ServerProcess(
         [model, *TINY_ARGS, "--max-model-len", "1024", "--data-parallel-size", "2"]
-        + ["--data-parallel-keep-serving"]
+        + ["--data-parallel-keep-serving"],
+        SLOW_STEPS,
     ).wait_ready()
     try:
-        box = {}
+        results: dict[str, httpx.Response] = {}
 
-        def pinned_long_request():
-            box["status"] = httpx.post(
+        def pinned_long_request(rank: str) -> None:
+            results[rank] = httpx.post(
                 srv.url + "/v1/completions",
-                json=_body(PROMPTS[1], 900),
-                headers={"X-data-parallel-rank": "1"},
+                json=_body(PROMPTS[1], 400),
+                headers={"X-data-parallel-rank": rank},
                 timeout=60,
-            ).status_code
+            )
 
-        before = set(p for p in srv.remember_tree() if _is_engine_core(p))
-        thread = threading.Thread(target=pinned_long_request)
-        thread.start()
+        engines = [p for p in srv.remember_tree() if _is_engine_core(p)]
+        threads = [threading.Thread(target=pinned_long_request, args=(r,)) for r in "01"]
+        for thread in threads:
+            thread.start()
         time.sleep(1.0)
-        victim = _engine_with_work(before)
-        kill(victim, signal.SIGKILL)
-        thread.join(timeout=30)
-        assert box["status"] == 500
+        kill(engines[0], signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=60)
+        statuses = sorted(r.status_code for r in results.values())
+        assert statuses == [200, 500]
+        dead = next(rank for rank, r in results.items() if r.status_code == 500)
+        assert f"data-parallel engine {dead}" in results[dead].text
         assert httpx.get(srv.url + "/health").status_code == 200
         r = httpx.post(srv.url + "/v1/completions", json=_body(PROMPTS[0]))
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[0]
         pinned = httpx.post(
             srv.url + "/v1/completions",
             json=_body(PROMPTS[0]),
-            headers={"X-data-parallel-rank": "1"},
+            headers={"X-data-parallel-rank": dead},
         )
         assert pinned.status_code == 400 and "dead" in pinned.text
     finally:
         assert srv.stop() == 0
-
-
-def _engine_with_work(pids: set[int]) -> int:
-    """The engine core whose worker is busy (the one running the pinned request)."""
-    from vserve.proc_tree import descendants
-
-    def cpu(pid: int) -> int:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return int(fields[11]) + int(fields[12])
-        except OSError:
-            return 0
-
-    first = {p: sum(cpu(w) for w in descendants(p)) for p in pids}
-    time.sleep(0.5)
-    return max(pids, key=lambda p: sum(cpu(w) for w in descendants(p)) - first[p])
