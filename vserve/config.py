@@ -63,6 +63,33 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class DataParallelConfig:
+    """Data parallel: `size` independent engine cores behind one front end (or, with `rank`
+    set, one plain server per rank behind an external load balancer)."""
+
+    size: int = 1  # engine cores in all, over every host
+    size_local: int = 1  # engine cores on this host
+    start_rank: int = 0  # the first rank on this host
+    rank: int | None = None  # external load balancing: this server runs only this rank
+    address: str = "127.0.0.1"  # the head's address: remote engines connect to it
+    rpc_port: int = 0  # the head's handshake port for remote (headless) engines
+    keep_serving: bool = False  # one engine's death fails only its requests
+    engine_index: int = 0  # the rank of the engine core this config was made for
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.start_rank, self.start_rank + self.size_local)
+
+    @property
+    def remote_ranks(self) -> list[int]:
+        """Ranks the head's front end reaches over TCP (started by `--headless` hosts)."""
+        if self.rank is not None:  # external load balancing: this server's rank alone
+            return []
+        local = set(self.local_ranks)
+        return [r for r in range(self.size) if r not in local]
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"  # cpu | cuda
     attention_backend: str = "torch"
@@ -82,6 +109,7 @@ class EngineConfig:
     # seconds a step may stay in flight, or the engine core go without answering, before the
     # engine is declared dead (0: no watchdog)
     watchdog_timeout: float = 300.0
+    data_parallel: DataParallelConfig = DataParallelConfig()
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -124,6 +152,7 @@ __all__ = [
     "CacheConfig",
     "ParallelConfig",
     "DeviceConfig",
+    "DataParallelConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
     "cpu_has_bf16",

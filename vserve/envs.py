@@ -27,6 +27,8 @@ class Env:
     debug_invariants: bool  # VSERVE_DEBUG_INVARIANTS=1: the engine core checks the
     # scheduler and KV-block invariants each time it goes idle
     # (free + cached + in-use == total, none in use); on in tests
+    dp_secret: str | None = None  # VSERVE_DP_SECRET: shared secret of a multi-host data-
+    # parallel setup; CURVE keys of the head's TCP sockets derive from it
     weight_cache: bool = True  # VSERVE_WEIGHT_CACHE=0: load CPU weights from the checkpoint
     # every time, without the memory-mapped copy on disk
 
@@ -42,6 +44,7 @@ def read_env() -> Env:
         cpu_threads_bind=os.environ.get("VSERVE_CPU_THREADS_BIND") or None,
         pp_layer_partition=os.environ.get("VSERVE_PP_LAYER_PARTITION") or None,
         debug_invariants=os.environ.get("VSERVE_DEBUG_INVARIANTS", "0") not in ("", "0"),
+        dp_secret=os.environ.get("VSERVE_DP_SECRET") or None,
         weight_cache=os.environ.get("VSERVE_WEIGHT_CACHE", "1") not in ("0", "false", "off"),
     )
 

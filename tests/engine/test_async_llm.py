@@ -68,11 +68,11 @@ def test_failed_send_leaves_no_state(engine, monkeypatch):
         send = llm.client.add_request_async
         calls = []
 
-        async def flaky(request):
+        async def flaky(request, *rank):
             calls.append(request.request_id)
             if len(calls) == 2:
                 raise OverflowError("injected: cannot encode")
-            await send(request)
+            return await send(request, *rank)
 
         monkeypatch.setattr(llm.client, "add_request_async", flaky)
         params = SamplingParams(n=2, temperature=1.0, max_tokens=400, ignore_eos=True)
@@ -136,7 +136,7 @@ def test_failing_stats_listener_marks_the_engine_dead(tiny_model_dir, monkeypatc
     """Review A10: the handler task ended on the exception, and every request hung."""
     llm = _slow_engine(tiny_model_dir("llama"), monkeypatch)
 
-    def broken(stats):
+    def broken(stats, engine):
         raise RuntimeError("listener bug")
 
     _assert_dies_cleanly(llm, lambda: llm.stats_listeners.append(broken), "listener bug")

@@ -230,7 +230,8 @@ def test_service_routes(server):
         "scheduler_exposed_time_seconds_bucket",
     ):
         assert f"vserve:{name}{{" in text, name
-    assert f'vserve:request_success_total{{finished_reason="length",model_name="{MODEL}"}}' in text
+    labels = f'engine="0",finished_reason="length",model_name="{MODEL}"'
+    assert f"vserve:request_success_total{{{labels}}}" in text
 
 
 def test_request_id_echoed(server):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from vserve.config import (
     CacheConfig,
+    DataParallelConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
@@ -67,6 +68,13 @@ class EngineArgs:
     master_port: int = 0
     nnodes: int = 1
     node_rank: int = 0
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None  # None: every rank on this host
+    data_parallel_start_rank: int = 0
+    data_parallel_rank: int | None = None  # external load balancing: this rank only
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0
+    data_parallel_keep_serving: bool = False
     device: str = "auto"
     attention_backend: str | None = None
     max_logprobs: int = 20
@@ -131,7 +139,46 @@ class EngineArgs:
             reason,
             self._speculative(),
             _watchdog_timeout(self.watchdog_timeout),
+            self._data_parallel(),
         )
+
+    def _data_parallel(self) -> DataParallelConfig:
+        size, rank = self.data_parallel_size, self.data_parallel_rank
+        _require(
+            isinstance(size, int) and size >= 1, f"data_parallel_size must be >= 1, got {size!r}"
+        )
+        if rank is not None:  # external LB: one plain engine, numbered `rank`
+            _require(
+                0 <= rank < size,
+                f"data_parallel_rank must be in [0, data_parallel_size), got {rank} of {size}",
+            )
+            return DataParallelConfig(size, 1, rank, rank, engine_index=rank)
+        local = size if self.data_parallel_size_local is None else self.data_parallel_size_local
+        start = self.data_parallel_start_rank
+        _require(
+            0 <= local and 0 <= start and start + local <= size and (start == 0 or local >= 1),
+            f"data_parallel_start_rank {start} + data_parallel_size_local {local} must lie in "
+            f"data_parallel_size {size}",
+        )
+        _require(
+            size == 1 or self.nnodes == 1,
+            "data parallel with a multi-host TP/PP engine (nnodes > 1) is not supported",
+        )
+        dp = DataParallelConfig(
+            size,
+            local,
+            start,
+            None,
+            self.data_parallel_address,
+            self.data_parallel_rpc_port,
+            bool(self.data_parallel_keep_serving),
+            engine_index=start,
+        )
+        if dp.remote_ranks or start > 0:
+            from vserve.engine.dp_transport import check_remote_setup
+
+            check_remote_setup(dp.address, dp.rpc_port)
+        return dp
 
     def _speculative(self) -> SpeculativeConfig | None:
         value = self.speculative_config

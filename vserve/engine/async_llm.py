@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 from vserve import heap
 from vserve.config import EngineConfig
 from vserve.engine.arg_utils import EngineArgs
+from vserve.engine.dp_client import make_async_client
 from vserve.engine.messages import SchedulerStats
-from vserve.engine.mp_client import AsyncMPClient, EngineDeadError
+from vserve.engine.mp_client import EngineDeadError
 from vserve.engine.output_collector import OutputCollector
 from vserve.engine.output_processor import OutputKind, OutputProcessor, RequestState
 from vserve.engine.processor import InputProcessor, Prompt
@@ -37,13 +38,14 @@ class AsyncLLM:
         self.config = config
         self.client: AsyncEngineCoreClient
         self.tokenizer, self.client = start_with_tokenizer(
-            config.model.tokenizer, lambda: AsyncMPClient(config)
+            config.model.tokenizer, lambda: make_async_client(config)
         )
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.dead_error: str | None = None
         self.last_stats: SchedulerStats | None = None
-        self.stats_listeners: list[Callable[[SchedulerStats], None]] = []
+        # (stats, the data-parallel rank of the engine that sent them)
+        self.stats_listeners: list[Callable[[SchedulerStats, int], None]] = []
         self.output_listeners: list[Callable[[RequestState, RequestOutput], None]] = []
         self._handler: asyncio.Task | None = None
         self._trimmer: asyncio.Task | None = None
@@ -71,8 +73,9 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         kind: OutputKind = OutputKind.DELTA,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        state = await self.add_request(prompt, params, request_id, kind)
+        state = await self.add_request(prompt, params, request_id, kind, data_parallel_rank)
         async for out in self.stream(state):
             yield out
 
@@ -82,8 +85,11 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         kind: OutputKind = OutputKind.DELTA,
+        data_parallel_rank: int | None = None,
     ) -> RequestState:
-        """Validate and submit; raises ValueError for bad input, EngineDeadError if dead."""
+        """Validate and submit; raises ValueError for bad input (a `data_parallel_rank` that
+        names no live engine, too), EngineDeadError if dead. The engine is the least loaded
+        one unless `data_parallel_rank` names it; an n > 1 request's samples share it."""
         self._start()
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
@@ -102,9 +108,11 @@ class AsyncLLM:
         sent: list[str] = []
         try:
             await self._flush_aborts()  # an earlier request of this id is aborted first
+            rank = data_parallel_rank
             for r in requests:
-                await self.client.add_request_async(r)
+                rank = await self.client.add_request_async(r, rank)
                 sent.append(r.request_id)
+            state.engine_index = rank or 0
         except BaseException:  # not admitted: forget its state, abort what was sent
             self.output_processor.abort_request(request_id)
             self._queue_aborts(sent)
@@ -196,7 +204,7 @@ class AsyncLLM:
         if outs.scheduler_stats is not None:
             self.last_stats = outs.scheduler_stats
             for on_stats in self.stats_listeners:
-                on_stats(outs.scheduler_stats)
+                on_stats(outs.scheduler_stats, outs.engine_index)
         delivered, to_abort = self.output_processor.process_outputs(outs.outputs)
         for state, out in delivered:
             _queue(state).put_nowait(out)
@@ -219,6 +227,15 @@ class AsyncLLM:
     async def call_utility(self, method: str, *args):
         self._start()
         return await self.client.call_utility_async(method, *args)
+
+    async def call_utility_each(self, method: str, *args) -> dict[int, object]:
+        """The answer of every live engine, by data-parallel rank."""
+        self._start()
+        each = getattr(self.client, "call_utility_each_async", None)
+        if each is not None:
+            return await each(method, *args)
+        rank = getattr(self.client, "engine_index", 0)
+        return {rank: await self.client.call_utility_async(method, *args)}
 
     async def process_memory(self) -> dict[str, int]:
         """Resident bytes of this process, the engine core and each worker."""

@@ -26,7 +26,10 @@ class EngineCoreClient(Protocol):
 
     num_kv_blocks: int
 
-    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
+        """Send it to an engine (data parallel: the least loaded one, or `data_parallel_rank`);
+        returns that engine's rank."""
+        ...
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
@@ -52,7 +55,9 @@ class AsyncEngineCoreClient(Protocol):
         """Bind to the running event loop (call from inside it)."""
         ...
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None: ...
+    async def add_request_async(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> int: ...
 
     async def abort_requests_async(self, request_ids: list[str]) -> None: ...
 
@@ -69,11 +74,17 @@ class InprocClient:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.core = EngineCore(config, executor)
         self.num_kv_blocks = self.core.num_kv_blocks
+        self.engine_index = config.data_parallel.engine_index  # external LB: the rank served
         self.num_adds = 0  # so that an abort never reaches a later request of the same id
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
+        if data_parallel_rank not in (None, self.engine_index):
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank}: this is engine {self.engine_index}"
+            )
         self.num_adds += 1
         self.core.add_request(request, self.num_adds)
+        return self.engine_index
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:

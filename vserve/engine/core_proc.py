@@ -37,12 +37,14 @@ from vserve import heap
 from vserve.config import EngineConfig
 from vserve.core.request import RequestStatus
 from vserve.engine.core import EngineCore
+from vserve.engine.dp_transport import secure_client, watch_disconnect
 from vserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
 )
+from vserve.envs import read_env
 from vserve.lifeline import exit_with_parent
 
 logger = logging.getLogger("vserve.engine")
@@ -82,8 +84,15 @@ class EngineCoreProc:
         self, config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int
     ) -> None:
         self.ctx = zmq.Context()
+        # a remote (headless) engine reaches the head over TCP: encrypted with the shared
+        # secret, and it stops when the head's connection drops
+        self.remote = output_addr.startswith("tcp://")
+        self.secret = read_env().dp_secret if self.remote else None
         self.out_sock = self.ctx.socket(zmq.PUSH)
         self.out_sock.setsockopt(zmq.LINGER, 5000)
+        secure_client(self.out_sock, self.secret)
+        if self.remote:
+            watch_disconnect(self.out_sock, self.request_shutdown, "vserve-head-watch")
         self.out_sock.connect(output_addr)
         # (kind, payload): the wire's kinds, and two of this process's own
         self.input_queue: queue.Queue[tuple[RequestType | LocalInput, Any]] = queue.Queue()
@@ -100,7 +109,8 @@ class EngineCoreProc:
         self.core.structured.on_compiled = lambda: self.input_queue.put((LocalInput.WAKE, None))
         executor = self.core.executor
         executor.on_failure = lambda msg: self.input_queue.put((LocalInput.FATAL, msg))
-        executor.add_host_process(parent_pid)  # the front end works beside the forward
+        if config.data_parallel.size_local <= 1 and not self.remote:
+            executor.add_host_process(parent_pid)  # the front end works beside the forward
         heap.startup_over()
         self._send_now(
             FRAME_READY,
@@ -210,6 +220,7 @@ class EngineCoreProc:
     # -- IO threads --------------------------------------------------------------------------------
     def _input_loop(self, input_addr: str) -> None:
         sock = self.ctx.socket(zmq.PULL)
+        secure_client(sock, self.secret)
         sock.connect(input_addr)
         add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         decoder = msgspec.msgpack.Decoder()

@@ -57,6 +57,7 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams,
         kind: OutputKind = OutputKind.FINAL_ONLY,
+        data_parallel_rank: int | None = None,
     ) -> None:
         text, ids = self.processor.tokenize_prompt(prompt)
         requests = self.processor.make_requests(request_id, ids, params)
@@ -71,8 +72,9 @@ class LLMEngine:
         )
         sent: list[str] = []
         try:
+            rank = data_parallel_rank  # an n > 1 request's samples share one engine
             for r in requests:
-                self.client.add_request(r)
+                rank = self.client.add_request(r, rank)
                 sent.append(r.request_id)
         except BaseException:  # not admitted: forget its state, abort what was sent
             self.output_processor.abort_request(request_id)
@@ -117,9 +119,13 @@ class LLMEngine:
 
 def _make_client(config: EngineConfig, multiprocess: bool) -> EngineCoreClient:
     if multiprocess:
-        from vserve.engine.mp_client import SyncMPClient
+        from vserve.engine.dp_client import make_sync_client
 
-        return SyncMPClient(config)
+        return make_sync_client(config)
+    if config.data_parallel.size > 1 and config.data_parallel.rank is None:
+        raise ValueError(
+            "data_parallel_size > 1 runs engines in their own processes: multiprocess=True"
+        )
     from vserve.engine.client import InprocClient
 
     return InprocClient(config)

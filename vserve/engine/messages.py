@@ -45,6 +45,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_call_id: int = -1
     utility_result: bytes | None = None
     engine_error: str | None = None  # fatal: the engine core is dead
+    # the data-parallel rank of the engine that sent it: set by the client that received it
+    # (it knows which engine it talks to), never taken from the wire
+    engine_index: int = 0
 
 
 class RequestType(enum.IntEnum):

@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -45,6 +46,7 @@ from vserve.envs import ENV
 logger = logging.getLogger("vserve")
 READY_TIMEOUT_S = ENV.engine_ready_timeout
 WATCHDOG_GRACE_S = 2.0  # lets the engine core's own step deadline report first
+SEND_RETRY_S = 0.002  # a send finds no engine socket connected (start-up, or it is gone)
 
 
 def watchdog_periods(timeout: float) -> tuple[float, float]:
@@ -68,6 +70,7 @@ class _EngineProcess:
     scripts without a `__main__` guard, in notebooks and under `python -c`."""
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+        self.name = _engine_name(config)
         self._cpus = process_cpus(os.getpid())  # the engine core may pin us beside it
         self.tmpdir = tempfile.mkdtemp(prefix="vserve-")
         os.chmod(self.tmpdir, 0o700)
@@ -77,25 +80,7 @@ class _EngineProcess:
         self.input_sock.bind(input_addr)
         self.output_sock = ctx.socket(zmq.PULL)
         self.output_sock.bind(output_addr)
-        level = logging.getLevelName(logging.getLogger("vserve").getEffectiveLevel())
-        # its own process group, which its workers join: one signal ends the whole tree
-        self.proc: subprocess.Popen[bytes] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vserve.engine.core_proc",
-                input_addr,
-                output_addr,
-                str(os.getpid()),
-                level,
-            ],
-            stdin=subprocess.PIPE,
-            **_NEW_GROUP,
-        )
-        stdin = self.proc.stdin
-        assert stdin is not None  # stdin=PIPE
-        stdin.write(pickle.dumps(config))
-        stdin.close()
+        self.proc = spawn_engine_core(config, input_addr, output_addr)
         self.stopping = threading.Event()  # set once we stop it: its exit is no error
         # stop the engine core when the client is collected or the interpreter exits
         self._finalizer = weakref.finalize(
@@ -124,14 +109,19 @@ class _EngineProcess:
             if not self.alive():
                 self.close()
                 raise RuntimeError(
-                    f"the engine core exited during start-up (exit code "
+                    f"{self.name} exited during start-up (exit code "
                     f"{self.proc.returncode}); see the log above"
                 )
         self.close()
-        raise TimeoutError(f"the engine core was not ready within {READY_TIMEOUT_S:.0f} s")
+        raise TimeoutError(f"{self.name} was not ready within {READY_TIMEOUT_S:.0f} s")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def wait_gone(self) -> str:
+        """Block until the engine core is gone; returns what to report if that was no stop."""
+        self.proc.wait()
+        return f"{self.name} process died (exit code {self.exitcode})"
 
     @property
     def exitcode(self) -> int | None:
@@ -169,6 +159,52 @@ class _EngineProcess:
             pin_process(os.getpid(), self._cpus)
 
 
+def spawn_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str
+) -> subprocess.Popen[bytes]:
+    """`python -m vserve.engine.core_proc` with the config on its stdin (a local pipe), in
+    its own process group, which its workers join: one signal ends the whole tree."""
+    level = logging.getLevelName(logging.getLogger("vserve").getEffectiveLevel())
+    proc: subprocess.Popen[bytes] = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vserve.engine.core_proc",
+            input_addr,
+            output_addr,
+            str(os.getpid()),
+            level,
+        ],
+        stdin=subprocess.PIPE,
+        **_NEW_GROUP,
+    )
+    share = cpu_share(config)
+    if share:  # before the core starts any thread: they and its workers inherit it
+        pin_process(proc.pid, share)
+    stdin = proc.stdin
+    assert stdin is not None  # stdin=PIPE
+    stdin.write(pickle.dumps(config))
+    stdin.close()
+    return proc
+
+
+def _engine_name(config: EngineConfig) -> str:
+    dp = config.data_parallel
+    return "the engine core" if dp.size == 1 else f"data-parallel engine {dp.engine_index}"
+
+
+def cpu_share(config: EngineConfig) -> tuple[int, ...]:
+    """The CPUs of one of several engines on this host: the host's CPUs in equal parts, one
+    per local engine (none when there are fewer CPUs than engines: the OS shares them)."""
+    dp = config.data_parallel
+    cpus = process_cpus(os.getpid())
+    if dp.size_local <= 1 or len(cpus) < dp.size_local:
+        return ()
+    part = len(cpus) // dp.size_local
+    index = dp.engine_index - dp.start_rank
+    return cpus[index * part : (index + 1) * part]
+
+
 def _stop_process(proc: subprocess.Popen, tmpdir: str, stopping: threading.Event) -> None:
     stopping.set()
     if proc.poll() is None:
@@ -203,9 +239,13 @@ def _wait(proc: subprocess.Popen, timeout: float) -> None:
         pass
 
 
+EngineFactory = Callable[[zmq.Context], Any]  # a context -> an engine like `_EngineProcess`
+
+
 class _ClientBase(abc.ABC):
     engine: _EngineProcess
     watchdog_timeout: float
+    engine_index: int = 0  # the engine's data-parallel rank, stamped on what it sends
 
     def _init_common(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
@@ -225,10 +265,15 @@ class _ClientBase(abc.ABC):
     def _decode(self, frames) -> EngineCoreOutputs:
         frame, payload = frames
         if frame == FRAME_OUTPUTS:
-            return self._out_decoder.decode(payload)
+            outs = self._out_decoder.decode(payload)
+            outs.engine_index = self.engine_index
+            return outs
         if frame == FRAME_DEAD:
-            return EngineCoreOutputs(engine_error=payload.decode())
+            return self._error(payload.decode())
         raise RuntimeError(f"unexpected frame {frame!r} from the engine core")
+
+    def _error(self, message: str) -> EngineCoreOutputs:
+        return EngineCoreOutputs(engine_error=message, engine_index=self.engine_index)
 
     @abc.abstractmethod
     def _route(self, outs: EngineCoreOutputs) -> None:
@@ -242,7 +287,7 @@ class _ClientBase(abc.ABC):
         if self.engine.closing or self.dead_message is not None:
             return
         self._die(
-            f"watchdog: the engine core did not answer for {waited:g} s "
+            f"watchdog: {self.engine.name} did not answer for {waited:g} s "
             f"(watchdog_timeout={self.watchdog_timeout:g} s); it and its workers were "
             "killed"
         )
@@ -269,12 +314,26 @@ class _ClientBase(abc.ABC):
 
 
 class SyncMPClient(_ClientBase):
-    def __init__(self, config: EngineConfig) -> None:
+    """`outputs`: where the engine's outputs go (data parallel shares one queue among its
+    engines); `engine`: how to start or reach the engine core (default: a local process)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        outputs: queue.Queue[EngineCoreOutputs] | None = None,
+        engine: EngineFactory | None = None,
+    ) -> None:
         self._init_common()
+        self.engine_index = config.data_parallel.engine_index
         self.ctx = zmq.Context()
-        self.engine = _EngineProcess(config, self.ctx)
+        self.outputs: queue.Queue[EngineCoreOutputs] = outputs or queue.Queue()
+        try:
+            self.engine = (engine or (lambda ctx: _EngineProcess(config, ctx)))(self.ctx)
+        except BaseException:
+            self.ctx.term()
+            raise
         self.num_kv_blocks = self.engine.info["num_kv_blocks"]
-        self.outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
         self._utility: dict[int, queue.Queue] = {}
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(
@@ -325,29 +384,37 @@ class SyncMPClient(_ClientBase):
             self.outputs.put(outs)
 
     def _watch(self) -> None:
-        self.engine.proc.wait()
+        message = self.engine.wait_gone()
         self.engine.restore_cpus()
         if not self.engine.closing:
             time.sleep(0.2)  # let a DEAD frame that is on its way win
-            self._die(f"the engine core process died (exit code {self.engine.exitcode})")
+            self._die(message)
 
     def _die(self, message: str) -> None:
         if self.dead_message is None:
             self.dead_message = message
             logger.error("engine core dead: %s", message)
-        self.outputs.put(EngineCoreOutputs(engine_error=message))
+        self.outputs.put(self._error(message))
         for waiter in list(self._utility.values()):
-            waiter.put(EngineCoreOutputs(engine_error=message))
+            waiter.put(self._error(message))
 
     def _send(self, frames) -> None:
-        if self.dead_message is not None:
-            raise EngineDeadError(self.dead_message)
         with self._send_lock:
-            self.engine.input_sock.send_multipart(frames)
+            while True:  # a PUSH without a peer (the engine gone) would block for ever
+                if self.dead_message is not None:
+                    raise EngineDeadError(self.dead_message)
+                try:
+                    self.engine.input_sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    time.sleep(SEND_RETRY_S)
 
     # -- client API --------------------------------------------------------------------------------
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
+        """Returns the engine's data-parallel rank (the one engine there is)."""
+        _check_rank(data_parallel_rank, self.engine_index)
         self._send(self._frames_add(request))
+        return self.engine_index
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_message is None:
@@ -384,17 +451,28 @@ class SyncMPClient(_ClientBase):
 class AsyncMPClient(_ClientBase):
     """The same engine core, driven from an asyncio loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        outputs: asyncio.Queue[EngineCoreOutputs] | None = None,
+        engine: EngineFactory | None = None,
+    ) -> None:
         self._init_common()
+        self.engine_index = config.data_parallel.engine_index
         sync_ctx = zmq.Context()
-        self.engine = _EngineProcess(config, sync_ctx)
+        try:
+            self.engine = (engine or (lambda ctx: _EngineProcess(config, ctx)))(sync_ctx)
+        except BaseException:
+            sync_ctx.term()
+            raise
         self.num_kv_blocks = self.engine.info["num_kv_blocks"]
         self._sync_ctx = sync_ctx
         self._in = zmq.asyncio.Socket.from_socket(self.engine.input_sock)
         self._out = zmq.asyncio.Socket.from_socket(self.engine.output_sock)
         self._utility: dict[int, asyncio.Future] = {}
-        # set by start(), on the running loop
-        self.outputs: asyncio.Queue[EngineCoreOutputs] | None = None
+        # made by start(), on the running loop, unless shared (data parallel)
+        self.outputs: asyncio.Queue[EngineCoreOutputs] | None = outputs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._ping_task: asyncio.Task[None] | None = None
@@ -406,7 +484,8 @@ class AsyncMPClient(_ClientBase):
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self.outputs = asyncio.Queue()
+        if self.outputs is None:
+            self.outputs = asyncio.Queue()
         self._reader_task = self._loop.create_task(self._read_loop())
         if self.watchdog_timeout:
             self._ping_task = self._loop.create_task(self._ping_loop())
@@ -448,11 +527,10 @@ class AsyncMPClient(_ClientBase):
             self.outputs.put_nowait(outs)
 
     def _watch(self) -> None:
-        self.engine.proc.wait()
+        message = self.engine.wait_gone()
         self.engine.restore_cpus()
         if not self.engine.closing:
             time.sleep(0.2)
-            message = f"the engine core process died (exit code {self.engine.exitcode})"
             assert self._loop is not None  # watched only after start()
             self._loop.call_soon_threadsafe(self._die, message)
 
@@ -461,19 +539,29 @@ class AsyncMPClient(_ClientBase):
             self.dead_message = message
             logger.error("engine core dead: %s", message)
             assert self.outputs is not None  # its callers run after start()
-            self.outputs.put_nowait(EngineCoreOutputs(engine_error=message))
+            self.outputs.put_nowait(self._error(message))
             for fut in self._utility.values():
                 if not fut.done():
-                    fut.set_result(EngineCoreOutputs(engine_error=message))
+                    fut.set_result(self._error(message))
 
     async def _send(self, frames) -> None:
-        if self.dead_message is not None:
-            raise EngineDeadError(self.dead_message)
-        await self._in.send_multipart(frames)
+        while True:  # a PUSH without a peer (the engine gone) would wait for ever
+            if self.dead_message is not None:
+                raise EngineDeadError(self.dead_message)
+            try:
+                await self._in.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await asyncio.sleep(SEND_RETRY_S)
 
     # -- client API --------------------------------------------------------------------------------
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
+    async def add_request_async(
+        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    ) -> int:
+        """Returns the engine's data-parallel rank (the one engine there is)."""
+        _check_rank(data_parallel_rank, self.engine_index)
         await self._send(self._frames_add(request))
+        return self.engine_index
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_message is None:
@@ -497,11 +585,21 @@ class AsyncMPClient(_ClientBase):
             raise EngineDeadError(outs.engine_error)
         return self._utility_value(outs)
 
+    def stop_tasks(self) -> None:
+        """Cancel this client's tasks (on the loop's thread: before a shutdown elsewhere)."""
+        for task in (self._reader_task, self._ping_task):
+            if task is not None:
+                task.cancel()
+        self._reader_task = self._ping_task = None
+
     def shutdown(self) -> None:
         if not self.engine.closing:
             self.engine.stopping.set()
-            for task in (self._reader_task, self._ping_task):
-                if task is not None:
-                    task.cancel()
+            self.stop_tasks()
             self.engine.close()
             self._sync_ctx.term()
+
+
+def _check_rank(wanted: int | None, rank: int) -> None:
+    if wanted is not None and wanted != rank:
+        raise ValueError(f"data_parallel_rank {wanted}: this server runs engine rank {rank} only")

@@ -57,6 +57,7 @@ class RequestState:
     queue: OutputCollector | None = None  # AsyncLLM: one per request
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, token 1, ...]
     sent_prompt_logprobs: bool = False
+    engine_index: int = 0  # the data-parallel rank of the engine that runs it
 
     @property
     def finished(self) -> bool:

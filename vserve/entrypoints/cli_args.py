@@ -32,6 +32,16 @@ _HELP = {
     "master_port": "torch.distributed rendezvous port (0: pick a free one, single host)",
     "nnodes": "number of hosts the pipeline stages span",
     "node_rank": "this host's index (0 runs the engine)",
+    "data_parallel_size": "independent engines (each with its own TP x PP workers) behind one "
+    "front end; requests go to the least loaded",
+    "data_parallel_size_local": "engines on this host (default: all of them)",
+    "data_parallel_start_rank": "the first engine rank on this host (a --headless host)",
+    "data_parallel_rank": "external load balancing: this server runs engine rank K alone",
+    "data_parallel_address": "the head host's address, where remote engines connect",
+    "data_parallel_rpc_port": "the head's handshake port for remote engines (needs "
+    "VSERVE_DP_SECRET unless the address is a loopback one)",
+    "data_parallel_keep_serving": "when one engine dies, fail its requests and keep serving on "
+    "the others (default: the server exits 1)",
     "attention_backend": "torch (CPU default) or triton (CUDA default)",
     "watchdog_timeout": "seconds a step may hang (or the engine core stay silent) before the "
     "engine is declared dead and the server exits (0: off)",

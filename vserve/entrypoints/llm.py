@@ -44,9 +44,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        data_parallel_rank: int | None = None,
     ) -> list[RequestOutput]:
+        """`data_parallel_rank`: run every prompt on that engine (data parallel); by default
+        each goes to the least loaded one."""
         prompts = _as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        self._check_rank(data_parallel_rank)
         processed = []
         for prompt, sp in zip(prompts, params):  # validate everything before adding anything
             text, ids = self.engine.processor.tokenize_prompt(prompt)
@@ -59,7 +63,13 @@ class LLM:
                     sp,
                 )
             )
-        return self._run(processed, use_tqdm)
+        return self._run(processed, use_tqdm, data_parallel_rank)
+
+    def _check_rank(self, rank: int | None) -> None:
+        dp = self.config.data_parallel
+        ranks = [dp.rank] if dp.rank is not None else list(range(dp.size))
+        if rank is not None and rank not in ranks:
+            raise ValueError(f"data_parallel_rank must be one of {ranks}, got {rank!r}")
 
     def chat(
         self,
@@ -123,12 +133,12 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _run(self, processed, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processed, use_tqdm: bool, rank: int | None = None) -> list[RequestOutput]:
         ids = []
         try:
             for prompt, sp in processed:
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, sp)
+                self.engine.add_request(request_id, prompt, sp, data_parallel_rank=rank)
                 ids.append(request_id)
             results = self._drain(ids, use_tqdm)
         except BaseException:

@@ -71,6 +71,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="seconds in-flight requests may run after SIGTERM",
     )
     server.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    server.add_argument(
+        "--headless",
+        action="store_true",
+        help="run this host's data-parallel engines (--data-parallel-start-rank, "
+        "--data-parallel-size-local) for the head at --data-parallel-address, with no API server",
+    )
     add_limit_args(p)
     p.set_defaults(func=_serve)
     return p
@@ -87,9 +93,24 @@ def _serve(args: argparse.Namespace) -> int:
                 f"{args.model!r} disagree; give one"
             )
         args.model = args.model_tag
+    if args.headless:
+        return _headless(args)
     try:
         AdmissionLimits.from_args(args)
         ToolSettings.from_args(args)
     except ValueError as e:
         raise SystemExit(f"vserve serve: {e}") from None
     return run_server(args)
+
+
+def _headless(args: argparse.Namespace) -> int:
+    import logging
+
+    from vserve.engine.dp_headless import run_headless
+    from vserve.entrypoints.cli_args import engine_args_from
+
+    logging.getLogger("vserve").setLevel(str(args.log_level).upper())
+    try:
+        return run_headless(engine_args_from(args).create_engine_config())
+    except (ValueError, TimeoutError) as e:
+        raise SystemExit(f"vserve serve --headless: {e}") from None

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server (prefix `vserve:`, label `model_name`), vLLM's V1 names.
+"""Prometheus metrics of the server (prefix `vserve:`, labels `model_name` and `engine`, the
+data-parallel rank of the engine a figure or a request belongs to), vLLM's V1 names.
 
 Two feeds from the engine: `SchedulerStats` (every step commit, once more when the engine goes
 idle, and on each scrape through the `stats` utility call, so gauges read 0 after an abort
@@ -118,7 +119,7 @@ _CUMULATIVE = (
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, engines: tuple[int, ...] = (0,)) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.gauges = {
@@ -145,7 +146,7 @@ class ServerMetrics:
         self.no_overlap = Counter(
             "vserve:steps_without_overlap",
             "Steps launched with no other step in flight, by reason",
-            ["model_name", "reason"],
+            ["model_name", "engine", "reason"],
             registry=self.registry,
         )
         self.histograms = {
@@ -173,37 +174,55 @@ class ServerMetrics:
         self.request_success = Counter(
             "vserve:request_success",
             "Finished requests by reason",
-            ["model_name", "finished_reason"],
+            ["model_name", "engine", "finished_reason"],
             registry=self.registry,
         )
-        self._seen = dict.fromkeys(_CUMULATIVE, 0)
+        self._seen: dict[int, dict[str, int]] = {}  # engine -> cumulative figures seen
         self._last_token_time: dict[str, float] = {}
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}  # for the log line
-        self.last_stats: SchedulerStats | None = None
+        self.last_stats: dict[int, SchedulerStats] = {}  # engine -> its latest figures
         self._pending: asyncio.Future | None = None
+        for engine in engines:  # every engine's series exist from the start (at 0)
+            self._engine(engine)
 
     def _labelled(self, kind, name: str, doc: str, **kwargs):
-        metric = kind(f"vserve:{name}", doc, ["model_name"], registry=self.registry, **kwargs)
-        return metric.labels(self.model_name)
+        return kind(
+            f"vserve:{name}", doc, ["model_name", "engine"], registry=self.registry, **kwargs
+        )
+
+    def _engine(self, engine: int) -> str:
+        """The `engine` label value, its series made on first use."""
+        label = str(engine)
+        if engine not in self._seen:
+            self._seen[engine] = dict.fromkeys(_CUMULATIVE, 0)
+            for family in (self.gauges, self.counters, self.histograms):
+                for metric in family.values():
+                    metric.labels(self.model_name, label)
+        return label
 
     def attach(self, engine) -> None:
         engine.stats_listeners.append(self.on_stats)
         engine.output_listeners.append(self.on_output)
 
     # -- feeds ---------------------------------------------------------------------------------
-    def on_stats(self, stats: SchedulerStats) -> None:
-        self.last_stats = stats
-        self.gauges["num_requests_running"].set(stats.num_running_reqs)
-        self.gauges["num_requests_waiting"].set(stats.num_waiting_reqs)
-        self.gauges["kv_cache_usage_perc"].set(stats.kv_cache_usage)
-        self._add("prompt_tokens", stats.num_prompt_tokens)
-        self._add("generation_tokens", stats.num_generation_tokens)
+    def on_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        label = self._engine(engine)
+        self.last_stats[engine] = stats
+        for name, value in (
+            ("num_requests_running", stats.num_running_reqs),
+            ("num_requests_waiting", stats.num_waiting_reqs),
+            ("kv_cache_usage_perc", stats.kv_cache_usage),
+        ):
+            self.gauges[name].labels(self.model_name, label).set(value)
+        self._add("prompt_tokens", stats.num_prompt_tokens, label)
+        self._add("generation_tokens", stats.num_generation_tokens, label)
+        seen = self._seen[engine]
         for name in _CUMULATIVE:
             value = getattr(stats, name)
-            self._add(name, max(0, value - self._seen[name]))
-            self._seen[name] = max(self._seen[name], value)
+            self._add(name, max(0, value - seen[name]), label)
+            seen[name] = max(seen[name], value)
         for reason, count in stats.no_overlap_steps.items():
-            self.no_overlap.labels(self.model_name, reason).inc(count)
+            self.no_overlap.labels(self.model_name, label, reason).inc(count)
         for name, values in (
             ("model_forward_time_seconds", stats.forward_times),
             ("step_launch_interval_seconds", stats.launch_intervals),
@@ -211,37 +230,40 @@ class ServerMetrics:
             ("scheduler_exposed_time_seconds", stats.schedule_exposed),
         ):
             for value in values:
-                self.histograms[name].observe(value)
+                self.histograms[name].labels(self.model_name, label).observe(value)
 
-    def _add(self, name: str, amount: int) -> None:
+    def _add(self, name: str, amount: int, label: str) -> None:
         if amount:
-            self.counters[name].inc(amount)
+            self.counters[name].labels(self.model_name, label).inc(amount)
             if name in self.totals:
                 self.totals[name] += amount
 
     def on_output(self, state, out) -> None:
         times = out.metrics
         request_id = out.request_id
+        label = self._engine(getattr(state, "engine_index", 0))
+
+        def observe(name: str, value: float) -> None:
+            self.histograms[name].labels(self.model_name, label).observe(value)
+
         first = times.get("first_token_time")
         has_tokens = any(c.token_ids for c in out.outputs)
         if first is not None and has_tokens:
             last = times["last_token_time"]
             previous = self._last_token_time.get(request_id)
             if previous is None:
-                self.histograms["time_to_first_token_seconds"].observe(
-                    first - times["arrival_time"]
-                )
+                observe("time_to_first_token_seconds", first - times["arrival_time"])
             else:
-                self.histograms["inter_token_latency_seconds"].observe(last - previous)
+                observe("inter_token_latency_seconds", last - previous)
             self._last_token_time[request_id] = last
         reasons = [c.finish_reason for c in out.outputs if c.finish_reason is not None]
         for reason in reasons:
-            self.request_success.labels(self.model_name, reason).inc()
+            self.request_success.labels(self.model_name, label, reason).inc()
         if out.finished:
             self._last_token_time.pop(request_id, None)
             if "abort" not in reasons and first is not None:
-                self.histograms["e2e_request_latency_seconds"].observe(
-                    times["last_token_time"] - times["arrival_time"]
+                observe(
+                    "e2e_request_latency_seconds", times["last_token_time"] - times["arrival_time"]
                 )
 
     async def refresh(self, engine, timeout: float = 0.25) -> None:
@@ -256,12 +278,13 @@ class ServerMetrics:
 
     @staticmethod
     async def _fetch(engine) -> tuple[dict, dict[str, int]]:
-        return await engine.call_utility("stats"), await engine.process_memory()
+        return await engine.call_utility_each("stats"), await engine.process_memory()
 
     def _apply_utility(self, task: asyncio.Future) -> None:
         if not task.cancelled() and task.exception() is None:
-            stats, memory = task.result()
-            self.on_stats(SchedulerStats(**stats))
+            each, memory = task.result()
+            for rank, stats in each.items():
+                self.on_stats(SchedulerStats(**stats), rank)
             for process, value in memory.items():
                 self.memory.labels(self.model_name, process).set(value)
 
@@ -283,12 +306,15 @@ class StatsLogger:
         totals = self.metrics.totals
         rates = {k: (totals[k] - self.last_totals[k]) / elapsed for k in totals}
         self.last_time, self.last_totals = now, dict(totals)
-        s = self.metrics.last_stats or SchedulerStats()
-        hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        each = list(self.metrics.last_stats.values()) or [SchedulerStats()]
+        queries = sum(s.prefix_cache_queries for s in each)
+        hit = sum(s.prefix_cache_hits for s in each) / queries if queries else 0.0
+        usage = sum(s.kv_cache_usage for s in each) / len(each)
         return (
             f"Avg prompt throughput: {rates['prompt_tokens']:.1f} tokens/s, "
             f"Avg generation throughput: {rates['generation_tokens']:.1f} tokens/s, "
-            f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
-            f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
+            f"Running: {sum(s.num_running_reqs for s in each)} reqs, "
+            f"Waiting: {sum(s.num_waiting_reqs for s in each)} reqs, "
+            f"KV cache usage: {100 * usage:.1f}%, "
             f"Prefix cache hit rate: {100 * hit:.1f}%"
         )

@@ -67,7 +67,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         AdmissionLimits.from_args(args),
         ToolSettings.from_args(args, engine.tokenizer),
     )
-    metrics = ServerMetrics(ctx.model_name)
+    metrics = ServerMetrics(ctx.model_name, _engine_ranks(engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,6 +108,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         ],
     )
     return app
+
+
+def _engine_ranks(engine: AsyncLLM) -> tuple[int, ...]:
+    dp = getattr(engine.config, "data_parallel", None)
+    if dp is None:
+        return (0,)
+    return (dp.rank,) if dp.rank is not None else tuple(range(dp.size))
 
 
 def _model_names(engine: AsyncLLM, given: str | list[str] | None) -> tuple[list[str], list[str]]:

@@ -75,6 +75,12 @@ class ServerContext:
         return self.served_model_names[0]
 
     @property
+    def num_engines(self) -> int:
+        """Engines behind this server (data parallel over one front end; else 1)."""
+        dp = getattr(self.engine.config, "data_parallel", None)
+        return dp.size if dp is not None and dp.rank is None else 1
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.config.model.max_model_len
 
@@ -99,7 +105,7 @@ class ServerContext:
         if self.draining:
             raise APIError(503, "The server is shutting down.")
         limit = self.limits.max_num_queued_reqs
-        max_running = self.engine.config.scheduler.max_num_seqs
+        max_running = self.engine.config.scheduler.max_num_seqs * self.num_engines
         queued = self.num_active_seqs + num_seqs - max_running
         if queued > limit:
             raise APIError(
@@ -116,6 +122,17 @@ def check_request(ctx: ServerContext, req: SamplingRequest, num_prompts: int) ->
     ctx.limits.check_fan_out(num_prompts, req.n)
     ctx.limits.check_stops(req.stop, req.stop_token_ids)
     ctx.limits.check_logit_bias(req.logit_bias)
+
+
+def data_parallel_rank(raw: Request) -> int | None:
+    """The engine a request names in its `X-data-parallel-rank` header (vLLM's), if any."""
+    value = raw.headers.get("x-data-parallel-rank")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise APIError(400, f"X-data-parallel-rank must be an integer, got {value!r:.40}") from None
 
 
 def base_request_id(raw: Request) -> str:
@@ -236,8 +253,10 @@ async def submit(
     prompts: list[tuple[str | None, list[int]]],
     params: list[SamplingParams],
     base_id: str,
+    rank: int | None = None,
 ) -> list[RequestState]:
-    """Add one engine request per prompt; all or none (a failure aborts the ones added)."""
+    """Add one engine request per prompt, on data-parallel engine `rank` if given; all or
+    none (a failure aborts the ones added)."""
     states: list[RequestState] = []
     ctx.admit(sum(p.n for p in params))
     try:
@@ -246,7 +265,7 @@ async def submit(
                 {"prompt": text, "prompt_token_ids": ids} if text else {"prompt_token_ids": ids}
             )
             rid = f"{base_id}-{i}-{random_id()[:8]}"  # unique even if X-Request-Id repeats
-            state = await ctx.engine.add_request(prompt, sp, rid, OutputKind.DELTA)
+            state = await ctx.engine.add_request(prompt, sp, rid, OutputKind.DELTA, rank)
             states.append(state)
             ctx.active[rid] = state
             ctx.num_active_seqs += sp.n

@@ -41,6 +41,7 @@ from vserve.entrypoints.openai.serving_base import (
     check_context,
     check_params,
     check_request,
+    data_parallel_rank,
     iterate,
     make_sampling_params,
     release,
@@ -119,7 +120,7 @@ class ChatServer:
         params = tools.sampling_params(make_sampling_params(req, budget, logprobs))
         await check_params(ctx, params, len(ids))
         base = base_request_id(raw)
-        states = await submit(ctx, [(None, ids)], [params], base)
+        states = await submit(ctx, [(None, ids)], [params], base, data_parallel_rank(raw))
         response_id = f"chatcmpl-{base}"
         if req.stream:
             return StreamingResponse(

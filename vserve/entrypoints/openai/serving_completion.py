@@ -36,6 +36,7 @@ from vserve.entrypoints.openai.serving_base import (
     check_context,
     check_params,
     check_request,
+    data_parallel_rank,
     iterate,
     make_sampling_params,
     release,
@@ -85,7 +86,7 @@ class CompletionServer:
             await check_params(ctx, sp, len(ids))
             params.append(sp)
         base = base_request_id(raw)
-        states = await submit(ctx, prompts, params, base)
+        states = await submit(ctx, prompts, params, base, data_parallel_rank(raw))
         response_id = f"cmpl-{base}"
         if req.stream:
             return StreamingResponse(
