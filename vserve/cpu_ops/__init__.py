@@ -31,11 +31,13 @@ per gemv (vserve/models/fused_decode.py).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -126,14 +128,35 @@ def _compile(sources: tuple[Path, ...], name: str):
     if not any(folder.glob("*.so")):  # shown at the default log level: a 30 s pause
         log.warning("building vserve's CPU kernels into %s (once per machine, about 30 s)", folder)
     _ninja_on_path()
-    return load_extension(
-        f"{name}_{folder.name}",
-        [str(s) for s in sources],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        verbose=False,
-    )
+    with _build_lock(folder):
+        return load_extension(
+            f"{name}_{folder.name}",
+            [str(s) for s in sources],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+
+
+BATON = "lock"  # torch's FileBaton in the build folder: it waits while this file exists
+
+
+@contextmanager
+def _build_lock(folder: Path):
+    """One builder per folder, by a lock the kernel drops when its holder dies. torch's own
+    baton is a plain file that a process killed mid-build leaves behind, and every later load
+    then waits for it forever; holding this lock, a baton still there is such a leftover."""
+    with open(folder / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            baton = folder / BATON
+            if baton.exists():
+                log.warning("removing %s, left by a build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _ninja_on_path() -> None:
