@@ -131,3 +131,33 @@ def test_stack_rejects_bad_inputs(ops):
     h, lens, tables, slots, cos, sin = _inputs(1)
     with pytest.raises(RuntimeError, match="slot out of range"):
         stack.run(h, [cos], [sin], [cache], slots + 10**6, tables, slots + 10**6, tables, lens)
+
+
+@pytest.mark.timeout(120, method="thread")  # a lost chunk would hang the step, not fail it
+def test_a_failing_chunk_raises_and_the_stack_runs_again(ops):
+    """A chunk's exception (a helper's or the master's) reaches the caller after every chunk is
+    done, instead of hanging the step or unwinding frames the helpers still use; the next step
+    runs as before."""
+    layers = [_layer(10 * i, 1, window=-1) for i in range(2)]
+    h, lens, tables, slots, cos, sin = _inputs(3)
+    cache = torch.zeros(2, 24, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF)
+    stack = ops.DecodeStack()
+    for parts, qtypes, biases, norms, consts in layers:
+        stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+
+    def step():
+        caches = [cache.clone(), cache.clone()]
+        return stack.run(h, [cos], [sin], caches, slots, tables, slots, tables, lens)
+
+    good = step()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # helpers, even on 2 cores
+        ops.DecodeStack._fail_chunks(True)
+        with pytest.raises(RuntimeError, match="a chunk failed"):
+            step()
+    finally:
+        ops.DecodeStack._fail_chunks(False)
+        torch.set_num_threads(threads)
+    again = step()
+    assert torch.equal(again.view(torch.int16), good.view(torch.int16))

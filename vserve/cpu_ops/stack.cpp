@@ -24,9 +24,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -91,7 +93,35 @@ struct Job {
   std::atomic<int64_t> next{0};
   int64_t total = 0;  // chunks (over all parts)
   std::atomic<int64_t> done{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;  // the first failed chunk's, set by the thread that set `failed`
+
+  void reset_error() {
+    failed.store(false, std::memory_order_relaxed);
+    error = nullptr;
+  }
+  // runs a chunk; an exception is kept (the first) rather than lost in a helper's thread or
+  // thrown past the wait for chunks that helpers still run; the chunk counts as done anyway
+  template <class Fn>
+  void run_chunk(Fn&& fn) noexcept {
+    try {
+      if (fail_chunks.load(std::memory_order_relaxed))
+        throw std::runtime_error("DecodeStack: a chunk failed (injected by _fail_chunks)");
+      fn();
+    } catch (...) {
+      if (!failed.exchange(true, std::memory_order_acq_rel)) error = std::current_exception();
+    }
+    done.fetch_add(1, std::memory_order_release);
+  }
+  // after every chunk is done: the first chunk's exception, if one failed
+  void rethrow_error() {
+    if (failed.load(std::memory_order_acquire)) std::rethrow_exception(error);
+  }
+
+  static std::atomic<bool> fail_chunks;  // a test hook: every chunk throws
 };
+
+std::atomic<bool> Job::fail_chunks{false};
 
 // row r of buffer p of width n
 inline bf16* row(std::vector<bf16>& p, int64_t r, int64_t n) { return p.data() + r * n; }
@@ -256,8 +286,7 @@ void DecodeStack::plan(int64_t threads) {
 void DecodeStack::work(Job& job, int64_t tid, int64_t m) const {
   if (job.fn != nullptr) {
     for (int64_t lo; (lo = job.next.fetch_add(job.chunk, std::memory_order_relaxed)) < job.n;) {
-      (*job.fn)(lo, std::min(job.n, lo + job.chunk));
-      job.done.fetch_add(1, std::memory_order_release);
+      job.run_chunk([&] { (*job.fn)(lo, std::min(job.n, lo + job.chunk)); });
     }
     return;
   }
@@ -268,8 +297,7 @@ void DecodeStack::work(Job& job, int64_t tid, int64_t m) const {
     const uint8_t* w = part.data.data_ptr<uint8_t>();
     bf16* y = job.y + part.offset;
     return [&in, w, y, &part, &lin, &job](int64_t lo, int64_t hi) {
-      vserve_quant::gemv_rows(in, w, part.row_bytes, y, lin.out, lo, hi);
-      job.done.fetch_add(1, std::memory_order_release);
+      job.run_chunk([&] { vserve_quant::gemv_rows(in, w, part.row_bytes, y, lin.out, lo, hi); });
     };
   };
   (void)m;
@@ -299,6 +327,7 @@ void DecodeStack::run_job(Job& job, const bf16* x, int64_t m) {
   publish(job);
   work(job, 0, m);
   wait_until([&] { return job.done.load(std::memory_order_acquire) == job.total; });
+  job.rethrow_error();
   if (lin.bias.has_value()) {
     const bf16* bias = lin.bias->data_ptr<bf16>();
     for (int64_t r = 0; r < m; ++r)
@@ -331,9 +360,11 @@ void DecodeStack::team_for(int64_t n, int64_t grain,
   job.total = (n + chunk - 1) / chunk;
   job.next.store(0, std::memory_order_relaxed);
   job.done.store(0, std::memory_order_relaxed);
+  job.reset_error();
   publish(job);
   work(job, 0, 0);
   wait_until([&] { return job.done.load(std::memory_order_acquire) == job.total; });
+  job.rethrow_error();
 }
 
 void DecodeStack::helper(int64_t tid, int64_t m) {
@@ -497,6 +528,7 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
   for (auto& job : jobs_) {
     for (auto& sh : job->shares) sh.reset();
     job->done.store(0, std::memory_order_relaxed);
+    job->reset_error();
   }
   loops_used_ = 0;
   phase_.store(0, std::memory_order_relaxed);
@@ -529,5 +561,6 @@ void vserve_layer::bind_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("run", &DecodeStack::run);
+      .def("run", &DecodeStack::run)
+      .def_static("_fail_chunks", [](bool on) { Job::fail_chunks.store(on); });
 }
