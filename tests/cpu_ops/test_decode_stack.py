@@ -4,6 +4,7 @@ gemv path, for 1 and several rows, both norm styles and a sliding-window layer. 
 writes are bitwise theirs too."""
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -161,3 +162,22 @@ def test_a_failing_chunk_raises_and_the_stack_runs_again(ops):
         torch.set_num_threads(threads)
     again = step()
     assert torch.equal(again.view(torch.int16), good.view(torch.int16))
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_stack_runs_from_threads_one_step_at_a_time(ops):
+    """`run` releases the GIL; steps from two threads on one stack take turns (its buffers are
+    the stack's) and give the bits of a step alone."""
+    parts, qtypes, biases, norms, consts = _layer(0, 0, -1)
+    h, lens, tables, slots, cos, sin = _inputs(2)
+    cache = torch.zeros(2, 16, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF)
+    stack = ops.DecodeStack()
+    stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+
+    def step():
+        return stack.run(h, [cos], [sin], [cache.clone()], slots, tables, slots, tables, lens)
+
+    alone = step()
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: step(), range(4)))
+    assert all(torch.equal(o.view(torch.int16), alone.view(torch.int16)) for o in outs)

@@ -27,6 +27,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <thread>
@@ -136,6 +137,7 @@ class DecodeStack {
                  const std::vector<at::Tensor>& norms, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_dim, int64_t window, double scale, double softcap, double eps,
                  int64_t style, int64_t act, int64_t rope) {
+    std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(parts.size() == 4 && qtypes.size() == 4 && biases.size() == 4,
                 "DecodeStack: 4 linears");
     size_t plain_norms = style == 1 ? 4 : 2;
@@ -211,6 +213,9 @@ class DecodeStack {
   std::atomic<Job*> current_{nullptr};  // the latest
   std::atomic<bool> stop_{false};
   vserve_layer::ParallelFor par_;
+  // one step (or add_layer) at a time: `run` releases the GIL, and its plan, buffers and
+  // jobs are the stack's own
+  std::mutex mu_;
 
   void plan(int64_t threads);
   void run_job(Job& job, const bf16* x, int64_t m);
@@ -483,6 +488,7 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
                             const at::Tensor& slots_full, const at::Tensor& tables_full,
                             const at::Tensor& slots_local, const at::Tensor& tables_local,
                             const at::Tensor& seq_lens) {
+  std::lock_guard<std::mutex> lock(mu_);  // (no Python object here: it runs without the GIL)
   TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.size(1) == hidden_,
               "DecodeStack.run: h must be bf16 [T, hidden]");
   const int64_t m = h.size(0);
@@ -561,6 +567,6 @@ void vserve_layer::bind_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("run", &DecodeStack::run)
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_static("_fail_chunks", [](bool on) { Job::fail_chunks.store(on); });
 }
