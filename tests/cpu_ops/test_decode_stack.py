@@ -124,7 +124,10 @@ def test_stack_rejects_bad_inputs(ops):
             *consts,
             0,
         )
-    stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+    narrow = [n[: HIDDEN // 2].contiguous() for n in norms[:4]] + norms[4:]
+    with pytest.raises(RuntimeError, match="linear sizes"):  # (a hidden size of 128)
+        stack.add_layer(parts, qtypes, biases, narrow, *consts, 0)
+    stack.add_layer(parts, qtypes, biases, norms, *consts, 0)  # the rejected sizes left no trace
     h, lens, tables, slots, cos, sin = _inputs(9)
     cache = torch.zeros(2, 72, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):

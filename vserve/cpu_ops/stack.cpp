@@ -91,9 +91,9 @@ struct Job {
   std::vector<RowShares> shares;
   const std::function<void(int64_t, int64_t)>* fn = nullptr;  // a loop
   int64_t n = 0, chunk = 1;
-  std::atomic<int64_t> next{0};
+  alignas(64) std::atomic<int64_t> next{0};  // (each on its own cache line)
   int64_t total = 0;  // chunks (over all parts)
-  std::atomic<int64_t> done{0};
+  alignas(64) std::atomic<int64_t> done{0};
   std::atomic<bool> failed{false};
   std::exception_ptr error;  // the first failed chunk's, set by the thread that set `failed`
 
@@ -180,7 +180,6 @@ class DecodeStack {
     const int64_t qd = num_heads * head_dim, kd = num_kv_heads * head_dim;
     const int64_t hidden = norms[0].numel();
     TORCH_CHECK(hidden_ == 0 || hidden_ == hidden, "DecodeStack: layers of one hidden size");
-    hidden_ = hidden;
     TORCH_CHECK(l.linear[0].out == qd + 2 * kd && l.linear[1].out == hidden &&
                     l.linear[2].out % 2 == 0 && l.linear[3].out == hidden,
                 "DecodeStack: linear sizes do not match the layer");
@@ -191,6 +190,7 @@ class DecodeStack {
         TORCH_CHECK(vserve_quant::row_bytes_of(p.qtype, ins[i]) == p.row_bytes,
                     "DecodeStack: a part's row bytes do not match its inputs");
     }
+    hidden_ = hidden;  // (a rejected layer leaves the stack as it was)
     layers_.push_back(std::move(l));
     jobs_.clear();  // planned again on the next run
   }
@@ -207,7 +207,7 @@ class DecodeStack {
   std::vector<std::unique_ptr<Job>> loops_;  // the attention's loops, taken in turn
   size_t loops_used_ = 0;
   int64_t planned_threads_ = 0;
-  int64_t hidden_ = 0, max_width_ = 0;
+  int64_t hidden_ = 0;
   std::vector<bf16> x_, qkv_, qn_, kn_, qr_, kr_, attn_, o_, tmp_, mlp_in_, gate_up_, act_, down_;
   std::atomic<int64_t> phase_{0};  // jobs published in this step
   std::atomic<Job*> current_{nullptr};  // the latest
