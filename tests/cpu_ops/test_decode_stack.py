@@ -48,7 +48,7 @@ def _layer(seed: int, style: int, window: int):
         norms += [1 + 0.1 * torch.randn(HEAD_DIM, generator=g) for _ in range(2)]
     else:  # Llama: bf16 weights, no q / k norms
         norms = [(1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(BF) for _ in range(2)]
-    biases = [None, None, None, None]
+    biases: list[torch.Tensor | None] = [None, None, None, None]
     if style == 0:
         biases[0] = (0.1 * torch.randn(qd + 2 * kd, generator=g)).to(BF)
     consts = (HEADS, KV_HEADS, HEAD_DIM, window, HEAD_DIM**-0.5, 0.0, 1e-6, style, style)
