@@ -4,6 +4,7 @@ gemv path, for 1 and several rows, both norm styles and a sliding-window layer. 
 writes are bitwise theirs too."""
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def _layer(seed: int, style: int, window: int):
         norms += [1 + 0.1 * torch.randn(HEAD_DIM, generator=g) for _ in range(2)]
     else:  # Llama: bf16 weights, no q / k norms
         norms = [(1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(BF) for _ in range(2)]
-    biases = [None, None, None, None]
+    biases: list[torch.Tensor | None] = [None, None, None, None]
     if style == 0:
         biases[0] = (0.1 * torch.randn(qd + 2 * kd, generator=g)).to(BF)
     consts = (HEADS, KV_HEADS, HEAD_DIM, window, HEAD_DIM**-0.5, 0.0, 1e-6, style, style)
@@ -123,7 +124,10 @@ def test_stack_rejects_bad_inputs(ops):
             *consts,
             0,
         )
-    stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+    narrow = [n[: HIDDEN // 2].contiguous() for n in norms[:4]] + norms[4:]
+    with pytest.raises(RuntimeError, match="linear sizes"):  # (a hidden size of 128)
+        stack.add_layer(parts, qtypes, biases, narrow, *consts, 0)
+    stack.add_layer(parts, qtypes, biases, norms, *consts, 0)  # the rejected sizes left no trace
     h, lens, tables, slots, cos, sin = _inputs(9)
     cache = torch.zeros(2, 72, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
@@ -131,3 +135,52 @@ def test_stack_rejects_bad_inputs(ops):
     h, lens, tables, slots, cos, sin = _inputs(1)
     with pytest.raises(RuntimeError, match="slot out of range"):
         stack.run(h, [cos], [sin], [cache], slots + 10**6, tables, slots + 10**6, tables, lens)
+
+
+@pytest.mark.timeout(120, method="thread")  # a lost chunk would hang the step, not fail it
+def test_a_failing_chunk_raises_and_the_stack_runs_again(ops):
+    """A chunk's exception (a helper's or the master's) reaches the caller after every chunk is
+    done, instead of hanging the step or unwinding frames the helpers still use; the next step
+    runs as before."""
+    layers = [_layer(10 * i, 1, window=-1) for i in range(2)]
+    h, lens, tables, slots, cos, sin = _inputs(3)
+    cache = torch.zeros(2, 24, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF)
+    stack = ops.DecodeStack()
+    for parts, qtypes, biases, norms, consts in layers:
+        stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+
+    def step():
+        caches = [cache.clone(), cache.clone()]
+        return stack.run(h, [cos], [sin], caches, slots, tables, slots, tables, lens)
+
+    good = step()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # helpers, even on 2 cores
+        ops.DecodeStack._fail_chunks(True)
+        with pytest.raises(RuntimeError, match="a chunk failed"):
+            step()
+    finally:
+        ops.DecodeStack._fail_chunks(False)
+        torch.set_num_threads(threads)
+    again = step()
+    assert torch.equal(again.view(torch.int16), good.view(torch.int16))
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_stack_runs_from_threads_one_step_at_a_time(ops):
+    """`run` releases the GIL; steps from two threads on one stack take turns (its buffers are
+    the stack's) and give the bits of a step alone."""
+    parts, qtypes, biases, norms, consts = _layer(0, 0, -1)
+    h, lens, tables, slots, cos, sin = _inputs(2)
+    cache = torch.zeros(2, 16, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF)
+    stack = ops.DecodeStack()
+    stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+
+    def step():
+        return stack.run(h, [cos], [sin], [cache.clone()], slots, tables, slots, tables, lens)
+
+    alone = step()
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: step(), range(4)))
+    assert all(torch.equal(o.view(torch.int16), alone.view(torch.int16)) for o in outs)

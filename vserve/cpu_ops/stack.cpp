@@ -24,9 +24,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -88,10 +91,38 @@ struct Job {
   std::vector<RowShares> shares;
   const std::function<void(int64_t, int64_t)>* fn = nullptr;  // a loop
   int64_t n = 0, chunk = 1;
-  std::atomic<int64_t> next{0};
+  alignas(64) std::atomic<int64_t> next{0};  // (each on its own cache line)
   int64_t total = 0;  // chunks (over all parts)
-  std::atomic<int64_t> done{0};
+  alignas(64) std::atomic<int64_t> done{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;  // the first failed chunk's, set by the thread that set `failed`
+
+  void reset_error() {
+    failed.store(false, std::memory_order_relaxed);
+    error = nullptr;
+  }
+  // runs a chunk; an exception is kept (the first) rather than lost in a helper's thread or
+  // thrown past the wait for chunks that helpers still run; the chunk counts as done anyway
+  template <class Fn>
+  void run_chunk(Fn&& fn) noexcept {
+    try {
+      if (fail_chunks.load(std::memory_order_relaxed))
+        throw std::runtime_error("DecodeStack: a chunk failed (injected by _fail_chunks)");
+      fn();
+    } catch (...) {
+      if (!failed.exchange(true, std::memory_order_acq_rel)) error = std::current_exception();
+    }
+    done.fetch_add(1, std::memory_order_release);
+  }
+  // after every chunk is done: the first chunk's exception, if one failed
+  void rethrow_error() {
+    if (failed.load(std::memory_order_acquire)) std::rethrow_exception(error);
+  }
+
+  static std::atomic<bool> fail_chunks;  // a test hook: every chunk throws
 };
+
+std::atomic<bool> Job::fail_chunks{false};
 
 // row r of buffer p of width n
 inline bf16* row(std::vector<bf16>& p, int64_t r, int64_t n) { return p.data() + r * n; }
@@ -106,6 +137,7 @@ class DecodeStack {
                  const std::vector<at::Tensor>& norms, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_dim, int64_t window, double scale, double softcap, double eps,
                  int64_t style, int64_t act, int64_t rope) {
+    std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(parts.size() == 4 && qtypes.size() == 4 && biases.size() == 4,
                 "DecodeStack: 4 linears");
     size_t plain_norms = style == 1 ? 4 : 2;
@@ -148,7 +180,6 @@ class DecodeStack {
     const int64_t qd = num_heads * head_dim, kd = num_kv_heads * head_dim;
     const int64_t hidden = norms[0].numel();
     TORCH_CHECK(hidden_ == 0 || hidden_ == hidden, "DecodeStack: layers of one hidden size");
-    hidden_ = hidden;
     TORCH_CHECK(l.linear[0].out == qd + 2 * kd && l.linear[1].out == hidden &&
                     l.linear[2].out % 2 == 0 && l.linear[3].out == hidden,
                 "DecodeStack: linear sizes do not match the layer");
@@ -159,6 +190,7 @@ class DecodeStack {
         TORCH_CHECK(vserve_quant::row_bytes_of(p.qtype, ins[i]) == p.row_bytes,
                     "DecodeStack: a part's row bytes do not match its inputs");
     }
+    hidden_ = hidden;  // (a rejected layer leaves the stack as it was)
     layers_.push_back(std::move(l));
     jobs_.clear();  // planned again on the next run
   }
@@ -175,12 +207,15 @@ class DecodeStack {
   std::vector<std::unique_ptr<Job>> loops_;  // the attention's loops, taken in turn
   size_t loops_used_ = 0;
   int64_t planned_threads_ = 0;
-  int64_t hidden_ = 0, max_width_ = 0;
+  int64_t hidden_ = 0;
   std::vector<bf16> x_, qkv_, qn_, kn_, qr_, kr_, attn_, o_, tmp_, mlp_in_, gate_up_, act_, down_;
   std::atomic<int64_t> phase_{0};  // jobs published in this step
   std::atomic<Job*> current_{nullptr};  // the latest
   std::atomic<bool> stop_{false};
   vserve_layer::ParallelFor par_;
+  // one step (or add_layer) at a time: `run` releases the GIL, and its plan, buffers and
+  // jobs are the stack's own
+  std::mutex mu_;
 
   void plan(int64_t threads);
   void run_job(Job& job, const bf16* x, int64_t m);
@@ -256,8 +291,7 @@ void DecodeStack::plan(int64_t threads) {
 void DecodeStack::work(Job& job, int64_t tid, int64_t m) const {
   if (job.fn != nullptr) {
     for (int64_t lo; (lo = job.next.fetch_add(job.chunk, std::memory_order_relaxed)) < job.n;) {
-      (*job.fn)(lo, std::min(job.n, lo + job.chunk));
-      job.done.fetch_add(1, std::memory_order_release);
+      job.run_chunk([&] { (*job.fn)(lo, std::min(job.n, lo + job.chunk)); });
     }
     return;
   }
@@ -268,8 +302,7 @@ void DecodeStack::work(Job& job, int64_t tid, int64_t m) const {
     const uint8_t* w = part.data.data_ptr<uint8_t>();
     bf16* y = job.y + part.offset;
     return [&in, w, y, &part, &lin, &job](int64_t lo, int64_t hi) {
-      vserve_quant::gemv_rows(in, w, part.row_bytes, y, lin.out, lo, hi);
-      job.done.fetch_add(1, std::memory_order_release);
+      job.run_chunk([&] { vserve_quant::gemv_rows(in, w, part.row_bytes, y, lin.out, lo, hi); });
     };
   };
   (void)m;
@@ -299,6 +332,7 @@ void DecodeStack::run_job(Job& job, const bf16* x, int64_t m) {
   publish(job);
   work(job, 0, m);
   wait_until([&] { return job.done.load(std::memory_order_acquire) == job.total; });
+  job.rethrow_error();
   if (lin.bias.has_value()) {
     const bf16* bias = lin.bias->data_ptr<bf16>();
     for (int64_t r = 0; r < m; ++r)
@@ -331,9 +365,11 @@ void DecodeStack::team_for(int64_t n, int64_t grain,
   job.total = (n + chunk - 1) / chunk;
   job.next.store(0, std::memory_order_relaxed);
   job.done.store(0, std::memory_order_relaxed);
+  job.reset_error();
   publish(job);
   work(job, 0, 0);
   wait_until([&] { return job.done.load(std::memory_order_acquire) == job.total; });
+  job.rethrow_error();
 }
 
 void DecodeStack::helper(int64_t tid, int64_t m) {
@@ -452,6 +488,7 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
                             const at::Tensor& slots_full, const at::Tensor& tables_full,
                             const at::Tensor& slots_local, const at::Tensor& tables_local,
                             const at::Tensor& seq_lens) {
+  std::lock_guard<std::mutex> lock(mu_);  // (no Python object here: it runs without the GIL)
   TORCH_CHECK(h.scalar_type() == at::kBFloat16 && h.dim() == 2 && h.size(1) == hidden_,
               "DecodeStack.run: h must be bf16 [T, hidden]");
   const int64_t m = h.size(0);
@@ -497,6 +534,7 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
   for (auto& job : jobs_) {
     for (auto& sh : job->shares) sh.reset();
     job->done.store(0, std::memory_order_relaxed);
+    job->reset_error();
   }
   loops_used_ = 0;
   phase_.store(0, std::memory_order_relaxed);
@@ -529,5 +567,6 @@ void vserve_layer::bind_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("run", &DecodeStack::run);
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_static("_fail_chunks", [](bool on) { Job::fail_chunks.store(on); });
 }

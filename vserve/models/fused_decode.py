@@ -14,6 +14,7 @@ allocated once, the same kernels in the same order, so the same bits.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +24,8 @@ from vserve.attention.base import AttentionMetadata
 from vserve.models.layers import KERNEL_ACTIVATIONS
 from vserve.models.packed_linear import PackedLinear
 from vserve.models.quant_linear import QuantLinear
+
+logger = logging.getLogger("vserve")
 
 
 class LayerConsts(NamedTuple):
@@ -69,6 +72,15 @@ class FusedDecode:
             meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs and backend.name == "torch"
         )
 
+    def _stack_runs(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+        # the stack takes 1 to 8 rows, each with a context (the per-layer calls take length 0)
+        return (
+            self.stack is not None
+            and h.shape[0] <= STACK_MAX_ROWS
+            and h.dtype == torch.bfloat16
+            and min(meta.seq_lens_cpu, default=0) >= 1
+        )
+
     def run(self, h: torch.Tensor, ropes, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         seq_lens = meta.seq_lens.long()
         full = (meta.slot_mapping, meta.block_tables.long())
@@ -77,7 +89,7 @@ class FusedDecode:
             if meta.local_block_tables is None
             else (meta.local_slot_mapping, meta.local_block_tables.long())
         )  # sliding-window group
-        if self.stack is not None and h.shape[0] <= STACK_MAX_ROWS and h.dtype == torch.bfloat16:
+        if self._stack_runs(h, meta):
             return self.stack.run(
                 h,
                 [c for c, _ in ropes],
@@ -110,7 +122,8 @@ class FusedDecode:
 
 def _decode_stack(kernel, layers: list[FusedLayer]):
     """The one-call stack of `layers` when every linear is GGUF blocks (no dense part), or
-    None (the kernel lacks it, bf16 weights, a dense part)."""
+    None (the kernel lacks it, bf16 weights, a dense part, a layer the stack rejects: the
+    per-layer calls run then)."""
     stack_cls = getattr(kernel, "DecodeStack", None)
     if stack_cls is None or not layers:
         return None
@@ -119,8 +132,12 @@ def _decode_stack(kernel, layers: list[FusedLayer]):
     if any(b is not None and b.dtype != torch.bfloat16 for f in layers for b in f.biases):
         return None
     stack = stack_cls()
-    for f in layers:
-        stack.add_layer(f.weights, f.plain, f.biases, f.norms, *f.consts, f.rope)
+    try:
+        for f in layers:
+            stack.add_layer(f.weights, f.plain, f.biases, f.norms, *f.consts, f.rope)
+    except RuntimeError as e:
+        logger.warning("the decode stack rejects a layer (%s): per-layer calls run", e)
+        return None
     return stack
 
 
