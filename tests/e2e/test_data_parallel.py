@@ -117,7 +117,7 @@ def test_external_lb_rank_is_one_plain_engine(model):
 
 
 def test_bad_data_parallel_arguments(model):
-    with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
+    with pytest.raises(ValueError, match=r"data_parallel_size must be in \[1, 1024\]"):
         LLM(model, data_parallel_size=0, **ARGS)
     with pytest.raises(ValueError, match="must lie in"):
         LLM(model, data_parallel_size=2, data_parallel_size_local=2, data_parallel_start_rank=1)
@@ -132,6 +132,32 @@ def test_bad_data_parallel_arguments(model):
             data_parallel_rpc_port=free_port(),
             **ARGS,
         )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # 10**23 engines were spawned one by one: the start-up hung with no output
+        ({"data_parallel_size": 10**23}, r"data_parallel_size must be in \[1, 1024\]"),
+        ({"data_parallel_size": "2"}, "data_parallel_size must be in"),
+        # zmq bound 70000 as port 4464 (70000 mod 65536)
+        (
+            {
+                "data_parallel_size": 2,
+                "data_parallel_size_local": 1,
+                "data_parallel_rpc_port": 70000,
+            },
+            r"data_parallel_rpc_port must be a TCP port in \[0, 65535\]",
+        ),
+        ({"data_parallel_rpc_port": -1}, "data_parallel_rpc_port must be a TCP port"),
+        ({"master_port": 2**64}, "master_port must be a TCP port"),
+    ],
+)
+def test_out_of_range_scale_out_arguments_are_refused(model, args, message):
+    from vserve.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=model, **ARGS, **args).create_engine_config()
 
 
 def _headless_pair(model, port):

@@ -144,6 +144,10 @@ def test_unsupported_architecture(tmp_path):
         (dict(max_model_len=10**7), "max_model_len"),
         (dict(block_size=3), "block_size"),
         (dict(max_num_seqs=0), "max_num_seqs"),
+        # 10**23 stages: the partition's table took every byte of memory (the OOM killer)
+        (dict(pipeline_parallel_size=10**23), r"pipeline_parallel_size must be in \[1, 5\]"),
+        (dict(pipeline_parallel_size=6), "pipeline_parallel_size must be in"),
+        (dict(master_port=70000), "master_port must be a TCP port"),
         (dict(bogus_arg=1), "unknown engine argument"),
         (dict(num_gpu_blocks_override=2, block_size=4), "KV cache holds 2 blocks"),
     ],

@@ -41,6 +41,7 @@ CPU_DEFAULT_MAX_NUM_SEQS = 64
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
 QUANTIZATIONS = ("gguf", "int8", "none")
 DEFAULT_MAX_NUM_SEQS = 256
+MAX_DATA_PARALLEL = 1024  # engine cores behind one front end: a sanity bound, not a tuning
 
 
 @dataclass
@@ -145,8 +146,10 @@ class EngineArgs:
     def _data_parallel(self) -> DataParallelConfig:
         size, rank = self.data_parallel_size, self.data_parallel_rank
         _require(
-            isinstance(size, int) and size >= 1, f"data_parallel_size must be >= 1, got {size!r}"
+            isinstance(size, int) and 1 <= size <= MAX_DATA_PARALLEL,
+            f"data_parallel_size must be in [1, {MAX_DATA_PARALLEL}], got {size!r}",
         )
+        _require_port("data_parallel_rpc_port", self.data_parallel_rpc_port)
         if rank is not None:  # external LB: one plain engine, numbered `rank`
             _require(
                 0 <= rank < size,
@@ -263,8 +266,11 @@ class EngineArgs:
         self, device: str, async_on: bool, hf_config, max_model_len: int, quantization: str
     ) -> ParallelConfig:
         pp = self.pipeline_parallel_size
+        layers = hf_config.num_hidden_layers
         _require(
-            isinstance(pp, int) and pp >= 1, f"pipeline_parallel_size must be >= 1, got {pp!r}"
+            isinstance(pp, int) and 1 <= pp <= layers + 1,
+            f"pipeline_parallel_size must be in [1, {layers + 1}] (the model's {layers} layers, "
+            f"and a stage for the lm_head alone), got {pp!r}",
         )
         tp = self.tensor_parallel_size
         _require(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be >= 1, got {tp!r}")
@@ -285,6 +291,7 @@ class EngineArgs:
             f"nnodes {self.nnodes} must divide the grid's {pp * tp} ranks (pipeline x tensor "
             "parallel sizes)",
         )
+        _require_port("master_port", self.master_port)
         _require(
             self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
             f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}",
@@ -401,3 +408,11 @@ def _cpu_only_torch() -> bool:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _require_port(name: str, port: int) -> None:
+    """A TCP port or 0 (unset): zmq and sockets would take 70000 as 70000 mod 65536."""
+    _require(
+        isinstance(port, int) and 0 <= port <= 65535,
+        f"{name} must be a TCP port in [0, 65535] (0: unset), got {port!r}",
+    )
