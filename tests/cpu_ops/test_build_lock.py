@@ -54,3 +54,27 @@ def test_the_build_holds_the_folder_lock(build_folder, monkeypatch):
     assert cpu_ops._compile((cpu_ops.SAMPLE_SOURCE,), "vserve_test") == "module"
     with open(build_folder / "build.flock", "a") as f:  # released afterwards
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_checkouts_with_the_same_sources_build_from_one_place(build_folder, monkeypatch, tmp_path):
+    """ninja records the source paths it compiled: two checkouts of the same sources
+    handed it their own paths and rebuilt each other's kernels on every load."""
+    seen = []
+
+    def load(name, sources, build_directory, **kwargs):
+        seen.append(sources)
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    for checkout in ("a", "b"):
+        folder = tmp_path / checkout
+        folder.mkdir()
+        source = folder / cpu_ops.SAMPLE_SOURCE.name
+        source.write_bytes(cpu_ops.SAMPLE_SOURCE.read_bytes())
+        (folder / "vec16.h").write_text("// a header\n")
+        cpu_ops._compile((source,), "vserve_test")
+    assert seen[0] == seen[1] == [str(build_folder / "src" / cpu_ops.SAMPLE_SOURCE.name)]
+    assert (build_folder / "src" / "vec16.h").read_text() == "// a header\n"
+    stamp = (build_folder / "src" / cpu_ops.SAMPLE_SOURCE.name).stat().st_mtime_ns
+    cpu_ops._compile((source,), "vserve_test")  # unchanged: not rewritten (ninja reads mtimes)
+    assert (build_folder / "src" / cpu_ops.SAMPLE_SOURCE.name).stat().st_mtime_ns == stamp

@@ -131,12 +131,31 @@ def _compile(sources: tuple[Path, ...], name: str):
     with _build_lock(folder):
         return load_extension(
             f"{name}_{folder.name}",
-            [str(s) for s in sources],
+            [str(s) for s in _staged(sources, folder)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,
         )
+
+
+def _staged(sources: tuple[Path, ...], folder: Path) -> list[Path]:
+    """The sources and their headers copied into the build folder, and built from there.
+    ninja records the paths it compiled: two checkouts with the same sources (the folder is
+    keyed by their bytes) would otherwise rebuild each other's kernels on every load. A copy
+    is written only when it differs, so its mtime does not trigger a rebuild."""
+    src = folder / "src"
+    src.mkdir(exist_ok=True)
+    staged = []
+    for path in [*sources, *sorted(sources[0].parent.glob("*.h"))]:
+        copy = src / path.name
+        data = path.read_bytes()
+        if not copy.exists() or copy.read_bytes() != data:
+            tmp = copy.with_suffix(copy.suffix + ".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(copy)
+        staged.append(copy)
+    return staged[: len(sources)]
 
 
 BATON = "lock"  # torch's FileBaton in the build folder: it waits while this file exists
