@@ -160,7 +160,7 @@ def test_out_of_range_scale_out_arguments_are_refused(model, args, message):
         EngineArgs(model=model, **ARGS, **args).create_engine_config()
 
 
-def _headless_pair(model, port):
+def _headless_pair(model, port, **head_args):
     """A `--headless` host (rank 1, its own process) and the head's `LLM` (rank 0)."""
     dp = [
         "--data-parallel-size",
@@ -183,6 +183,7 @@ def _headless_pair(model, port):
             data_parallel_address="127.0.0.1",
             data_parallel_rpc_port=port,
             **ARGS,
+            **head_args,
         )
     except BaseException:
         host1.kill()
@@ -239,6 +240,30 @@ def test_remote_engine_death_is_seen_at_once(model):
         assert time.monotonic() - start < 5
         llm.shutdown()
         assert host1.wait(timeout=30) == 1
+        assert wait_dead(tree, timeout=10) == []
+    finally:
+        if host1.poll() is None:
+            host1.kill()
+            host1.wait()
+
+
+def test_remote_engine_death_with_keep_serving(model, expected):
+    """--data-parallel-keep-serving with the remote engine SIGKILLed: the head marks rank 1
+    dead, naming it is a ValueError, and every later request runs on rank 0 with one
+    engine's tokens; the headless host exits 1 and leaves nothing behind."""
+    host1, llm = _headless_pair(model, free_port(), data_parallel_keep_serving=True)
+    try:
+        tree = descendants(host1.pid)
+        core = next(p for p in tree if b"core_proc" in _cmdline(p))
+        kill(core, signal.SIGKILL)
+        assert host1.wait(timeout=30) == 1
+        deadline = time.monotonic() + 10
+        while 1 in llm.engine.client.router.alive and time.monotonic() < deadline:
+            time.sleep(0.05)  # the drop is seen by the socket monitor, not by a request
+        with pytest.raises(ValueError, match="engine 1 is dead"):
+            llm.generate(_prompts(PROMPTS[:1]), GREEDY, data_parallel_rank=1)
+        assert _ids(llm.generate(_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
+        llm.shutdown()
         assert wait_dead(tree, timeout=10) == []
     finally:
         if host1.poll() is None:

@@ -12,6 +12,7 @@ from vserve.engine.messages import (
     EngineCoreRequest,
     SchedulerStats,
 )
+from vserve.engine.mp_client import EngineDeadError
 from vserve.sampling_params import SamplingParams
 
 
@@ -88,9 +89,13 @@ class _Fake(_DPBase):
     def __init__(self, keep_serving: bool) -> None:
         from types import SimpleNamespace
 
-        self.clients = {0: SimpleNamespace(num_kv_blocks=8), 1: SimpleNamespace(num_kv_blocks=8)}
+        self.clients = {r: SimpleNamespace(num_kv_blocks=8, dead_message=None) for r in (0, 1)}
         config = SimpleNamespace(data_parallel=SimpleNamespace(keep_serving=keep_serving))
         self._init_dp(config)
+        self.pushed: list[EngineCoreOutputs] = []
+
+    def _push(self, outs: EngineCoreOutputs) -> None:
+        self.pushed.append(outs)
 
 
 def _request(request_id: str, incarnation: int = 1) -> EngineCoreRequest:
@@ -124,6 +129,30 @@ def test_one_engine_dies(keep_serving):
     # the last engine's death is fatal
     last = dp._on_outputs(EngineCoreOutputs(engine_error="bang", engine_index=0))
     assert last is not None and last.engine_error == "data-parallel engine 0: bang"
+
+
+@pytest.mark.parametrize("keep_serving", [False, True])
+def test_a_death_its_client_knows_applies_before_the_queue_tells(keep_serving):
+    """Engine 1's connection dropped while no request read the outputs: its client knows
+    (dead_message), the death's message still waits in the queue. A request must not go
+    there (a remote engine's death raised EngineDeadError at the send, even under
+    keep-serving); the death rules apply at once and their outputs reach the queue."""
+    dp = _Fake(keep_serving)
+    ranks = _assign_four(dp)
+    dp.clients[1].dead_message = "data-parallel engine 1 (remote) disconnected"
+    if not keep_serving:
+        with pytest.raises(EngineDeadError, match="engine 1 .remote. disconnected"):
+            dp._assign(_request("e"), 1)
+        assert [o.engine_error for o in dp.pushed] == [dp.dead_message]
+        return
+    assert {dp._assign(_request(rid), None) for rid in "efgh"} == {0}
+    with pytest.raises(ValueError, match="engine 1 is dead"):
+        dp._assign(_request("i"), 1)
+    (failed,) = dp.pushed  # engine 1's requests finish with the cause
+    assert {o.request_id for o in failed.outputs} == {r for r, k in ranks.items() if k == 1}
+    assert all(o.finish_reason == "error" for o in failed.outputs)
+    # the death's own message, read later, is no news
+    assert dp._on_outputs(EngineCoreOutputs(engine_error="x", engine_index=1)) is None
 
 
 def test_finished_requests_and_aborts_leave_the_books():

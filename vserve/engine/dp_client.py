@@ -114,11 +114,23 @@ class _DPBase:
         return sorted(self.router.alive)
 
     def _assign(self, request: EngineCoreRequest, rank: int | None) -> int:
-        if self.dead_message is not None:
-            raise EngineDeadError(self.dead_message)
-        rank = self.router.choose(rank)
-        self.owners[request.request_id] = (rank, request.incarnation)
-        return rank
+        while True:
+            if self.dead_message is not None:
+                raise EngineDeadError(self.dead_message)
+            chosen = self.router.choose(rank)
+            why = self.clients[chosen].dead_message
+            if why is None:
+                break
+            # its client knows, but the death's message may still wait in the queue (no
+            # request read it): apply the death rules now, and choose again
+            died = self._engine_died(chosen, why)
+            if died is not None:
+                self._push(died)
+        self.owners[request.request_id] = (chosen, request.incarnation)
+        return chosen
+
+    def _push(self, outs: EngineCoreOutputs) -> None:
+        raise NotImplementedError
 
     def _by_engine(self, request_ids: list[str]) -> dict[int, list[str]]:
         groups: dict[int, list[str]] = {}
@@ -184,6 +196,9 @@ class DPSyncClient(_DPBase):
         )
         self._init_dp(config)
 
+    def _push(self, outs: EngineCoreOutputs) -> None:
+        self.outputs.put(outs)
+
     def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
         rank = self._assign(request, data_parallel_rank)
         self.clients[rank].add_request(request)
@@ -230,6 +245,10 @@ class DPAsyncClient(_DPBase):
             client.outputs = self.outputs
             client.start()
 
+    def _push(self, outs: EngineCoreOutputs) -> None:
+        assert self.outputs is not None, "start() first"
+        self.outputs.put_nowait(outs)  # on the loop's thread, like every add
+
     async def add_request_async(
         self, request: EngineCoreRequest, data_parallel_rank: int | None = None
     ) -> int:
@@ -265,8 +284,12 @@ class DPAsyncClient(_DPBase):
 def _shutdown_all(clients: dict[int, Any], remote) -> None:
     """Every engine stops at once (each waits for its core to exit)."""
     if clients:
-        with ThreadPoolExecutor(len(clients)) as pool:
-            list(pool.map(lambda c: c.shutdown(), clients.values()))
+        try:
+            with ThreadPoolExecutor(len(clients)) as pool:
+                list(pool.map(lambda c: c.shutdown(), clients.values()))
+        except RuntimeError:  # at interpreter exit no new thread starts: one by one
+            for client in clients.values():
+                client.shutdown()
         clients.clear()
     if remote is not None:
         remote.close()
