@@ -380,6 +380,7 @@ TP_CASES = {  # biases on o and down (added after the sum), one KV head for 2 ra
 }
 
 
+@pytest.mark.slow  # four in-process engines per case (about 15 s)
 @needs_packing
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_fused_decode_on_a_tp_shard_is_bitwise_the_per_op_path(case, tiny_model_dir, monkeypatch):
