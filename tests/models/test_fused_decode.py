@@ -1,6 +1,7 @@
 """FusedDecode's choice between the one-call decode stack and the per-layer calls, on a stub
 kernel (no compiler): a layer the stack rejects leaves the per-layer calls on, and a step with
-a row of no context (the stack takes lengths >= 1) runs them."""
+a row of no context (the stack takes lengths >= 1) runs them; a tensor-parallel plan calls
+`decoder_layer_tp` with its all-reduce."""
 
 import logging
 
@@ -37,13 +38,11 @@ class _Kernel:
     decoder_layer = decoder_layer_q
 
 
-def _layers(n: int) -> list[FusedLayer]:
+def _layers(n: int, quantized: bool = True) -> list[FusedLayer]:
     consts = LayerConsts(2, 1, 8, -1, 0.35, 0.0, 1e-6, 0, 0)
     parts = [[torch.zeros(4, 34, dtype=torch.uint8)] for _ in range(4)]
     plain = [[8] for _ in range(4)]
-    return [
-        FusedLayer(parts, plain, [None] * 4, [], i, 0, consts, quantized=True) for i in range(n)
-    ]
+    return [FusedLayer(parts, plain, [None] * 4, [], i, 0, consts, quantized) for i in range(n)]
 
 
 def _meta(seq_lens: list[int]) -> AttentionMetadata:
@@ -85,3 +84,17 @@ def test_a_row_of_no_context_runs_the_per_layer_calls():
     assert (fused.stack.runs, kernel.layer_calls) == (1, 0)
     _run(fused, [3, 0])
     assert (fused.stack.runs, kernel.layer_calls) == (1, 2)
+
+
+def test_a_tensor_parallel_plan_passes_its_all_reduce_to_every_layer_call():
+    kernel = _Kernel(reject=False)
+    passed = []
+    kernel.decoder_layer_tp = lambda h, *args: passed.append(args[-1]) or h  # type: ignore[attr-defined]
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    fused = FusedDecode(kernel, _layers(2, quantized=False), all_reduce)
+    assert fused.stack is None  # the one-call stack has no place for the all-reduces
+    _run(fused, [3, 5])
+    assert passed == [all_reduce] * 2 and kernel.layer_calls == 0

@@ -360,3 +360,74 @@ def test_pipeline_parallel_with_kernels_is_bitwise_one_stage(tiny_model_dir, qua
         quantization=quantization,
     )
     assert one == two
+
+
+class _StandInComm:
+    """Rank 0's view of a TP group of 2 whose other rank adds x + 1 to every sum: a fixed
+    function that a missed all-reduce, a bias added before it or a norm applied before it
+    does not reproduce. The logits' all-gather repeats this rank's half."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x], dim=-1)
+
+
+TP_CASES = {  # biases on o and down (added after the sum), one KV head for 2 ranks
+    "llama-biases-kv1": ("llama", dict(attention_bias=True, mlp_bias=True, num_key_value_heads=1)),
+    "gemma3": ("gemma3", {}),  # post-attention / post-feedforward norms after the sum
+}
+
+
+@pytest.mark.slow  # four in-process engines per case (about 15 s)
+@needs_packing
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_fused_decode_on_a_tp_shard_is_bitwise_the_per_op_path(case, tiny_model_dir, monkeypatch):
+    """One rank's shard of a TP=2 model, in process, its comm a stand-in: the fused layers
+    call the all-reduce where RowParallelLinear does and add the biases after it."""
+    from vserve.distributed.tp_comm import TPShard
+    from workers.model_runner import ModelRunner
+
+    load = ModelRunner.load_model
+
+    def load_shard(self) -> None:
+        self.tp = TPShard(0, 2, _StandInComm())  # type: ignore[arg-type]
+        load(self)
+
+    monkeypatch.setattr(ModelRunner, "load_model", load_shard)
+    calls = []
+    run = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    kind, overrides = TP_CASES[case]
+    path = tiny_model_dir(kind, **overrides)
+    _, fused = _generate(path, PROMPTS, batch=False, max_tokens=12)
+    assert len(calls) == len(PROMPTS) * 11  # every decode step ran fused
+    _, per_op = _generate(path, PROMPTS, fused=False, batch=False, max_tokens=12)
+    assert fused == per_op
+    _, fused_b = _generate(path, PROMPTS, max_tokens=12)
+    _, per_op_b = _generate(path, PROMPTS, fused=False, max_tokens=12)
+    assert fused_b == per_op_b
+
+
+@needs_packing
+def test_fused_plan_of_each_tp_rank(tiny_model_dir):
+    """Each rank plans its own shard: 2 of the 4 query heads, the one KV head replicated,
+    the MLP's half, and the TP group's all-reduce."""
+    from transformers import AutoConfig
+
+    from vserve.distributed.tp_comm import TPShard
+
+    path = tiny_model_dir("llama", num_key_value_heads=1)
+    hf_config = AutoConfig.from_pretrained(path)
+    stage = StageInfo.split(hf_config.num_hidden_layers, 1, 0)
+    for rank in (0, 1):
+        comm = _StandInComm()
+        tp = TPShard(rank, 2, comm)  # type: ignore[arg-type]
+        model = load_model(path, hf_config, stage, BF, torch.device("cpu"), 128, tp=tp)
+        assert model.fused is not None and model.fused.all_reduce == comm.all_reduce
+        assert model.fused.stack is None
+        for f in model.fused.layers:
+            assert (f.consts.num_heads, f.consts.num_kv_heads) == (2, 1)
+            assert f.plain[2].shape[0] == hf_config.intermediate_size  # gate and up halves
+            assert f.plain[3].shape[1] == hf_config.intermediate_size // 2

@@ -534,6 +534,31 @@ at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& wei
                num_heads, num_kv_heads, head_dim, window, scale, softcap, eps, style, act);
 }
 
+// decoder_layer on one tensor-parallel rank's shard: heads and MLP columns of this rank (its
+// num_heads / num_kv_heads), o and down row-parallel. Their partial products go through
+// `all_reduce` (the model's TPComm.all_reduce, called back with the GIL held, as the per-op
+// RowParallelLinear calls it) and their biases are added after it; the norms and residuals
+// that follow (Gemma's post-attention and post-feedforward norms too) see the summed output.
+at::Tensor decoder_layer_tp(const at::Tensor& h, const std::vector<at::Tensor>& weights,
+                            const std::vector<at::Tensor>& plain,
+                            const std::vector<std::optional<at::Tensor>>& biases,
+                            const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
+                            const at::Tensor& slots, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& cos,
+                            const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t window, double scale, double softcap,
+                            double eps, int64_t style, int64_t act, const py::object& all_reduce) {
+  TORCH_CHECK(weights.size() == 4 && plain.size() == 4 && biases.size() == 4,
+              "decoder_layer_tp: 4 linears");
+  auto linear_i = [&](int i, const at::Tensor& x) {
+    if (i == 0 || i == 2) return linear(x, weights[i], plain[i], biases[i]);  // column-parallel
+    auto y = all_reduce(linear(x, weights[i], plain[i], std::nullopt)).cast<at::Tensor>();
+    return biases[i].has_value() && biases[i]->defined() ? y + *biases[i] : y;
+  };
+  return layer(h, linear_i, norms, kv_cache, slots, block_tables, seq_lens, cos, sin,
+               num_heads, num_kv_heads, head_dim, window, scale, softcap, eps, style, act);
+}
+
 // decoder_layer on GGUF-block weights: parts[i] / qtypes[i] are the i-th linear's parts as
 // QuantLinear holds them
 at::Tensor decoder_layer_q(const at::Tensor& h, const std::vector<std::vector<at::Tensor>>& parts,
@@ -560,6 +585,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("act_mul", &act_mul);
   m.def("decode_attention", &decode_attention);
   m.def("decoder_layer", &decoder_layer);
+  m.def("decoder_layer_tp", &decoder_layer_tp);
   m.def("gemv", &gemv);
   m.def("linear", &linear);
   m.def("decoder_layer_q", &decoder_layer_q);

@@ -7,6 +7,11 @@ A step whose rows all decode one token runs each layer as a single call into vse
 takes for every other step, so its outputs are bitwise those of that path
 (tests/workers/test_cpu_ops.py).
 
+Under tensor parallel each rank runs its shard (its heads, its MLP columns) through
+`decoder_layer_tp`, which calls the model's all-reduce back after o and after down, where
+RowParallelLinear calls it, and adds their biases after the sum (dense weights only: tensor
+parallel refuses block formats).
+
 On GGUF blocks a step of up to 8 rows runs all the layers in one call instead
 (`DecodeStack`, vserve/cpu_ops/stack.cpp): one parallel region for the step, buffers
 allocated once, the same kernels in the same order, so the same bits.
@@ -15,6 +20,7 @@ allocated once, the same kernels in the same order, so the same bits.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +29,7 @@ import torch
 from vserve.attention.base import AttentionMetadata
 from vserve.models.layers import KERNEL_ACTIVATIONS
 from vserve.models.packed_linear import PackedLinear
+from vserve.models.parallel_layers import RowParallelLinear
 from vserve.models.quant_linear import QuantLinear
 
 logger = logging.getLogger("vserve")
@@ -59,11 +66,16 @@ class FusedLayer:
 STACK_MAX_ROWS = 8  # DecodeStack's rows: the quantized gemv's
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
 class FusedDecode:
-    def __init__(self, kernel, layers: list[FusedLayer]) -> None:
+    def __init__(self, kernel, layers: list[FusedLayer], all_reduce: AllReduce | None = None):
+        """`all_reduce`: the TP group's sum of row-parallel partial products (None: one rank)."""
         self.kernel = kernel
         self.layers = layers
-        self.stack = _decode_stack(kernel, layers)
+        self.all_reduce = all_reduce
+        self.stack = None if all_reduce is not None else _decode_stack(kernel, layers)
 
     @staticmethod
     def can_run(meta: AttentionMetadata, backend) -> bool:
@@ -100,6 +112,9 @@ class FusedDecode:
                 seq_lens,
             )
         dense_fn, quant_fn = self.kernel.decoder_layer, self.kernel.decoder_layer_q
+        tail: tuple[AllReduce, ...] = ()
+        if self.all_reduce is not None:
+            dense_fn, tail = self.kernel.decoder_layer_tp, (self.all_reduce,)
         for f in self.layers:
             cos, sin = ropes[f.rope]
             slots, tables = local if f.consts.window > 0 else full
@@ -116,6 +131,7 @@ class FusedDecode:
                 cos,
                 sin,
                 *f.consts,
+                *tail,
             )
         return h
 
@@ -145,11 +161,19 @@ def build_fused(model, kernel) -> FusedDecode | None:
     """The fused plan of `model`'s layers, or None when a layer cannot run fused (weights
     not packed, an activation the kernel lacks)."""
     layers = []
+    all_reduce = None
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        quantized = all(isinstance(m, QuantLinear) for m in linears)
-        packed = all(isinstance(m, PackedLinear) and m.plain is not None for m in linears)
+        rows = [isinstance(m, RowParallelLinear) for m in linears]
+        if rows == [False, True, False, True]:  # tensor parallel: o and down sum over ranks
+            all_reduce = attn.o_proj.tp.comm.all_reduce
+        elif any(rows):
+            return None
+        # a row-parallel layer's matmul is its shard's; its own bias is added after the sum
+        matmuls = [m.linear if isinstance(m, RowParallelLinear) else m for m in linears]
+        quantized = not any(rows) and all(isinstance(m, QuantLinear) for m in matmuls)
+        packed = all(isinstance(m, PackedLinear) and m.plain is not None for m in matmuls)
         if not (packed or quantized) or layer.act not in KERNEL_ACTIVATIONS:
             return None
         norms, style, rope, eps = model.fused_norms(layer)
@@ -166,9 +190,9 @@ def build_fused(model, kernel) -> FusedDecode | None:
             KERNEL_ACTIVATIONS[layer.act],
         )
         weights, plain = (
-            ([m.part_tensors() for m in linears], [m.part_types() for m in linears])
+            ([m.part_tensors() for m in matmuls], [m.part_types() for m in matmuls])
             if quantized
-            else ([m.packed for m in linears], [m.plain for m in linears])
+            else ([m.packed for m in matmuls], [m.plain for m in matmuls])
         )
         layers.append(
             FusedLayer(
@@ -182,7 +206,7 @@ def build_fused(model, kernel) -> FusedDecode | None:
                 quantized,
             )
         )
-    return FusedDecode(kernel, layers)
+    return FusedDecode(kernel, layers, all_reduce)
 
 
 def attach_kernel(model, kernel) -> None:
