@@ -16,7 +16,10 @@
 `--compare-tree` runs the same cases with another source tree on PYTHONPATH, interleaved
 run by run with this one, and reports the ratios (the machine may be shared: compare within
 one run). Caches are warm after the first run of each tree: the first run of each is a
-warm-up and not counted unless `--runs 1`. Prints a table and writes
+warm-up and not counted unless `--runs 1`. `--compare-engine-args "--quantization none"` runs
+this checkout a second way, interleaved; `--fresh-cache` gives every run an empty model cache
+(the kernels stay built) and counts every run: the first start's time, e.g. GGUF-native
+against the conversion path. Prints a table and writes
 benchmarks/results/startup.json.
 """
 
@@ -48,8 +51,33 @@ _PHASE = re.compile(r"start-up (\w+): (.+?) (\d+\.\d+) s$", re.M)
 _AFTER = re.compile(r"(\w+) (\d+) MB[,;]")  # vserve.startup.memory_line (MiB)
 
 
+_CACHE: dict[str, str] = {}  # with --fresh-cache: XDG_CACHE_HOME of the run in progress
+
+
 def _env(tree: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false"}
+    return {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false", **_CACHE}
+
+
+@contextlib.contextmanager
+def _fresh_cache(on: bool):
+    """An empty vserve cache for one run (the kernels' build linked in: a first start on a
+    machine that has built them), removed afterwards."""
+    if not on:
+        yield
+        return
+    import shutil
+
+    from vserve.cache_files import cache_dir
+
+    base = Path(tempfile.mkdtemp(prefix="vserve-fresh-"))
+    (base / "vserve").mkdir()
+    (base / "vserve" / "cpu_ops").symlink_to(cache_dir("cpu_ops"))
+    _CACHE["XDG_CACHE_HOME"] = str(base)
+    try:
+        yield
+    finally:
+        _CACHE.clear()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _cli(args: list[str]) -> list[str]:
@@ -229,8 +257,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def summarize(runs: list[dict]) -> dict:
-    counted = runs[1:] if len(runs) > 1 else runs  # the first run warms the caches
+def summarize(runs: list[dict], warmup: bool = True) -> dict:
+    counted = runs[1:] if warmup and len(runs) > 1 else runs  # the first run warms the caches
     key = "wall_s" if "wall_s" in runs[0] else "ready_s"
     phases = {
         name: statistics.median(r["phases"].get(name, 0.0) for r in counted)
@@ -259,18 +287,32 @@ def main() -> None:
         default=None,
         help="another vserve checkout, run interleaved with this one",
     )
+    parser.add_argument(
+        "--compare-engine-args",
+        default=None,
+        help="this checkout again with these engine flags instead, interleaved",
+    )
+    parser.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="every run on an empty model cache (first start; the kernels stay built)",
+    )
     parser.add_argument("--output-json", default=str(ROOT / "benchmarks/results/startup.json"))
     args = parser.parse_args()
-    trees = {"this": ROOT}
-    if args.compare_tree:
-        trees["compare"] = Path(args.compare_tree).resolve()
     engine_args = shlex.split(args.engine_args)
+    variants = {"this": (ROOT, engine_args)}
+    if args.compare_tree:
+        variants["compare"] = (Path(args.compare_tree).resolve(), engine_args)
+    if args.compare_engine_args is not None:
+        variants[args.compare_engine_args] = (ROOT, shlex.split(args.compare_engine_args))
+    trees = {name: tree for name, (tree, _) in variants.items()}
     cases = {"generate": run_generate, "serve": run_serve, "load": run_load}
     results: dict[str, dict[str, list]] = {t: {c: [] for c in args.cases.split(",")} for t in trees}
     for i in range(args.runs):
         for case in args.cases.split(","):
-            for tree_name, tree in trees.items():
-                result = cases[case](tree, args.model, engine_args)
+            for tree_name, (tree, flags) in variants.items():
+                with _fresh_cache(args.fresh_cache):
+                    result = cases[case](tree, args.model, flags)
                 results[tree_name][case].append(result)
                 print(
                     f"run {i} {tree_name:8s} {case:8s} "
@@ -278,7 +320,10 @@ def main() -> None:
                     f"rss {sum(result['rss_mb'].values())} MB",
                     flush=True,
                 )
-    summary = {t: {c: summarize(r) for c, r in cases_.items()} for t, cases_ in results.items()}
+    summary = {
+        t: {c: summarize(r, warmup=not args.fresh_cache) for c, r in cases_.items()}
+        for t, cases_ in results.items()
+    }
     print_table(summary)
     print_load(summary)
     out = Path(args.output_json)
@@ -287,7 +332,8 @@ def main() -> None:
         json.dumps(
             {
                 "model": args.model,
-                "engine_args": engine_args,
+                "engine_args": {t: flags for t, (_, flags) in variants.items()},
+                "fresh_cache": args.fresh_cache,
                 "runs": args.runs,
                 "trees": {t: str(p) for t, p in trees.items()},
                 "summary": summary,
