@@ -656,6 +656,16 @@ QUANT_INLINE __m512 pair_scales(const uint8_t* a, const uint8_t* b) {
       _mm_set1_epi16(static_cast<short>(hb)), 1));
 }
 
+// the high nibble of each byte: one vgf2p8affineqb where the CPU has GFNI (its bit matrix
+// moves bits 4-7 to 0-3 and clears the rest), else a shift and a mask
+QUANT_INLINE __m512i high_nibbles(__m512i v) {
+#ifdef __GFNI__
+  return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+#endif
+}
+
 // the 16 nibble bytes at a and at b as [a low, a high, b low, b high]: blocks a, b in order
 QUANT_INLINE __m512i nibbles_pair(const uint8_t* a, const uint8_t* b) {
   __m256i t = _mm256_inserti128_si256(
@@ -750,7 +760,7 @@ QUANT_INLINE void quad_unpack(const uint8_t* p, __m512i& lo, __m512i& hi, __m512
   const __m512i m15 = _mm512_set1_epi8(15);
   const __m512i nib = _mm512_permutex2var_epi8(z0, load64(t.nib), z1);
   lo = _mm512_and_si512(nib, m15);
-  hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m15);
+  hi = high_nibbles(nib);
   if constexpr (std::is_same_v<F, Q5_0>) {
     const __m512i h = _mm512_permutex2var_epi8(z0, load64(t.high), z1);
     const __m512i sixteen = _mm512_set1_epi8(16);
@@ -905,7 +915,7 @@ QUANT_INLINE __m512 kquant_scales_mins(const uint8_t* b) {
 
 template <bool kFifth>
 QUANT_INLINE __m512i kquant_chunk(__m512i bytes, __m512i high, int h, int p) {
-  __m512i q = _mm512_and_si512(p == 0 ? bytes : _mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+  __m512i q = p == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi8(15)) : high_nibbles(bytes);
   if constexpr (kFifth) {
     const int sa = 4 * h + p, sb = sa + 2;
     const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << sa)),
