@@ -503,11 +503,23 @@ void stream_rows(int64_t n, int64_t row_bytes, Fn&& fn, int64_t min_share = 64 <
 // lane, starting from -offset * (the lane's four q_x) so that the lane holds the exact dot of
 // the signed quants. The lanes of one block of 32 are then scaled in fp32 by d_w * d_x (times
 // the sub-block scale of the K-quants; Q4_K / Q5_K subtract dmin * min_j * d_x * sum(q_x) per
-// sub-block), into fp32 accumulators. Its only error beyond fp32 summation is the activations'
-// rounding: at most d_x / 2 per activation (but for blocks whose amax is below ~4e-37, where
-// 1 / d_x overflows and the block counts as zero). Measured on a Zen 4 at 2.6 GHz, one thread,
-// M = 1, weights in L3: 30-37 GB/s for Q4_0 / Q5_0 / Q4_K / Q5_K (the fp32 path: 14-24),
-// 55-65 for Q6_K / Q8_0 (fp32: 14 / 40); from DRAM both threads reach the memory bandwidth.
+// sub-block), into fp32 accumulators. Q4_0 / Q5_0 take four blocks a step where the CPU has
+// VBMI and BITALG (XQuad, `quad_unpack`): both vpdpbusd of the step add into the same lanes
+// (each lane 8 products of one block), so the conversion and scaling run once per 128
+// weights, and byte permutes replace the pair's inserts and shuffles; Q4_K / Q5_K likewise
+// add a super-block's four chunks into one accumulator where the CPU also has GFNI
+// (XLayout::kKSpread, `vnni_rows_kspread`). Its only error beyond
+// fp32 summation is the activations' rounding: at most d_x / 2 per activation (but for blocks
+// whose amax is below ~4e-37, where 1 / d_x overflows and the block counts as zero).
+// On a Zen 4 (AVX-512 at half width, ~2.1-2.6 GHz) the 4-bit formats are bound by the vector
+// pipes, not the memory: each 512-bit op takes two of its four 256-bit pipes' cycles, and a
+// Q5_0 quad takes 15 of them (3 permutes, 2 vpshufbitqmb for the fifth bits, 2 masked adds,
+// 2 nibble extractions, 2 vpdpbusd, the scales' conversion and product, the conversion and
+// the multiply-add). Measured there (benchmarks/quant_gemv_speed.py, one thread, M = 1,
+// weights in L3, 2026-12-01): Q4_0 22.5 GB/s, Q5_0 20.7, Q4_K 22.1, Q5_K 21.7 (before the
+// quads and the spread K-quant chunks: 15.4, 15.6, 19.2, 19.3), Q8_0 35.8, Q6_K 29.3; on two
+// threads from DRAM Q4_0 / Q5_0 ~40, Q4_K / Q5_K ~43, Q8_0 / Q6_K ~52 (README, "Quantized
+// weights against llama.cpp").
 
 // 64 quantized activations of a row (two blocks of 32) and what a chunk of weights needs with
 // them, in the order the weights' quants unpack (`XLayout`)
@@ -527,10 +539,12 @@ struct alignas(64) XSums {
 
 enum class XLayout {
   kInOrder,      // Q8_0 / Q6_K: chunk c = activations 64c..64c + 63
-  kKNibbles,     // Q4_K / Q5_K: chunks of a super-block hold blocks (0, 2), (1, 3), (4, 6),
+  kKNibbles,     // Q4_K / Q5_K otherwise: chunks of a super-block hold blocks (0, 2), (1, 3), (4, 6),
                  // (5, 7): the low and high nibbles of its 64-byte halves
   kQuads,        // Q4_0 / Q5_0 (with VBMI and BITALG): XQuads of four blocks, then the last
                  // K / 32 % 4 blocks as kInOrder chunks
+  kKSpread,      // Q4_K / Q5_K (with VBMI, BITALG and GFNI): chunk t of a super-block holds
+                 // activations 8t..8t + 7 of each of its 8 blocks (bytes 8j.. : block j)
 };
 
 // 128 quantized activations of a row (four blocks of 32) as the Q4_0 / Q5_0 quad step unpacks
@@ -612,15 +626,24 @@ void quantize_x(const T* x, int64_t m_rows, int64_t k, int offset, XLayout layou
       }
       int64_t c = (b - tail0) / 2;
       int h = static_cast<int>((b - tail0) & 1);
+      if (layout == XLayout::kKSpread) {  // 8 activations of the block into each chunk
+        alignas(16) int8_t q[32];
+        _mm_store_si128(reinterpret_cast<__m128i*>(q), b0);
+        _mm_store_si128(reinterpret_cast<__m128i*>(q + 16), b1);
+        for (int t = 0; t < 4; ++t)
+          std::memcpy(tc[(b / 8 * 4 + t) * m_rows + m].q + 8 * (b % 8), q + 8 * t, 8);
+      }
       if (layout == XLayout::kKNibbles) {
         int j = static_cast<int>(b % 8);
         c = b / 8 * 4 + j / 4 * 2 + j % 2;
         h = j % 4 / 2;
       }
-      XChunk& xc = tc[c * m_rows + m];
-      _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h), b0);
-      _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h + 16), b1);
-      for (int l = 0; l < 8; ++l) xc.dx[8 * h + l] = d;
+      if (layout != XLayout::kKSpread) {
+        XChunk& xc = tc[c * m_rows + m];
+        _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h), b0);
+        _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h + 16), b1);
+        for (int l = 0; l < 8; ++l) xc.dx[8 * h + l] = d;
+      }
       if (sums != nullptr) {
         XSums& xs = sums[(b / 8) * m_rows + m];
         xs.dx[b % 8 * 2] = xs.dx[b % 8 * 2 + 1] = d;
@@ -993,6 +1016,103 @@ void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XS
   }
 }
 
+// Q4_K / Q5_K with the activations spread (XLayout::kKSpread): chunk t of a super-block takes
+// bytes 8t..8t + 7 of each 32-byte group g of its quants twice, the low nibbles for sub-block
+// 2g and the high ones for 2g + 1 (one vpermt2b and one vgf2p8affineqb, whose bit matrix is
+// per quadword), so that byte 8j + e of every chunk is weight 8t + e of sub-block j and int32
+// lanes 2j, 2j + 1 belong to sub-block j in all four: the four vpdpbusd of a super-block add
+// into one accumulator, converted and scaled (d * scale_j * d_x_j, XSums::dx) once. Q5_K's
+// fifth bits of weights 8t.. are fifth-bit bytes 8t..8t + 7, whose bit j vpshufbitqmb picks.
+template <class F>
+constexpr bool kspread_format() {
+#if defined(QUANT_QUADS) && defined(__GFNI__)
+  return std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>;
+#else
+  return false;
+#endif
+}
+
+#if defined(QUANT_QUADS) && defined(__GFNI__)
+struct KSpreadTables {
+  alignas(64) int8_t idx[4][64] = {}, bits[64] = {};
+  constexpr KSpreadTables() {
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 8; ++e) idx[t][8 * j + e] = static_cast<int8_t>(32 * (j / 2) + 8 * t + e);
+    for (int j = 0; j < 8; ++j)
+      for (int e = 0; e < 8; ++e) bits[8 * j + e] = static_cast<int8_t>(8 * e + j);
+  }
+};
+inline constexpr KSpreadTables kKSpread{};
+
+template <bool kFifth, int M>
+void vnni_rows_kspread(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSums* xs,
+                       int64_t k, void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
+  using F = KQuant<kFifth>;
+  constexpr int A = M == 1 ? 2 : 1;
+  const int64_t supers = k / 256;
+  // the low nibbles in even quadwords (sub-blocks 2g), the high ones in odd ones
+  const __m512i nibbles = _mm512_set_epi64(0x1020408000000000LL, 0x0102040800000000LL,
+                                           0x1020408000000000LL, 0x0102040800000000LL,
+                                           0x1020408000000000LL, 0x0102040800000000LL,
+                                           0x1020408000000000LL, 0x0102040800000000LL);
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[M][A] = {};
+    __m256 macc[M] = {};
+    auto super = [&](int64_t sb, auto u) QUANT_FLATTEN {
+      const uint8_t* b = row + sb * F::kBytes;
+      const XChunk* x = xc + sb * 4 * M;
+      const XSums* s = xs + sb * M;
+      const __m512 sm = kquant_scales_mins(b);
+      const __m512 scales = _mm512_permutexvar_ps(pairs, sm);  // lanes 2j, 2j + 1: sub-block j
+      const __m256 mins = _mm512_extractf32x8_ps(sm, 1);
+      const uint8_t* qs = b + (kFifth ? 48 : 16);
+      const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
+      __m512i wq[4];
+      unroll<4>([&](auto tc) QUANT_FLATTEN {
+        constexpr int t = decltype(tc)::value;
+        wq[t] = _mm512_gf2p8affine_epi64_epi8(
+            _mm512_permutex2var_epi8(z0, _mm512_load_si512(kKSpread.idx[t]), z1), nibbles, 0);
+        if constexpr (kFifth) {
+          uint64_t h8;
+          std::memcpy(&h8, b + 16 + 8 * t, 8);
+          const __mmask64 high = _mm512_bitshuffle_epi64_mask(
+              _mm512_set1_epi64(static_cast<long long>(h8)), _mm512_load_si512(kKSpread.bits));
+          wq[t] = _mm512_mask_add_epi8(wq[t], high, wq[t], _mm512_set1_epi8(16));
+        }
+      });
+      unroll<M>([&](auto m) QUANT_FLATTEN {
+        constexpr int mi = decltype(m)::value;
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], _mm512_load_si512(x[mi].q));
+        d = _mm512_dpbusd_epi32(d, wq[1], _mm512_load_si512(x[M + mi].q));
+        d = _mm512_dpbusd_epi32(d, wq[2], _mm512_load_si512(x[2 * M + mi].q));
+        d = _mm512_dpbusd_epi32(d, wq[3], _mm512_load_si512(x[3 * M + mi].q));
+        const __m512 sdx = _mm512_mul_ps(scales, _mm512_load_ps(s[mi].dx));
+        constexpr int a = decltype(u)::value;
+        acc[mi][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sdx, acc[mi][a]);
+        macc[mi] = _mm256_fmadd_ps(mins, _mm256_load_ps(s[mi].sx), macc[mi]);
+      });
+    };
+    int64_t sb = 0;
+    for (; sb + A <= supers; sb += A) unroll<A>([&](auto u) QUANT_FLATTEN { super(sb + u, u); });
+    for (; sb < supers; ++sb) super(sb, C<0>{});
+    __m512 sum[M];
+    float minus[M];
+    unroll<M>([&](auto m) QUANT_FLATTEN {
+      constexpr int mi = decltype(m)::value;
+      sum[mi] = acc[mi][0];
+      if constexpr (A > 1) sum[mi] = _mm512_add_ps(sum[mi], acc[mi][1]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(macc[mi]), _mm256_extractf128_ps(macc[mi], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      minus[mi] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    });
+    store_rows<M>(sum, minus, y, bf16_out, n, r);
+  }
+}
+#endif
+
 // Q6_K: chunk v of a super-block (weights 64v..64v+63: half h = v / 2, runs 2(v % 2) and
 // 2(v % 2) + 1 of it) takes the low or high nibbles of the half's 64 low bytes and the
 // 2-bit pairs (2(v % 2), 2(v % 2) + 1) of its 32 high bytes; scale 4v + i for lanes 4i..4i+3
@@ -1042,6 +1162,13 @@ template <class F, int M>
 QUANT_INLINE void vnni_rows_any(const uint8_t* w, int64_t row_bytes, const XChunk* xc,
                                 const XSums* xs, int64_t k, void* y, bool bf16_out, int64_t n,
                                 int64_t r0, int64_t r1) {
+#if defined(QUANT_QUADS) && defined(__GFNI__)
+  if constexpr (kspread_format<F>()) {
+    vnni_rows_kspread<std::is_same_v<F, Q5_K>, M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0,
+                                                  r1);
+    return;
+  }
+#endif
   if constexpr (std::is_same_v<F, Q4_K>)
     vnni_rows_k<false, M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0, r1);
   else if constexpr (std::is_same_v<F, Q5_K>)
@@ -1077,7 +1204,8 @@ constexpr int x_offset() {
 
 template <class F>
 constexpr XLayout x_layout() {
-  if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>) return XLayout::kKNibbles;
+  if constexpr (kspread_format<F>()) return XLayout::kKSpread;
+  else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>) return XLayout::kKNibbles;
   else if constexpr (quad_format<F>()) return XLayout::kQuads;
   else return XLayout::kInOrder;
 }
