@@ -539,8 +539,8 @@ struct alignas(64) XSums {
 
 enum class XLayout {
   kInOrder,      // Q8_0 / Q6_K: chunk c = activations 64c..64c + 63
-  kKNibbles,     // Q4_K / Q5_K otherwise: chunks of a super-block hold blocks (0, 2), (1, 3), (4, 6),
-                 // (5, 7): the low and high nibbles of its 64-byte halves
+  kKNibbles,     // Q4_K / Q5_K otherwise: chunks of a super-block hold blocks (0, 2),
+                 // (1, 3), (4, 6), (5, 7): the low and high nibbles of its 64-byte halves
   kQuads,        // Q4_0 / Q5_0 (with VBMI and BITALG): XQuads of four blocks, then the last
                  // K / 32 % 4 blocks as kInOrder chunks
   kKSpread,      // Q4_K / Q5_K (with VBMI, BITALG and GFNI): chunk t of a super-block holds
@@ -1038,7 +1038,8 @@ struct KSpreadTables {
   constexpr KSpreadTables() {
     for (int t = 0; t < 4; ++t)
       for (int j = 0; j < 8; ++j)
-        for (int e = 0; e < 8; ++e) idx[t][8 * j + e] = static_cast<int8_t>(32 * (j / 2) + 8 * t + e);
+        for (int e = 0; e < 8; ++e)
+          idx[t][8 * j + e] = static_cast<int8_t>(32 * (j / 2) + 8 * t + e);
     for (int j = 0; j < 8; ++j)
       for (int e = 0; e < 8; ++e) bits[8 * j + e] = static_cast<int8_t>(8 * e + j);
   }
