@@ -503,11 +503,23 @@ void stream_rows(int64_t n, int64_t row_bytes, Fn&& fn, int64_t min_share = 64 <
 // lane, starting from -offset * (the lane's four q_x) so that the lane holds the exact dot of
 // the signed quants. The lanes of one block of 32 are then scaled in fp32 by d_w * d_x (times
 // the sub-block scale of the K-quants; Q4_K / Q5_K subtract dmin * min_j * d_x * sum(q_x) per
-// sub-block), into fp32 accumulators. Its only error beyond fp32 summation is the activations'
-// rounding: at most d_x / 2 per activation (but for blocks whose amax is below ~4e-37, where
-// 1 / d_x overflows and the block counts as zero). Measured on a Zen 4 at 2.6 GHz, one thread,
-// M = 1, weights in L3: 30-37 GB/s for Q4_0 / Q5_0 / Q4_K / Q5_K (the fp32 path: 14-24),
-// 55-65 for Q6_K / Q8_0 (fp32: 14 / 40); from DRAM both threads reach the memory bandwidth.
+// sub-block), into fp32 accumulators. Q4_0 / Q5_0 take four blocks a step where the CPU has
+// VBMI and BITALG (XQuad, `quad_unpack`): both vpdpbusd of the step add into the same lanes
+// (each lane 8 products of one block), so the conversion and scaling run once per 128
+// weights, and byte permutes replace the pair's inserts and shuffles; Q4_K / Q5_K likewise
+// add a super-block's four chunks into one accumulator where the CPU also has GFNI
+// (XLayout::kKSpread, `vnni_rows_kspread`). Its only error beyond
+// fp32 summation is the activations' rounding: at most d_x / 2 per activation (but for blocks
+// whose amax is below ~4e-37, where 1 / d_x overflows and the block counts as zero).
+// On a Zen 4 (AVX-512 at half width, ~2.1-2.6 GHz) the 4-bit formats are bound by the vector
+// pipes, not the memory: each 512-bit op takes two of its four 256-bit pipes' cycles, and a
+// Q5_0 quad takes 15 of them (3 permutes, 2 vpshufbitqmb for the fifth bits, 2 masked adds,
+// 2 nibble extractions, 2 vpdpbusd, the scales' conversion and product, the conversion and
+// the multiply-add). Measured there (benchmarks/quant_gemv_speed.py, one thread, M = 1,
+// weights in L3, 2026-12-01): Q4_0 22.5 GB/s, Q5_0 20.7, Q4_K 22.1, Q5_K 21.7 (before the
+// quads and the spread K-quant chunks: 15.4, 15.6, 19.2, 19.3), Q8_0 35.8, Q6_K 29.3; on two
+// threads from DRAM Q4_0 / Q5_0 ~40, Q4_K / Q5_K ~43, Q8_0 / Q6_K ~52 (README, "Quantized
+// weights against llama.cpp").
 
 // 64 quantized activations of a row (two blocks of 32) and what a chunk of weights needs with
 // them, in the order the weights' quants unpack (`XLayout`)
@@ -526,10 +538,32 @@ struct alignas(64) XSums {
 };
 
 enum class XLayout {
-  kInOrder,      // Q4_0 / Q5_0 / Q8_0 / Q6_K: chunk c = activations 64c..64c + 63
-  kKNibbles,     // Q4_K / Q5_K: chunks of a super-block hold blocks (0, 2), (1, 3), (4, 6),
-                 // (5, 7): the low and high nibbles of its 64-byte halves
+  kInOrder,      // Q8_0 / Q6_K: chunk c = activations 64c..64c + 63
+  kKNibbles,     // Q4_K / Q5_K otherwise: chunks of a super-block hold blocks (0, 2),
+                 // (1, 3), (4, 6), (5, 7): the low and high nibbles of its 64-byte halves
+  kQuads,        // Q4_0 / Q5_0 (with VBMI and BITALG): XQuads of four blocks, then the last
+                 // K / 32 % 4 blocks as kInOrder chunks
+  kKSpread,      // Q4_K / Q5_K (with VBMI, BITALG and GFNI): chunk t of a super-block holds
+                 // activations 8t..8t + 7 of each of its 8 blocks (bytes 8j.. : block j)
 };
+
+// 128 quantized activations of a row (four blocks of 32) as the Q4_0 / Q5_0 quad step unpacks
+// its weights: the low nibbles of the four blocks' 16 quant bytes are their weights 0-15, the
+// high nibbles 16-31, so `lo` holds activations 0-15 of each block in turn and `hi` 16-31.
+// Both vpdpbusd of a quad add into the same int32 lanes (lane l: block l / 4), which are
+// scaled once per four blocks. In the space of two XChunks (the tail chunks follow them).
+struct alignas(64) XQuad {
+  int8_t lo[64];
+  int8_t hi[64];
+  int32_t off[16];  // -offset * the sum of the lane's eight q
+  float dx[16];     // the d_x of each lane's block
+};
+static_assert(sizeof(XQuad) <= 2 * sizeof(XChunk), "a quad takes the space of two chunks");
+
+// the quads of a row of `blocks` blocks in layout `layout`
+QUANT_INLINE int64_t quads_of(int64_t blocks, XLayout layout) {
+  return layout == XLayout::kQuads ? blocks / 4 : 0;
+}
 
 // 16 activations as fp32: bf16 widens exactly (the gemv takes x in its dtype, no copy)
 QUANT_INLINE __m512 load_x16(const float* p) { return _mm512_loadu_ps(p); }
@@ -566,29 +600,50 @@ QUANT_INLINE XBlock quantize_block(const T* p) {
           d};
 }
 
-// x [M, K] into chunks [K / 64 rounded up][M] (and sums [K / 256][M] when given)
+// x [M, K] into chunks [K / 64 rounded up][M] (kQuads: quads [K / 128][M], then the chunks
+// [K / 32 % 4 / 2 rounded up][M] of the last blocks), and sums [K / 256][M] when given
 template <typename T>
 void quantize_x(const T* x, int64_t m_rows, int64_t k, int offset, XLayout layout,
                 XChunk* ch, XSums* sums) {
-  const int64_t blocks = k / 32, nch = (blocks + 1) / 2;
+  const int64_t blocks = k / 32, quads = quads_of(blocks, layout);
+  const int64_t tail0 = 4 * quads, tail = blocks - tail0, nch = (tail + 1) / 2;
+  XQuad* xq = reinterpret_cast<XQuad*>(ch);
+  XChunk* tc = ch + 2 * quads * m_rows;  // the chunks after the quads
   for (int64_t m = 0; m < m_rows; ++m) {
-    if (blocks & 1) std::memset(&ch[(nch - 1) * m_rows + m], 0, sizeof(XChunk));
+    if (tail & 1) std::memset(&tc[(nch - 1) * m_rows + m], 0, sizeof(XChunk));
     for (int64_t b = 0; b < blocks; ++b) {
       const XBlock xb = quantize_block(x + m * k + b * 32);
       const __m512i q0 = xb.q0, q1 = xb.q1;
       const float d = xb.d;
       __m128i b0 = _mm512_cvtepi32_epi8(q0), b1 = _mm512_cvtepi32_epi8(q1);
-      int64_t c = b / 2;
-      int h = static_cast<int>(b & 1);
+      if (b < tail0) {
+        XQuad& xqd = xq[b / 4 * m_rows + m];
+        const int i = static_cast<int>(b % 4);
+        _mm_store_si128(reinterpret_cast<__m128i*>(xqd.lo + 16 * i), b0);
+        _mm_store_si128(reinterpret_cast<__m128i*>(xqd.hi + 16 * i), b1);
+        for (int l = 0; l < 4; ++l) xqd.dx[4 * i + l] = d;
+        continue;
+      }
+      int64_t c = (b - tail0) / 2;
+      int h = static_cast<int>((b - tail0) & 1);
+      if (layout == XLayout::kKSpread) {  // 8 activations of the block into each chunk
+        alignas(16) int8_t q[32];
+        _mm_store_si128(reinterpret_cast<__m128i*>(q), b0);
+        _mm_store_si128(reinterpret_cast<__m128i*>(q + 16), b1);
+        for (int t = 0; t < 4; ++t)
+          std::memcpy(tc[(b / 8 * 4 + t) * m_rows + m].q + 8 * (b % 8), q + 8 * t, 8);
+      }
       if (layout == XLayout::kKNibbles) {
         int j = static_cast<int>(b % 8);
         c = b / 8 * 4 + j / 4 * 2 + j % 2;
         h = j % 4 / 2;
       }
-      XChunk& xc = ch[c * m_rows + m];
-      _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h), b0);
-      _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h + 16), b1);
-      for (int l = 0; l < 8; ++l) xc.dx[8 * h + l] = d;
+      if (layout != XLayout::kKSpread) {
+        XChunk& xc = tc[c * m_rows + m];
+        _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h), b0);
+        _mm_store_si128(reinterpret_cast<__m128i*>(xc.q + 32 * h + 16), b1);
+        for (int l = 0; l < 8; ++l) xc.dx[8 * h + l] = d;
+      }
       if (sums != nullptr) {
         XSums& xs = sums[(b / 8) * m_rows + m];
         xs.dx[b % 8 * 2] = xs.dx[b % 8 * 2 + 1] = d;
@@ -599,9 +654,14 @@ void quantize_x(const T* x, int64_t m_rows, int64_t k, int offset, XLayout layou
     }
   }
   const __m512i off = _mm512_set1_epi8(static_cast<char>(offset));
+  for (int64_t i = 0; i < quads * m_rows; ++i) {
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), off, _mm512_load_si512(xq[i].lo));
+    s = _mm512_dpbusd_epi32(s, off, _mm512_load_si512(xq[i].hi));
+    _mm512_store_si512(xq[i].off, _mm512_sub_epi32(_mm512_setzero_si512(), s));
+  }
   for (int64_t i = 0; i < nch * m_rows; ++i) {
-    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), off, _mm512_load_si512(ch[i].q));
-    _mm512_store_si512(ch[i].off, _mm512_sub_epi32(_mm512_setzero_si512(), s));
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), off, _mm512_load_si512(tc[i].q));
+    _mm512_store_si512(tc[i].off, _mm512_sub_epi32(_mm512_setzero_si512(), s));
   }
 }
 
@@ -617,6 +677,16 @@ QUANT_INLINE __m512 pair_scales(const uint8_t* a, const uint8_t* b) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_set1_epi16(static_cast<short>(ha))),
       _mm_set1_epi16(static_cast<short>(hb)), 1));
+}
+
+// the high nibble of each byte: one vgf2p8affineqb where the CPU has GFNI (its bit matrix
+// moves bits 4-7 to 0-3 and clears the rest), else a shift and a mask
+QUANT_INLINE __m512i high_nibbles(__m512i v) {
+#ifdef __GFNI__
+  return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000LL), 0);
+#else
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+#endif
 }
 
 // the 16 nibble bytes at a and at b as [a low, a high, b low, b high]: blocks a, b in order
@@ -663,6 +733,75 @@ struct Vnni32<Q8_0> {
   }
 };
 
+// Q4_0 / Q5_0, four blocks a step (XLayout::kQuads: needs vpermi2b and vpshufbitqmb). The
+// quad's bytes are two (overlapping) 64-byte loads, z0 from its start and z1 ending at its
+// end, and three byte permutes of them give: the four blocks' 16 nibble bytes (their low
+// nibbles: weights 0-15 of each block, the high ones 16-31), Q5_0's fifth-bit words (block i's
+// in both quadwords 2i, 2i + 1, where vpshufbitqmb picks the bit of each weight into a mask)
+// and the four fp16 scales, one per four int32 lanes.
+#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+#define QUANT_QUADS 1
+
+template <class F>
+constexpr bool quad_format() {
+  return std::is_same_v<F, Q4_0> || std::is_same_v<F, Q5_0>;
+}
+
+template <class F>
+struct QuadTables {
+  static constexpr int kQuant = std::is_same_v<F, Q5_0> ? 6 : 2;  // nibbles' offset in a block
+  static constexpr int kSpan = 4 * F::kBytes;
+  alignas(64) int8_t nib[64] = {}, high[64] = {}, scale[64] = {}, bits_lo[64] = {},
+                     bits_hi[64] = {};
+  // vpermi2b's index of byte o of the quad in (z0, z1)
+  static constexpr int8_t at(int o) {
+    return static_cast<int8_t>(o < 64 ? o : 64 + o - (kSpan - 64));
+  }
+  constexpr QuadTables() {
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 16; ++j) {
+        nib[16 * i + j] = at(F::kBytes * i + kQuant + j);
+        high[16 * i + j] = at(F::kBytes * i + 2 + j % 4);  // the uint32 in every dword
+        bits_lo[16 * i + j] = static_cast<int8_t>(j);        // weight j of block i
+        bits_hi[16 * i + j] = static_cast<int8_t>(16 + j);   // weight 16 + j
+      }
+    for (int l = 0; l < 32; ++l) scale[l] = scale[32 + l] = at(F::kBytes * (l / 8) + l % 2);
+  }
+};
+
+template <class F>
+inline constexpr QuadTables<F> kQuadTables{};
+
+QUANT_INLINE __m512i load64(const int8_t* p) { return _mm512_load_si512(p); }
+
+// the unsigned quants (lo: weights 0-15 of each block, hi: 16-31) and the scales (lane l:
+// block l / 4) of the four blocks at p
+template <class F>
+QUANT_INLINE void quad_unpack(const uint8_t* p, __m512i& lo, __m512i& hi, __m512& dw) {
+  const QuadTables<F>& t = kQuadTables<F>;
+  const __m512i z0 = _mm512_loadu_si512(p), z1 = _mm512_loadu_si512(p + t.kSpan - 64);
+  const __m512i m15 = _mm512_set1_epi8(15);
+  const __m512i nib = _mm512_permutex2var_epi8(z0, load64(t.nib), z1);
+  lo = _mm512_and_si512(nib, m15);
+  hi = high_nibbles(nib);
+  if constexpr (std::is_same_v<F, Q5_0>) {
+    const __m512i h = _mm512_permutex2var_epi8(z0, load64(t.high), z1);
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    lo = _mm512_mask_add_epi8(lo, _mm512_bitshuffle_epi64_mask(h, load64(t.bits_lo)), lo,
+                              sixteen);
+    hi = _mm512_mask_add_epi8(hi, _mm512_bitshuffle_epi64_mask(h, load64(t.bits_hi)), hi,
+                              sixteen);
+  }
+  dw = _mm512_cvtph_ps(
+      _mm512_castsi512_si256(_mm512_permutex2var_epi8(z0, load64(t.scale), z1)));
+}
+#else
+template <class F>
+constexpr bool quad_format() {
+  return false;
+}
+#endif
+
 template <int M>
 QUANT_INLINE void store_rows(__m512 (&acc)[M], const float* minus, void* y, bool bf16_out,
                              int64_t n, int64_t r) {
@@ -688,10 +827,39 @@ void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSum
                void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
   using T = Vnni32<F>;
   constexpr int A = M == 1 ? 2 : 1;  // independent accumulator chains
-  const int64_t blocks = k / 32, pairs = blocks / 2;
+  const int64_t blocks = k / 32;
+  const int64_t quads = quads_of(blocks, quad_format<F>() ? XLayout::kQuads : XLayout::kInOrder);
+  const int64_t pairs = (blocks - 4 * quads) / 2;
+  const XQuad* xq = reinterpret_cast<const XQuad*>(xc);
+  const XChunk* tc = xc + 2 * quads * M;  // the chunks of the blocks after the quads
   for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w + r * row_bytes;
     __m512 acc[M] = {}, acc2[M] = {};
+#ifdef QUANT_QUADS
+    if constexpr (quad_format<F>()) {
+      const uint8_t* row = w + r * row_bytes;
+      auto quad = [&](int64_t q, auto u) QUANT_FLATTEN {
+        __m512i lo, hi;
+        __m512 dw;
+        quad_unpack<F>(row + 4 * q * F::kBytes, lo, hi, dw);
+        const XQuad* x = xq + q * M;
+        unroll<M>([&](auto m) QUANT_FLATTEN {
+          constexpr int mi = decltype(m)::value;
+          __m512i d = _mm512_dpbusd_epi32(_mm512_load_si512(x[mi].off), lo,
+                                          _mm512_load_si512(x[mi].lo));
+          d = _mm512_dpbusd_epi32(d, hi, _mm512_load_si512(x[mi].hi));
+          __m512 s = _mm512_mul_ps(dw, _mm512_load_ps(x[mi].dx));
+          if constexpr (decltype(u)::value == 0)
+            acc[mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[mi]);
+          else
+            acc2[mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc2[mi]);
+        });
+      };
+      int64_t q = 0;
+      for (; q + A <= quads; q += A) unroll<A>([&](auto u) QUANT_FLATTEN { quad(q + u, u); });
+      for (; q < quads; ++q) quad(q, C<0>{});
+    }
+#endif
+    const uint8_t* row = w + r * row_bytes + 4 * quads * F::kBytes;  // the blocks after them
     auto step = [&](const uint8_t* a, const uint8_t* b, const XChunk* x, auto u) QUANT_FLATTEN {
       __m512i wq = T::unpack(a, b);
       __m512 dw = pair_scales(a, b);
@@ -709,15 +877,15 @@ void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSum
     for (; p + A <= pairs; p += A)
       unroll<A>([&](auto u) QUANT_FLATTEN {
         const uint8_t* a = row + 2 * (p + u) * F::kBytes;
-        step(a, a + F::kBytes, xc + (p + u) * M, u);
+        step(a, a + F::kBytes, tc + (p + u) * M, u);
       });
     for (; p < pairs; ++p) {
       const uint8_t* a = row + 2 * p * F::kBytes;
-      step(a, a + F::kBytes, xc + p * M, C<0>{});
+      step(a, a + F::kBytes, tc + p * M, C<0>{});
     }
     if (blocks & 1) {  // a lone last block: paired with itself against zero activations
-      const uint8_t* a = row + (blocks - 1) * F::kBytes;
-      step(a, a, xc + pairs * M, C<0>{});
+      const uint8_t* a = row + 2 * pairs * F::kBytes;
+      step(a, a, tc + pairs * M, C<0>{});
     }
     if constexpr (A > 1)
       unroll<M>([&](auto m) QUANT_FLATTEN {
@@ -747,9 +915,30 @@ QUANT_INLINE __m512i kquant_high(const uint8_t* b) {
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
 }
 
+// d * scale_j (lanes 0-7) and dmin * min_j (lanes 8-15) of the Q4_K / Q5_K super-block at b
+// (scale_min's unpacking of its 12 bytes, by two byte shuffles: byte o of `a` holds the low
+// bits of scale o (o < 8) or min o - 8, byte o of `hi` the top two bits of those of j >= 4)
+QUANT_INLINE __m512 kquant_scales_mins(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));  // d, dmin, 12 bytes
+  __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12,
+                                                13, 14, 15));
+  __m128i hi = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8,
+                                                 9, 10, 11));
+  a = _mm_srlv_epi16(a, _mm_setr_epi16(0, 0, 0, 0, 0, 0, 4, 4));  // mins 4-7: high nibbles
+  hi = _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30));  // bits 6-7 to 4-5
+  const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15,
+                                     15, 15);
+  const __m128i sm = _mm_ternarylogic_epi32(keep, a, hi, 0xCA);  // keep ? a : hi, bitwise
+  const __m256i dd = _mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(v),
+      _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                       3, 2, 3, 2, 3, 2, 3));  // d x 8, dmin x 8 (fp16)
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm)), _mm512_cvtph_ps(dd));
+}
+
 template <bool kFifth>
 QUANT_INLINE __m512i kquant_chunk(__m512i bytes, __m512i high, int h, int p) {
-  __m512i q = _mm512_and_si512(p == 0 ? bytes : _mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+  __m512i q = p == 0 ? _mm512_and_si512(bytes, _mm512_set1_epi8(15)) : high_nibbles(bytes);
   if constexpr (kFifth) {
     const int sa = 4 * h + p, sb = sa + 2;
     const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << sa)),
@@ -782,7 +971,6 @@ void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XS
                  int64_t k, void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
   using F = KQuant<kFifth>;
   constexpr int A = M == 1 ? 2 : 1;
-  constexpr uint32_t kMask1 = 0x3f3f3f3f, kMask2 = 0x0f0f0f0f, kMask3 = 0x03030303;
   const int64_t supers = k / 256;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
@@ -792,20 +980,7 @@ void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XS
       const uint8_t* b = row + sb * F::kBytes;
       const XChunk* x = xc + sb * 4 * M;
       const XSums* s = xs + sb * M;
-      // the 8 scales in the bytes of u[0..1], the 8 mins in u[2..3] (as llama.cpp unpacks)
-      uint32_t u[4];
-      std::memcpy(u, b + 4, 12);
-      u[3] = ((u[2] >> 4) & kMask2) | (((u[1] >> 6) & kMask3) << 4);
-      const uint32_t mins_lo = u[1] & kMask1;
-      u[1] = (u[2] & kMask2) | (((u[0] >> 6) & kMask3) << 4);
-      u[2] = mins_lo;
-      u[0] &= kMask1;
-      __m128i packed = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
-                                     static_cast<int>(u[1]), static_cast<int>(u[0]));
-      __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed));  // scales 0-7, mins 8-15
-      __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_at(b)),
-                                       _mm512_set1_ps(half_at(b + 2)));
-      sm = _mm512_mul_ps(sm, dd);
+      const __m512 sm = kquant_scales_mins(b);
       const __m256 scales = _mm512_castps512_ps256(sm), mins = _mm512_extractf32x8_ps(sm, 1);
       // d * scale_j * d_x_j of each row, in lanes 0-7
       __m512 sdx[M];
@@ -840,6 +1015,104 @@ void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XS
     store_rows<M>(sum, minus, y, bf16_out, n, r);
   }
 }
+
+// Q4_K / Q5_K with the activations spread (XLayout::kKSpread): chunk t of a super-block takes
+// bytes 8t..8t + 7 of each 32-byte group g of its quants twice, the low nibbles for sub-block
+// 2g and the high ones for 2g + 1 (one vpermt2b and one vgf2p8affineqb, whose bit matrix is
+// per quadword), so that byte 8j + e of every chunk is weight 8t + e of sub-block j and int32
+// lanes 2j, 2j + 1 belong to sub-block j in all four: the four vpdpbusd of a super-block add
+// into one accumulator, converted and scaled (d * scale_j * d_x_j, XSums::dx) once. Q5_K's
+// fifth bits of weights 8t.. are fifth-bit bytes 8t..8t + 7, whose bit j vpshufbitqmb picks.
+template <class F>
+constexpr bool kspread_format() {
+#if defined(QUANT_QUADS) && defined(__GFNI__)
+  return std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>;
+#else
+  return false;
+#endif
+}
+
+#if defined(QUANT_QUADS) && defined(__GFNI__)
+struct KSpreadTables {
+  alignas(64) int8_t idx[4][64] = {}, bits[64] = {};
+  constexpr KSpreadTables() {
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 8; ++e)
+          idx[t][8 * j + e] = static_cast<int8_t>(32 * (j / 2) + 8 * t + e);
+    for (int j = 0; j < 8; ++j)
+      for (int e = 0; e < 8; ++e) bits[8 * j + e] = static_cast<int8_t>(8 * e + j);
+  }
+};
+inline constexpr KSpreadTables kKSpread{};
+
+template <bool kFifth, int M>
+void vnni_rows_kspread(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSums* xs,
+                       int64_t k, void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
+  using F = KQuant<kFifth>;
+  constexpr int A = M == 1 ? 2 : 1;
+  const int64_t supers = k / 256;
+  // the low nibbles in even quadwords (sub-blocks 2g), the high ones in odd ones
+  const __m512i nibbles = _mm512_set_epi64(0x1020408000000000LL, 0x0102040800000000LL,
+                                           0x1020408000000000LL, 0x0102040800000000LL,
+                                           0x1020408000000000LL, 0x0102040800000000LL,
+                                           0x1020408000000000LL, 0x0102040800000000LL);
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[M][A] = {};
+    __m256 macc[M] = {};
+    auto super = [&](int64_t sb, auto u) QUANT_FLATTEN {
+      const uint8_t* b = row + sb * F::kBytes;
+      const XChunk* x = xc + sb * 4 * M;
+      const XSums* s = xs + sb * M;
+      const __m512 sm = kquant_scales_mins(b);
+      const __m512 scales = _mm512_permutexvar_ps(pairs, sm);  // lanes 2j, 2j + 1: sub-block j
+      const __m256 mins = _mm512_extractf32x8_ps(sm, 1);
+      const uint8_t* qs = b + (kFifth ? 48 : 16);
+      const __m512i z0 = _mm512_loadu_si512(qs), z1 = _mm512_loadu_si512(qs + 64);
+      __m512i wq[4];
+      unroll<4>([&](auto tc) QUANT_FLATTEN {
+        constexpr int t = decltype(tc)::value;
+        wq[t] = _mm512_gf2p8affine_epi64_epi8(
+            _mm512_permutex2var_epi8(z0, _mm512_load_si512(kKSpread.idx[t]), z1), nibbles, 0);
+        if constexpr (kFifth) {
+          uint64_t h8;
+          std::memcpy(&h8, b + 16 + 8 * t, 8);
+          const __mmask64 high = _mm512_bitshuffle_epi64_mask(
+              _mm512_set1_epi64(static_cast<long long>(h8)), _mm512_load_si512(kKSpread.bits));
+          wq[t] = _mm512_mask_add_epi8(wq[t], high, wq[t], _mm512_set1_epi8(16));
+        }
+      });
+      unroll<M>([&](auto m) QUANT_FLATTEN {
+        constexpr int mi = decltype(m)::value;
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], _mm512_load_si512(x[mi].q));
+        d = _mm512_dpbusd_epi32(d, wq[1], _mm512_load_si512(x[M + mi].q));
+        d = _mm512_dpbusd_epi32(d, wq[2], _mm512_load_si512(x[2 * M + mi].q));
+        d = _mm512_dpbusd_epi32(d, wq[3], _mm512_load_si512(x[3 * M + mi].q));
+        const __m512 sdx = _mm512_mul_ps(scales, _mm512_load_ps(s[mi].dx));
+        constexpr int a = decltype(u)::value;
+        acc[mi][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sdx, acc[mi][a]);
+        macc[mi] = _mm256_fmadd_ps(mins, _mm256_load_ps(s[mi].sx), macc[mi]);
+      });
+    };
+    int64_t sb = 0;
+    for (; sb + A <= supers; sb += A) unroll<A>([&](auto u) QUANT_FLATTEN { super(sb + u, u); });
+    for (; sb < supers; ++sb) super(sb, C<0>{});
+    __m512 sum[M];
+    float minus[M];
+    unroll<M>([&](auto m) QUANT_FLATTEN {
+      constexpr int mi = decltype(m)::value;
+      sum[mi] = acc[mi][0];
+      if constexpr (A > 1) sum[mi] = _mm512_add_ps(sum[mi], acc[mi][1]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(macc[mi]), _mm256_extractf128_ps(macc[mi], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      minus[mi] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    });
+    store_rows<M>(sum, minus, y, bf16_out, n, r);
+  }
+}
+#endif
 
 // Q6_K: chunk v of a super-block (weights 64v..64v+63: half h = v / 2, runs 2(v % 2) and
 // 2(v % 2) + 1 of it) takes the low or high nibbles of the half's 64 low bytes and the
@@ -890,6 +1163,13 @@ template <class F, int M>
 QUANT_INLINE void vnni_rows_any(const uint8_t* w, int64_t row_bytes, const XChunk* xc,
                                 const XSums* xs, int64_t k, void* y, bool bf16_out, int64_t n,
                                 int64_t r0, int64_t r1) {
+#if defined(QUANT_QUADS) && defined(__GFNI__)
+  if constexpr (kspread_format<F>()) {
+    vnni_rows_kspread<std::is_same_v<F, Q5_K>, M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0,
+                                                  r1);
+    return;
+  }
+#endif
   if constexpr (std::is_same_v<F, Q4_K>)
     vnni_rows_k<false, M>(w, row_bytes, xc, xs, k, y, bf16_out, n, r0, r1);
   else if constexpr (std::is_same_v<F, Q5_K>)
@@ -925,7 +1205,9 @@ constexpr int x_offset() {
 
 template <class F>
 constexpr XLayout x_layout() {
-  if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>) return XLayout::kKNibbles;
+  if constexpr (kspread_format<F>()) return XLayout::kKSpread;
+  else if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>) return XLayout::kKNibbles;
+  else if constexpr (quad_format<F>()) return XLayout::kQuads;
   else return XLayout::kInOrder;
 }
 
