@@ -75,47 +75,11 @@ def test_several_llms_in_a_row_leave_no_process(tiny_model_dir):
     assert wait_dead([p for t in trees for p in t], timeout=30) == []
 
 
-def test_data_parallel_llm_at_script_exit_shuts_down_quietly(tiny_model_dir, tmp_path):
-    """A DP=2 LLM still alive at exit: its engines stop one by one (no new thread starts
-    then; the parallel shutdown raised "cannot schedule new futures after interpreter
-    shutdown" and left its engines to the lifelines)."""
+def _exit_quietly(tmp_path, body: str, num_engines: int) -> None:
+    """Run `body` as a script whose LLMs are still alive when it ends (it prints each engine
+    core's pid): it exits 0, prints no error, and leaves no engine process."""
     script = tmp_path / "script.py"
-    script.write_text(
-        "from vserve import LLM, SamplingParams\n"
-        f"llm = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256,"
-        " data_parallel_size=2)\n"
-        "llm.generate(['hi', 'yo'], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n"
-        "for client in llm.engine.client.clients.values():\n"
-        "    print(client.engine.proc.pid, flush=True)\n"
-    )
-    run = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "VSERVE_LOG_LEVEL": "WARNING"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "Traceback" not in run.stderr and "Error" not in run.stderr, run.stderr[-3000:]
-    engine_pids = [int(line) for line in run.stdout.split()]
-    assert len(engine_pids) == 2
-    assert wait_dead(engine_pids, timeout=10) == []
-
-
-def test_script_exit_prints_no_error_and_leaves_no_process(tiny_model_dir, tmp_path):
-    """Two LLMs still alive when the script ends: both shut down quietly at exit."""
-    script = tmp_path / "script.py"
-    script.write_text(
-        "import os\n"
-        "from vserve import LLM, SamplingParams\n"
-        "sp = SamplingParams(temperature=0, max_tokens=4)\n"
-        f"a = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256)\n"
-        f"b = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256)\n"
-        "for llm in (a, b):\n"
-        "    llm.generate(['hi'], sp, use_tqdm=False)\n"
-        "    pid = llm.engine.client.engine.proc.pid\n"
-        "    print(pid, flush=True)\n"
-    )
+    script.write_text("from vserve import LLM, SamplingParams\n" + body)
     run = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
@@ -131,5 +95,32 @@ def test_script_exit_prints_no_error_and_leaves_no_process(tiny_model_dir, tmp_p
     ]
     assert bad == [], run.stderr[-3000:]
     engine_pids = [int(line) for line in run.stdout.split()]
-    assert len(engine_pids) == 2
+    assert len(engine_pids) == num_engines
     assert wait_dead(engine_pids, timeout=10) == []
+
+
+def test_data_parallel_llm_at_script_exit_shuts_down_quietly(tiny_model_dir, tmp_path):
+    """A DP=2 LLM still alive at exit: its engines stop one by one (no new thread starts
+    then; the parallel shutdown raised "cannot schedule new futures after interpreter
+    shutdown" and left its engines to the lifelines)."""
+    body = (
+        f"llm = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256,"
+        " data_parallel_size=2)\n"
+        "llm.generate(['hi', 'yo'], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n"
+        "for client in llm.engine.client.clients.values():\n"
+        "    print(client.engine.proc.pid, flush=True)\n"
+    )
+    _exit_quietly(tmp_path, body, num_engines=2)
+
+
+def test_script_exit_prints_no_error_and_leaves_no_process(tiny_model_dir, tmp_path):
+    """Two LLMs still alive when the script ends: both shut down quietly at exit."""
+    body = (
+        "sp = SamplingParams(temperature=0, max_tokens=4)\n"
+        f"a = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256)\n"
+        f"b = LLM({tiny_model_dir('llama')!r}, dtype='float32', max_model_len=256)\n"
+        "for llm in (a, b):\n"
+        "    llm.generate(['hi'], sp, use_tqdm=False)\n"
+        "    print(llm.engine.client.engine.proc.pid, flush=True)\n"
+    )
+    _exit_quietly(tmp_path, body, num_engines=2)
