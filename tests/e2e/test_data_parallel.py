@@ -151,6 +151,13 @@ def test_bad_data_parallel_arguments(model):
         ),
         ({"data_parallel_rpc_port": -1}, "data_parallel_rpc_port must be a TCP port"),
         ({"master_port": 2**64}, "master_port must be a TCP port"),
+        # a string compared with an int: TypeError, not a clear refusal
+        ({"data_parallel_size": 2, "data_parallel_rank": "1"}, "data_parallel_rank must be an"),
+        (
+            {"data_parallel_size": 2, "data_parallel_size_local": "1"},
+            "data_parallel_size_local must be an integer",
+        ),
+        ({"data_parallel_start_rank": 1.5}, "data_parallel_start_rank must be an integer"),
     ],
 )
 def test_out_of_range_scale_out_arguments_are_refused(model, args, message):

@@ -150,6 +150,12 @@ class EngineArgs:
             f"data_parallel_size must be in [1, {MAX_DATA_PARALLEL}], got {size!r}",
         )
         _require_port("data_parallel_rpc_port", self.data_parallel_rpc_port)
+        for name in ("data_parallel_size_local", "data_parallel_start_rank", "data_parallel_rank"):
+            value = getattr(self, name)
+            _require(
+                value is None or isinstance(value, int),
+                f"{name} must be an integer, got {value!r}",
+            )
         if rank is not None:  # external LB: one plain engine, numbered `rank`
             _require(
                 0 <= rank < size,
