@@ -1,6 +1,8 @@
 """Linear layers and embeddings on GGUF blocks (vserve/models/quant_linear.py): outputs equal
 the dense layer on gguf's own dequantization, for one row (gemv) and many (matmul), for fused
-projections whose parts have different formats, and Q8_0 blocks made at load equal gguf's."""
+projections whose parts have different formats, and Q8_0 blocks made at load equal gguf's.
+Tensor parallel's slices of blocks (rows, whole blocks of inputs, padded vocabulary rows)
+dequantize to exactly the slices of the whole weight's dequantization."""
 
 import mmap
 
@@ -12,8 +14,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from torch import nn
 
+from tests.cpu_ops.test_quant_kernels import FORMATS, random_weight
 from vserve import cpu_ops
 from vserve.models.gguf_source import QuantBlocks
+from vserve.models.parallel_layers import _vocab_blocks
 from vserve.models.quant_linear import (
     QuantEmbedding,
     QuantLinear,
@@ -46,6 +50,40 @@ def _blocks(qtype: Q, n: int, k: int, seed: int) -> tuple[QuantBlocks, torch.Ten
     data = quantize(dense, qtype)
     deq = torch.from_numpy(dequantize(data, qtype).astype(np.float32))
     return QuantBlocks(int(qtype), torch.from_numpy(data), (n, k)), deq
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_tp_slices_of_blocks_dequantize_to_the_slices(qtype):
+    """Rows (column-parallel q/k/v, gate/up), inputs in whole blocks (row-parallel o, down:
+    each of 2 ranks' half, and one block inside) and vocabulary rows padded with zero bytes
+    (the last rank's embedding / lm_head): bitwise the slice of the whole dequantization. A
+    range that cuts a block is refused."""
+    n, k = 6, 1024  # 4 blocks of a K-quant, 32 of the others
+    data = random_weight(qtype, n, k, seed=3)
+    blocks = QuantBlocks(int(qtype), torch.from_numpy(data), (n, k))
+    full = dequantize(data, qtype).reshape(n, k)
+    block = blocks.block_size
+    assert block == (256 if qtype.name.endswith("_K") else 32)
+
+    def same(part: QuantBlocks, expected: np.ndarray) -> None:
+        assert part.qtype == int(qtype) and part.data.shape[0] == part.shape[0]
+        got = dequantize(part.data.numpy(), qtype).reshape(part.shape)
+        assert got.shape == expected.shape
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))  # -0.0 too
+
+    same(blocks.rows(2, 3), full[2:5])
+    for rank in range(2):
+        same(blocks.cols(rank * k // 2, k // 2), full[:, rank * k // 2 : (rank + 1) * k // 2])
+    same(blocks.cols(block, block), full[:, block : 2 * block])
+    padded = _vocab_blocks(blocks, 4, 4, n, "embed")  # rank 1 of 2 over a vocabulary of 6
+    same(padded.rows(0, 2), full[4:])
+    assert padded.shape == (4, k) and not dequantize(padded.data[2:].numpy(), qtype).any()
+    assert _vocab_blocks(blocks, 0, 3, n, "embed").data.data_ptr() == blocks.data.data_ptr()
+    for start, count in ((block // 2, block), (0, block + 16), (0, k + block)):
+        with pytest.raises(ValueError, match=f"not whole blocks of {block}"):
+            blocks.cols(start, count)
+    with pytest.raises(ValueError, match="rows"):
+        blocks.rows(4, 3)
 
 
 def test_quantize_q8_0_is_ggufs():
