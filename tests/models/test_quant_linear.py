@@ -86,6 +86,53 @@ def test_tp_slices_of_blocks_dequantize_to_the_slices(qtype):
         blocks.rows(4, 3)
 
 
+def test_tp_ranks_load_their_slices_of_the_blocks(kernel, tiny_gguf_dir):
+    """Each rank of a TP=2 GGUF model holds exactly its slice of each weight, still in blocks:
+    its q rows and the one KV head's k / v (replicated), its gate / up rows, its inputs of o
+    and down (o's bias whole, added after the sum), its vocabulary rows of the embedding and
+    of the tied head (one copy)."""
+    from transformers import AutoConfig
+
+    from vserve.distributed.tp_comm import TPShard
+    from vserve.models.loader import load_model
+    from vserve.models.stage import StageInfo
+
+    path = tiny_gguf_dir("gemma3", num_key_value_heads=1, attention_bias=True)
+    cfg = AutoConfig.from_pretrained(path)
+    stage = StageInfo.whole(cfg.num_hidden_layers)
+
+    def dense(module) -> torch.Tensor:
+        blocks = module.parts if isinstance(module, QuantLinear) else [module.blocks]
+        assert all(isinstance(p, QuantBlocks) for p in blocks)
+        return torch.cat([kernel.dequantize(p.data, p.qtype, p.shape[1]) for p in blocks])
+
+    def weights(tp: TPShard) -> dict[str, torch.Tensor]:
+        model = load_model(path, cfg, stage, torch.float32, torch.device("cpu"), 64, "gguf", tp)
+        attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+        o, down, head = attn.o_proj, mlp.down_proj, model.lm_head
+        if tp.size > 1:
+            assert o.bias is not None and o.linear.bias is None
+            o, down, head = o.linear, down.linear, head.linear
+            assert head.parts[0].data.data_ptr() == model.model.embed_tokens.blocks.data.data_ptr()
+        named = dict(qkv=attn.qkv_proj, o=o, gate_up=mlp.gate_up_proj, down=down, head=head)
+        out = {name: dense(m) for name, m in named.items()}
+        return {**out, "embed": dense(model.model.embed_tokens), "o_bias": attn.o_proj.bias}
+
+    full = weights(TPShard())
+    q, k, v = full["qkv"].split([128, 32, 32])
+    gate, up = full["gate_up"].split([128, 128])
+    for rank in (0, 1):
+        mine = weights(TPShard(rank, 2))
+        half = slice(rank * 64, (rank + 1) * 64)
+        assert torch.equal(mine["qkv"], torch.cat([q[half], k, v]))
+        assert torch.equal(mine["gate_up"], torch.cat([gate[half], up[half]]))
+        for name in ("o", "down"):
+            assert torch.equal(mine[name], full[name][:, half])
+        for name in ("embed", "head"):
+            assert torch.equal(mine[name], full[name][rank * 192 : (rank + 1) * 192])
+        assert torch.equal(mine["o_bias"], full["o_bias"])
+
+
 def test_quantize_q8_0_is_ggufs():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((48, 256)).astype(np.float32)
