@@ -280,7 +280,7 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         _require(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be >= 1, got {tp!r}")
         if tp > 1:
-            _check_tensor_parallel(hf_config, tp, model_cfg.quantization, model_cfg.model)
+            _check_tensor_parallel(hf_config, tp, model_cfg, device)
         backend = self.distributed_executor_backend or default_executor(pp * tp, device, async_on)
         _require(
             backend in ("uni", "mp"),
@@ -329,15 +329,16 @@ class EngineArgs:
         return True, None
 
 
-def _check_tensor_parallel(hf_config, tp: int, quantization: str, model_path: str) -> None:
+def _check_tensor_parallel(hf_config, tp: int, model_cfg: ModelConfig, device: str) -> None:
     """The combinations tensor parallel supports: heads and MLP that split, and GGUF blocks
-    whose row-parallel weights (o, down) split by whole blocks."""
+    whose row-parallel weights (o, down) split by whole blocks (on CPU: elsewhere they are
+    dequantized at load). int8 blocks are made from each rank's slice: any shape goes."""
     from vserve.models.gguf_source import check_tp_blocks
     from vserve.models.parallel_layers import ROW_PARALLEL_WEIGHTS, check_tp
 
     check_tp(hf_config, tp)
-    if quantization == "gguf":
-        check_tp_blocks(model_path, tp, ROW_PARALLEL_WEIGHTS)
+    if model_cfg.quantization == "gguf" and device == "cpu":
+        check_tp_blocks(model_cfg.model, tp, ROW_PARALLEL_WEIGHTS)
 
 
 def kv_sliding_window(hf_config, backend: str, max_model_len: int) -> int | None:

@@ -16,8 +16,10 @@ plain layers the models always used, so a single rank runs exactly as before.
 
 GGUF blocks (`QuantBlocks`) narrow the same way and are parked for `quant_linear.install`:
 by whole rows (column-parallel, vocabulary; padding rows are zero bytes, which every block
-format reads as zeros) and, for o and down, by whole blocks of inputs (`QuantBlocks.cols`;
-the engine arguments refuse a model whose shapes do not allow it, `check_tp_blocks`).
+format reads as zeros) and, for o and down, by whole blocks of inputs (`QuantBlocks.cols`:
+32 inputs, 256 for the K-quants; the engine arguments refuse a model whose shapes do not
+allow it, `gguf_source.check_tp_blocks`, rather than dequantize that weight: memory and
+speed stay what the file promises, and the message names the weight and its block).
 """
 
 from __future__ import annotations
