@@ -1,9 +1,10 @@
 """Tensor parallel produces the tokens of one rank (fp32, greedy and seeded sampling) on the
 modes-equivalence workload (staggered arrivals, chunked prefill, prefix hits, preemption by a
 small KV cache, aborts, stop strings): TP=2 sync and async, TP=2 x PP=2, and GQA with fewer KV
-heads than ranks (replicated KV heads). Unsupported combinations are refused up front. In bf16
-(the fused decode layers on each rank's shard) TP=2's logprobs stay within bf16 rounding of one
-rank's, teacher-forced and at each decode step until the greedy runs part."""
+heads than ranks (replicated KV heads) on dense weights, GGUF blocks and int8 blocks.
+Unsupported combinations are refused up front. In bf16 (the fused decode layers on each rank's
+shard, packed bf16 or GGUF blocks) TP=2's logprobs stay within bf16 rounding of one rank's,
+teacher-forced and at each decode step until the greedy runs part."""
 
 import pytest
 
