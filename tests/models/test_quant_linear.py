@@ -79,6 +79,7 @@ def test_tp_slices_of_blocks_dequantize_to_the_slices(qtype):
     same(padded.rows(0, 2), full[4:])
     assert padded.shape == (4, k) and not dequantize(padded.data[2:].numpy(), qtype).any()
     assert _vocab_blocks(blocks, 0, 3, n, "embed").data.data_ptr() == blocks.data.data_ptr()
+    assert not dequantize(_vocab_blocks(blocks, 8, 2, n, "embed").data.numpy(), qtype).any()
     for start, count in ((block // 2, block), (0, block + 16), (0, k + block)):
         with pytest.raises(ValueError, match=f"not whole blocks of {block}"):
             blocks.cols(start, count)

@@ -195,7 +195,7 @@ def _vocab_blocks(blocks: QuantBlocks, first: int, rows: int, vocab: int, what: 
     every format) past the end. A view when no padding is needed."""
     _check_shape(blocks, (vocab, blocks.shape[1]), what)
     count = max(0, min(rows, vocab - first))
-    part = blocks.rows(first, count)
+    part = blocks.rows(min(first, vocab), count)  # a rank past a tiny vocabulary: none
     if count == rows:
         return part
     pad = torch.zeros(rows - count, blocks.data.shape[1], dtype=torch.uint8)
