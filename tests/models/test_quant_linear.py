@@ -134,6 +134,32 @@ def test_tp_ranks_load_their_slices_of_the_blocks(kernel, tiny_gguf_dir):
         assert torch.equal(mine["o_bias"], full["o_bias"])
 
 
+def test_int8_tp_rank_quantizes_its_slices(kernel, tiny_model_dir):
+    """int8 under TP: each rank quantizes its own slices (the vocabulary-parallel embedding
+    too), and its tied head takes its embedding rows' blocks: the one-rank model's blocks,
+    sliced."""
+    from transformers import AutoConfig
+
+    from vserve.distributed.tp_comm import TPShard
+    from vserve.models.loader import load_model
+    from vserve.models.stage import StageInfo
+
+    path = tiny_model_dir("gemma3")
+    cfg = AutoConfig.from_pretrained(path)
+    stage = StageInfo.whole(cfg.num_hidden_layers)
+
+    def load(tp: TPShard):
+        return load_model(path, cfg, stage, torch.float32, torch.device("cpu"), 64, "int8", tp)
+
+    one, rank1 = load(TPShard()), load(TPShard(1, 2))
+    embed = rank1.model.embed_tokens
+    assert isinstance(embed, QuantEmbedding) and embed.shard is not None
+    assert rank1.lm_head.linear.parts[0].data.data_ptr() == embed.blocks.data.data_ptr()
+    assert torch.equal(embed.blocks.data, one.model.embed_tokens.blocks.data[192:])
+    down = rank1.model.layers[0].mlp.down_proj.linear.parts[0]
+    assert torch.equal(down.data, one.model.layers[0].mlp.down_proj.parts[0].cols(64, 64).data)
+
+
 def test_quantize_q8_0_is_ggufs():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((48, 256)).astype(np.float32)
