@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -22,5 +23,19 @@ def tiny_model_dir(tmp_path_factory):
             name = kind + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
             built[key] = str(build_model(kind, root / name, **overrides))
         return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_dir(tiny_model_dir, tmp_path_factory):
+    """tiny_model_dir's model written as a GGUF model folder (tests/support/tiny_gguf.py)."""
+    from tests.support.tiny_gguf import build_gguf_model
+
+    root = tmp_path_factory.mktemp("tiny-gguf")
+
+    def get(kind: str, **overrides) -> str:
+        hf = tiny_model_dir(kind, **overrides)
+        return str(build_gguf_model(hf, root / Path(hf).name))
 
     return get

@@ -155,3 +155,26 @@ def test_unsupported_architecture(tmp_path):
 def test_bad_engine_args(tiny_model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_llm(tiny_model_dir("qwen2"), max_model_len=kwargs.pop("max_model_len", 64), **kwargs)
+
+
+def test_tensor_parallel_gguf_blocks_must_split_whole(tiny_gguf_dir, tiny_model_dir):
+    """Under TP, o and down split their inputs over the ranks, in whole blocks of their GGUF
+    format: a shape that does not split so is refused up front, naming the tensor and the
+    block size. int8 blocks are made from each rank's own slice: always accepted."""
+    from vserve.engine.arg_utils import EngineArgs
+
+    def config(model, **kwargs):
+        return EngineArgs(model=model, dtype="float32", **kwargs).create_engine_config()
+
+    narrow = tiny_gguf_dir("qwen3", head_dim=16)  # o_proj: 64 inputs in Q4_0 (blocks of 32)
+    assert config(narrow, tensor_parallel_size=2).model.quantization == "gguf"
+    message = (
+        r"tensor_parallel_size 4 cannot split model\.layers\.0\.self_attn\.o_proj\.weight "
+        r"\(model\.layers\.0\.self_attn\.o_proj\.weight, Q4_0, 64 inputs\) by whole blocks of "
+        r"32 inputs \(16 per rank\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        config(narrow, tensor_parallel_size=4)
+    assert config(narrow, tensor_parallel_size=4, quantization="none").parallel.world_size == 4
+    int8 = config(tiny_model_dir("qwen3"), tensor_parallel_size=2, quantization="int8")
+    assert int8.model.quantization == "int8"

@@ -1,6 +1,8 @@
 """Linear layers and embeddings on GGUF blocks (vserve/models/quant_linear.py): outputs equal
 the dense layer on gguf's own dequantization, for one row (gemv) and many (matmul), for fused
-projections whose parts have different formats, and Q8_0 blocks made at load equal gguf's."""
+projections whose parts have different formats, and Q8_0 blocks made at load equal gguf's.
+Tensor parallel's slices of blocks (rows, whole blocks of inputs, padded vocabulary rows)
+dequantize to exactly the slices of the whole weight's dequantization."""
 
 import mmap
 
@@ -12,8 +14,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from torch import nn
 
+from tests.cpu_ops.test_quant_kernels import FORMATS, random_weight
 from vserve import cpu_ops
 from vserve.models.gguf_source import QuantBlocks
+from vserve.models.parallel_layers import _vocab_blocks
 from vserve.models.quant_linear import (
     QuantEmbedding,
     QuantLinear,
@@ -46,6 +50,114 @@ def _blocks(qtype: Q, n: int, k: int, seed: int) -> tuple[QuantBlocks, torch.Ten
     data = quantize(dense, qtype)
     deq = torch.from_numpy(dequantize(data, qtype).astype(np.float32))
     return QuantBlocks(int(qtype), torch.from_numpy(data), (n, k)), deq
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_tp_slices_of_blocks_dequantize_to_the_slices(qtype):
+    """Rows (column-parallel q/k/v, gate/up), inputs in whole blocks (row-parallel o, down:
+    each of 2 ranks' half, and one block inside) and vocabulary rows padded with zero bytes
+    (the last rank's embedding / lm_head): bitwise the slice of the whole dequantization. A
+    range that cuts a block is refused."""
+    n, k = 6, 1024  # 4 blocks of a K-quant, 32 of the others
+    data = random_weight(qtype, n, k, seed=3)
+    blocks = QuantBlocks(int(qtype), torch.from_numpy(data), (n, k))
+    full = dequantize(data, qtype).reshape(n, k)
+    block = blocks.block_size
+    assert block == (256 if qtype.name.endswith("_K") else 32)
+
+    def same(part: QuantBlocks, expected: np.ndarray) -> None:
+        assert part.qtype == int(qtype) and part.data.shape[0] == part.shape[0]
+        got = dequantize(part.data.numpy(), qtype).reshape(part.shape)
+        assert got.shape == expected.shape
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))  # -0.0 too
+
+    same(blocks.rows(2, 3), full[2:5])
+    for rank in range(2):
+        same(blocks.cols(rank * k // 2, k // 2), full[:, rank * k // 2 : (rank + 1) * k // 2])
+    same(blocks.cols(block, block), full[:, block : 2 * block])
+    padded = _vocab_blocks(blocks, 4, 4, n, "embed")  # rank 1 of 2 over a vocabulary of 6
+    same(padded.rows(0, 2), full[4:])
+    assert padded.shape == (4, k) and not dequantize(padded.data[2:].numpy(), qtype).any()
+    assert _vocab_blocks(blocks, 0, 3, n, "embed").data.data_ptr() == blocks.data.data_ptr()
+    assert not dequantize(_vocab_blocks(blocks, 8, 2, n, "embed").data.numpy(), qtype).any()
+    for start, count in ((block // 2, block), (0, block + 16), (0, k + block)):
+        with pytest.raises(ValueError, match=f"not whole blocks of {block}"):
+            blocks.cols(start, count)
+    with pytest.raises(ValueError, match="rows"):
+        blocks.rows(4, 3)
+
+
+def test_tp_ranks_load_their_slices_of_the_blocks(kernel, tiny_gguf_dir):
+    """Each rank of a TP=2 GGUF model holds exactly its slice of each weight, still in blocks:
+    its q rows and the one KV head's k / v (replicated), its gate / up rows, its inputs of o
+    and down (o's bias whole, added after the sum), its vocabulary rows of the embedding and
+    of the tied head (one copy)."""
+    from transformers import AutoConfig
+
+    from vserve.distributed.tp_comm import TPShard
+    from vserve.models.loader import load_model
+    from vserve.models.stage import StageInfo
+
+    path = tiny_gguf_dir("gemma3", num_key_value_heads=1, attention_bias=True)
+    cfg = AutoConfig.from_pretrained(path)
+    stage = StageInfo.whole(cfg.num_hidden_layers)
+
+    def dense(module) -> torch.Tensor:
+        blocks = module.parts if isinstance(module, QuantLinear) else [module.blocks]
+        assert all(isinstance(p, QuantBlocks) for p in blocks)
+        return torch.cat([kernel.dequantize(p.data, p.qtype, p.shape[1]) for p in blocks])
+
+    def weights(tp: TPShard) -> dict[str, torch.Tensor]:
+        model = load_model(path, cfg, stage, torch.float32, torch.device("cpu"), 64, "gguf", tp)
+        attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+        o, down, head = attn.o_proj, mlp.down_proj, model.lm_head
+        if tp.size > 1:
+            assert o.bias is not None and o.linear.bias is None
+            o, down, head = o.linear, down.linear, head.linear
+            assert head.parts[0].data.data_ptr() == model.model.embed_tokens.blocks.data.data_ptr()
+        named = dict(qkv=attn.qkv_proj, o=o, gate_up=mlp.gate_up_proj, down=down, head=head)
+        out = {name: dense(m) for name, m in named.items()}
+        return {**out, "embed": dense(model.model.embed_tokens), "o_bias": attn.o_proj.bias}
+
+    full = weights(TPShard())
+    q, k, v = full["qkv"].split([128, 32, 32])
+    gate, up = full["gate_up"].split([128, 128])
+    for rank in (0, 1):
+        mine = weights(TPShard(rank, 2))
+        half = slice(rank * 64, (rank + 1) * 64)
+        assert torch.equal(mine["qkv"], torch.cat([q[half], k, v]))
+        assert torch.equal(mine["gate_up"], torch.cat([gate[half], up[half]]))
+        for name in ("o", "down"):
+            assert torch.equal(mine[name], full[name][:, half])
+        for name in ("embed", "head"):
+            assert torch.equal(mine[name], full[name][rank * 192 : (rank + 1) * 192])
+        assert torch.equal(mine["o_bias"], full["o_bias"])
+
+
+def test_int8_tp_rank_quantizes_its_slices(kernel, tiny_model_dir):
+    """int8 under TP: each rank quantizes its own slices (the vocabulary-parallel embedding
+    too), and its tied head takes its embedding rows' blocks: the one-rank model's blocks,
+    sliced."""
+    from transformers import AutoConfig
+
+    from vserve.distributed.tp_comm import TPShard
+    from vserve.models.loader import load_model
+    from vserve.models.stage import StageInfo
+
+    path = tiny_model_dir("gemma3")
+    cfg = AutoConfig.from_pretrained(path)
+    stage = StageInfo.whole(cfg.num_hidden_layers)
+
+    def load(tp: TPShard):
+        return load_model(path, cfg, stage, torch.float32, torch.device("cpu"), 64, "int8", tp)
+
+    one, rank1 = load(TPShard()), load(TPShard(1, 2))
+    embed = rank1.model.embed_tokens
+    assert isinstance(embed, QuantEmbedding) and embed.shard is not None
+    assert rank1.lm_head.linear.parts[0].data.data_ptr() == embed.blocks.data.data_ptr()
+    assert torch.equal(embed.blocks.data, one.model.embed_tokens.blocks.data[192:])
+    down = rank1.model.layers[0].mlp.down_proj.linear.parts[0]
+    assert torch.equal(down.data, one.model.layers[0].mlp.down_proj.parts[0].cols(64, 64).data)
 
 
 def test_quantize_q8_0_is_ggufs():

@@ -377,13 +377,17 @@ class _StandInComm:
 TP_CASES = {  # biases on o and down (added after the sum), one KV head for 2 ranks
     "llama-biases-kv1": ("llama", dict(attention_bias=True, mlp_bias=True, num_key_value_heads=1)),
     "gemma3": ("gemma3", {}),  # post-attention / post-feedforward norms after the sum
+    # GGUF blocks (decoder_layer_q_tp), o's bias random (tests/support/tiny_gguf.py)
+    "gemma3-gguf-biases-kv1": ("gemma3-gguf", dict(attention_bias=True, num_key_value_heads=1)),
 }
 
 
 @pytest.mark.slow  # four in-process engines per case (about 15 s)
 @needs_packing
 @pytest.mark.parametrize("case", list(TP_CASES))
-def test_fused_decode_on_a_tp_shard_is_bitwise_the_per_op_path(case, tiny_model_dir, monkeypatch):
+def test_fused_decode_on_a_tp_shard_is_bitwise_the_per_op_path(
+    case, tiny_model_dir, tiny_gguf_dir, monkeypatch
+):
     """One rank's shard of a TP=2 model, in process, its comm a stand-in: the fused layers
     call the all-reduce where RowParallelLinear does and add the biases after it."""
     from vserve.distributed.tp_comm import TPShard
@@ -400,7 +404,10 @@ def test_fused_decode_on_a_tp_shard_is_bitwise_the_per_op_path(case, tiny_model_
     run = FusedDecode.run
     monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
     kind, overrides = TP_CASES[case]
-    path = tiny_model_dir(kind, **overrides)
+    if kind.endswith("-gguf"):
+        path = tiny_gguf_dir(kind.removesuffix("-gguf"), **overrides)
+    else:
+        path = tiny_model_dir(kind, **overrides)
     _, fused = _generate(path, PROMPTS, batch=False, max_tokens=12)
     assert len(calls) == len(PROMPTS) * 11  # every decode step ran fused
     _, per_op = _generate(path, PROMPTS, fused=False, batch=False, max_tokens=12)

@@ -512,6 +512,19 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& part
   return bias.has_value() && bias->defined() ? y + *bias : y;
 }
 
+// A tensor-parallel rank's linear(i, x) from product(i, x, bias): qkv and gate_up (0, 2) are
+// column-parallel, whole; o and down (1, 3) are row-parallel: their partial products are
+// summed by `all_reduce` (called back with the GIL held), then their bias is added.
+template <class Product>
+auto row_parallel(const Product& product, const std::vector<std::optional<at::Tensor>>& biases,
+                  const py::object& all_reduce) {
+  return [&product, &biases, &all_reduce](int i, const at::Tensor& x) {
+    if (i == 0 || i == 2) return product(i, x, biases[i]);
+    auto y = all_reduce(product(i, x, std::nullopt)).template cast<at::Tensor>();
+    return biases[i].has_value() && biases[i]->defined() ? y + *biases[i] : y;
+  };
+}
+
 }  // namespace
 
 // decoder_layer on packed bf16 weights: packed (oneDNN) for several rows, plain (row-major
@@ -550,13 +563,12 @@ at::Tensor decoder_layer_tp(const at::Tensor& h, const std::vector<at::Tensor>& 
                             double eps, int64_t style, int64_t act, const py::object& all_reduce) {
   TORCH_CHECK(weights.size() == 4 && plain.size() == 4 && biases.size() == 4,
               "decoder_layer_tp: 4 linears");
-  auto linear_i = [&](int i, const at::Tensor& x) {
-    if (i == 0 || i == 2) return linear(x, weights[i], plain[i], biases[i]);  // column-parallel
-    auto y = all_reduce(linear(x, weights[i], plain[i], std::nullopt)).cast<at::Tensor>();
-    return biases[i].has_value() && biases[i]->defined() ? y + *biases[i] : y;
+  auto product = [&](int i, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+    return linear(x, weights[i], plain[i], bias);
   };
-  return layer(h, linear_i, norms, kv_cache, slots, block_tables, seq_lens, cos, sin,
-               num_heads, num_kv_heads, head_dim, window, scale, softcap, eps, style, act);
+  return layer(h, row_parallel(product, biases, all_reduce), norms, kv_cache, slots,
+               block_tables, seq_lens, cos, sin, num_heads, num_kv_heads, head_dim, window,
+               scale, softcap, eps, style, act);
 }
 
 // decoder_layer on GGUF-block weights: parts[i] / qtypes[i] are the i-th linear's parts as
@@ -579,6 +591,28 @@ at::Tensor decoder_layer_q(const at::Tensor& h, const std::vector<std::vector<at
                num_heads, num_kv_heads, head_dim, window, scale, softcap, eps, style, act);
 }
 
+// decoder_layer_q on one tensor-parallel rank's shard of GGUF blocks, as decoder_layer_tp
+at::Tensor decoder_layer_q_tp(const at::Tensor& h,
+                              const std::vector<std::vector<at::Tensor>>& parts,
+                              const std::vector<std::vector<int64_t>>& qtypes,
+                              const std::vector<std::optional<at::Tensor>>& biases,
+                              const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
+                              const at::Tensor& slots, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, const at::Tensor& cos,
+                              const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t window, double scale, double softcap,
+                              double eps, int64_t style, int64_t act,
+                              const py::object& all_reduce) {
+  TORCH_CHECK(parts.size() == 4 && qtypes.size() == 4 && biases.size() == 4,
+              "decoder_layer_q_tp: 4 linears");
+  auto product = [&](int i, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+    return quant_linear(x, parts[i], qtypes[i], bias);
+  };
+  return layer(h, row_parallel(product, biases, all_reduce), norms, kv_cache, slots,
+               block_tables, seq_lens, cos, sin, num_heads, num_kv_heads, head_dim, window,
+               scale, softcap, eps, style, act);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rotary", &rotary);
@@ -589,6 +623,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv);
   m.def("linear", &linear);
   m.def("decoder_layer_q", &decoder_layer_q);
+  m.def("decoder_layer_q_tp", &decoder_layer_q_tp);
   vserve_layer::bind_stack(m);
   auto quant = m.def_submodule("quant", "GGUF block-format kernels (quant.cpp)");
   quant.def("dequantize", &vserve_quant::dequantize, py::arg("data"), py::arg("qtype"),

@@ -102,9 +102,7 @@ class EngineArgs:
             f"attention_backend must be one of {available_backends()}, got {backend!r}",
         )
         async_on, reason = self._async_decision()
-        parallel = self._parallel_config(
-            device, async_on, hf_config, model_cfg.max_model_len, model_cfg.quantization
-        )
+        parallel = self._parallel_config(device, async_on, hf_config, model_cfg)
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             max_num_seqs = CPU_DEFAULT_MAX_NUM_SEQS if device == "cpu" else DEFAULT_MAX_NUM_SEQS
@@ -269,8 +267,9 @@ class EngineArgs:
         return value
 
     def _parallel_config(
-        self, device: str, async_on: bool, hf_config, max_model_len: int, quantization: str
+        self, device: str, async_on: bool, hf_config, model_cfg: ModelConfig
     ) -> ParallelConfig:
+        max_model_len = model_cfg.max_model_len
         pp = self.pipeline_parallel_size
         layers = hf_config.num_hidden_layers
         _require(
@@ -281,7 +280,7 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         _require(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be >= 1, got {tp!r}")
         if tp > 1:
-            _check_tensor_parallel(hf_config, tp, quantization)
+            _check_tensor_parallel(hf_config, tp, model_cfg, device)
         backend = self.distributed_executor_backend or default_executor(pp * tp, device, async_on)
         _require(
             backend in ("uni", "mp"),
@@ -330,16 +329,16 @@ class EngineArgs:
         return True, None
 
 
-def _check_tensor_parallel(hf_config, tp: int, quantization: str) -> None:
-    """The combinations tensor parallel supports: dense weights, heads and MLP that split."""
-    from vserve.models.parallel_layers import check_tp
+def _check_tensor_parallel(hf_config, tp: int, model_cfg: ModelConfig, device: str) -> None:
+    """The combinations tensor parallel supports: heads and MLP that split, and GGUF blocks
+    whose row-parallel weights (o, down) split by whole blocks (on CPU: elsewhere they are
+    dequantized at load). int8 blocks are made from each rank's slice: any shape goes."""
+    from vserve.models.gguf_source import check_tp_blocks
+    from vserve.models.parallel_layers import ROW_PARALLEL_WEIGHTS, check_tp
 
-    _require(
-        quantization == "none",
-        f"tensor_parallel_size > 1 needs dense weights (quantization='none'), got "
-        f"quantization={quantization!r}: GGUF / int8 blocks are not sharded",
-    )
     check_tp(hf_config, tp)
+    if model_cfg.quantization == "gguf" and device == "cpu":
+        check_tp_blocks(model_cfg.model, tp, ROW_PARALLEL_WEIGHTS)
 
 
 def kv_sliding_window(hf_config, backend: str, max_model_len: int) -> int | None:

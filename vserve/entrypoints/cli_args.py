@@ -26,7 +26,7 @@ _HELP = {
     "async_scheduling": "schedule the next step while the current one runs (default: on)",
     "pipeline_parallel_size": "split the layers over this many worker processes",
     "tensor_parallel_size": "split every layer (heads, MLP, vocabulary) over this many worker "
-    "processes per pipeline stage (dense weights: quantization none)",
+    "processes per pipeline stage (dense, GGUF or int8 weights)",
     "distributed_executor_backend": "uni (model in the engine process) or mp (workers)",
     "master_addr": "torch.distributed rendezvous address for multi-host pipeline parallel",
     "master_port": "torch.distributed rendezvous port (0: pick a free one, single host)",

@@ -8,9 +8,9 @@ takes for every other step, so its outputs are bitwise those of that path
 (tests/workers/test_cpu_ops.py).
 
 Under tensor parallel each rank runs its shard (its heads, its MLP columns) through
-`decoder_layer_tp`, which calls the model's all-reduce back after o and after down, where
-RowParallelLinear calls it, and adds their biases after the sum (dense weights only: tensor
-parallel refuses block formats).
+`decoder_layer_tp` (packed bf16) or `decoder_layer_q_tp` (GGUF blocks), which call the model's
+all-reduce back after o and after down, where RowParallelLinear calls it, and add their biases
+after the sum. The one-call stack below runs on a single rank only.
 
 On GGUF blocks a step of up to 8 rows runs all the layers in one call instead
 (`DecodeStack`, vserve/cpu_ops/stack.cpp): one parallel region for the step, buffers
@@ -114,7 +114,8 @@ class FusedDecode:
         dense_fn, quant_fn = self.kernel.decoder_layer, self.kernel.decoder_layer_q
         tail: tuple[AllReduce, ...] = ()
         if self.all_reduce is not None:
-            dense_fn, tail = self.kernel.decoder_layer_tp, (self.all_reduce,)
+            dense_fn, quant_fn = self.kernel.decoder_layer_tp, self.kernel.decoder_layer_q_tp
+            tail = (self.all_reduce,)
         for f in self.layers:
             cos, sin = ropes[f.rope]
             slots, tables = local if f.consts.window > 0 else full
@@ -172,7 +173,7 @@ def build_fused(model, kernel) -> FusedDecode | None:
             return None
         # a row-parallel layer's matmul is its shard's; its own bias is added after the sum
         matmuls = [m.linear if isinstance(m, RowParallelLinear) else m for m in linears]
-        quantized = not any(rows) and all(isinstance(m, QuantLinear) for m in matmuls)
+        quantized = all(isinstance(m, QuantLinear) for m in matmuls)
         packed = all(isinstance(m, PackedLinear) and m.plain is not None for m in matmuls)
         if not (packed or quantized) or layer.act not in KERNEL_ACTIVATIONS:
             return None

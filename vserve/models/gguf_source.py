@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the front end reads manifests without importing torch or nu
 MANIFEST = "gguf_weights.json"
 # GGML type ids of the block formats the CPU kernels run (vserve/cpu_ops/quant.cpp)
 BLOCK_FORMATS = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+BLOCK_SIZES = {2: 32, 6: 32, 8: 32, 12: 256, 13: 256, 14: 256}  # inputs per block
 _PERMUTE_QK = ("llama", "mistral")
 HEAD_BYTES = 16 * 2**20  # first read of a header; those with large vocabularies run to MiBs
 
@@ -47,8 +48,28 @@ class QuantBlocks:
     def name(self) -> str:
         return BLOCK_FORMATS[self.qtype]
 
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZES[self.qtype]
+
     def rows(self, start: int, count: int) -> QuantBlocks:
+        """Output features [start, start + count): whole rows of blocks (a view)."""
+        if not 0 <= start <= start + count <= self.shape[0]:
+            raise ValueError(f"rows [{start}, {start + count}) of a weight with {self.shape[0]}")
         return QuantBlocks(self.qtype, self.data[start : start + count], (count, self.shape[1]))
+
+    def cols(self, start: int, count: int) -> QuantBlocks:
+        """Inputs [start, start + count), in whole blocks (a copy: each row's slice of its
+        bytes); ValueError when the range cuts a block."""
+        block, (n, k) = self.block_size, self.shape
+        if start % block or count % block or not 0 <= start < start + count <= k:
+            raise ValueError(
+                f"inputs [{start}, {start + count}) of a {self.name} weight with {k} inputs are "
+                f"not whole blocks of {block}"
+            )
+        per_block = self.data.shape[1] // (k // block)
+        data = self.data[:, start // block * per_block : (start + count) // block * per_block]
+        return QuantBlocks(self.qtype, data.contiguous(), (n, count))
 
 
 def manifest_path(model_path: str | Path) -> Path:
@@ -83,6 +104,25 @@ def write_manifest(folder: Path, gguf: Path, hf_config) -> str:
     }
     manifest_path(folder).write_text(json.dumps(manifest, indent=1))
     return type(model).__name__
+
+
+def check_tp_blocks(model_path: str | Path, tp_size: int, row_parallel: tuple[str, ...]) -> None:
+    """ValueError unless every block-format weight named `row_parallel` (checkpoint name
+    endings: the layers tensor parallel splits by inputs) splits its inputs over `tp_size`
+    ranks in whole blocks (32 inputs for Q4_0 / Q5_0 / Q8_0, 256 for the K-quants)."""
+    manifest = json.loads(manifest_path(model_path).read_text())
+    for info in read_tensor_table(Path(manifest["file"])).tensors:
+        name = manifest["names"].get(info.name, "")
+        if info.qtype not in BLOCK_FORMATS or not name.endswith(row_parallel):
+            continue
+        k, block = info.dims[0], BLOCK_SIZES[info.qtype]
+        if k % tp_size or (k // tp_size) % block:
+            raise ValueError(
+                f"tensor_parallel_size {tp_size} cannot split {name} ({info.name}, "
+                f"{BLOCK_FORMATS[info.qtype]}, {k} inputs) by whole blocks of {block} inputs "
+                f"({k / tp_size:g} per rank); use another tensor_parallel_size or "
+                "quantization='none' (dense weights)"
+            )
 
 
 @dataclass(frozen=True)

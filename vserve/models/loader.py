@@ -1,6 +1,7 @@
 """Build one pipeline stage of a model (one tensor-parallel shard of it) on a device and fill
 it from safetensors files or a GGUF (`gguf_source`), with linear weights dense or in block
-formats (`quant_linear`; one rank only)."""
+formats (`quant_linear`; under tensor parallel each rank parks its slice of the blocks,
+`parallel_layers`)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,6 @@ def load_model(
     quantization: str = "none",
     tp: TPShard = TPShard(),
 ) -> nn.Module:
-    """Tensor parallel (`tp.size > 1`) takes dense weights only: block formats raise."""
-    if tp.size > 1 and quantization != "none":
-        raise ValueError(
-            f"quantization={quantization!r} with tensor parallel is not supported "
-            "(GGUF blocks are not sharded); use quantization='none'"
-        )
     cls = model_class(hf_config.architectures[0] if hf_config.architectures else "")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

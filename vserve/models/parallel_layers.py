@@ -13,6 +13,13 @@ The vocabulary is padded to a multiple of n (zero rows). Query heads split evenl
 too when there are at least n of them, else each is replicated on n / num_kv_heads ranks
 (rank r keeps KV head r * num_kv_heads // n). With n == 1 the factories below return the
 plain layers the models always used, so a single rank runs exactly as before.
+
+GGUF blocks (`QuantBlocks`) narrow the same way and are parked for `quant_linear.install`:
+by whole rows (column-parallel, vocabulary; padding rows are zero bytes, which every block
+format reads as zeros) and, for o and down, by whole blocks of inputs (`QuantBlocks.cols`:
+32 inputs, 256 for the K-quants; the engine arguments refuse a model whose shapes do not
+allow it, `gguf_source.check_tp_blocks`, rather than dequantize that weight: memory and
+speed stay what the file promises, and the message names the weight and its block).
 """
 
 from __future__ import annotations
@@ -24,7 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vserve.distributed.tp_comm import TPShard
+from vserve.models.gguf_source import QuantBlocks
 from vserve.models.stage import FusedLinear
+
+# checkpoint names of the weights split by their inputs (RowParallelLinear)
+ROW_PARALLEL_WEIGHTS = (".o_proj.weight", ".down_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,11 @@ class RowParallelLinear(nn.Module):
             _copy(self.bias, tensor, "bias")
             return "bias"
         local = self.in_features // self.tp.size
-        _copy(self.linear.weight, tensor.narrow(1, self.tp.rank * local, local), leaf)
+        if isinstance(tensor, QuantBlocks):
+            _check_shape(tensor, (self.linear.out_features, self.in_features), leaf)
+            self.linear.quant_weight = tensor.cols(self.tp.rank * local, local)  # parked
+        else:
+            _copy(self.linear.weight, tensor.narrow(1, self.tp.rank * local, local), leaf)
         return "linear.weight"
 
 
@@ -129,15 +144,26 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, hidden))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.first
-        outside = (local < 0) | (local >= self.rows)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
-        h = h.masked_fill(outside.unsqueeze(-1), 0)
-        return self.tp.comm.all_reduce(h)
+        return vocab_lookup(
+            ids, self.first, self.rows, lambda i: F.embedding(i, self.weight), self.tp
+        )
 
     def load_weight(self, leaf: str, tensor: torch.Tensor) -> str:
-        _copy_vocab_rows(self.weight, tensor, self.first, self.vocab, leaf)
+        if isinstance(tensor, QuantBlocks):
+            self.quant_weight = _vocab_blocks(tensor, self.first, self.rows, self.vocab, leaf)
+        else:
+            _copy_vocab_rows(self.weight, tensor, self.first, self.vocab, leaf)
         return "weight"
+
+
+def vocab_lookup(ids: torch.Tensor, first: int, rows: int, lookup, tp: TPShard) -> torch.Tensor:
+    """The embeddings of `ids` from a table holding rows [first, first + rows) (`lookup` of
+    local ids), zeros for the other ranks' ids, summed over the ranks."""
+    local = ids - first
+    outside = (local < 0) | (local >= rows)
+    h = lookup(local.masked_fill(outside, 0))
+    h = h.masked_fill(outside.unsqueeze(-1), 0)
+    return tp.comm.all_reduce(h)
 
 
 class ParallelLMHead(nn.Module):
@@ -155,8 +181,30 @@ class ParallelLMHead(nn.Module):
         return self.tp.comm.all_gather_last(self.linear(hidden))[..., : self.vocab]
 
     def load_weight(self, leaf: str, tensor: torch.Tensor) -> str:
-        _copy_vocab_rows(self.linear.weight, tensor, self.first, self.vocab, leaf)
+        if isinstance(tensor, QuantBlocks):
+            self.linear.quant_weight = _vocab_blocks(
+                tensor, self.first, self.rows, self.vocab, leaf
+            )
+        else:
+            _copy_vocab_rows(self.linear.weight, tensor, self.first, self.vocab, leaf)
         return "linear.weight"
+
+
+def _vocab_blocks(blocks: QuantBlocks, first: int, rows: int, vocab: int, what: str):
+    """Rows [first, first + rows) of a [vocab, hidden] weight in blocks; zero bytes (zeros in
+    every format) past the end. A view when no padding is needed."""
+    _check_shape(blocks, (vocab, blocks.shape[1]), what)
+    count = max(0, min(rows, vocab - first))
+    part = blocks.rows(min(first, vocab), count)  # a rank past a tiny vocabulary: none
+    if count == rows:
+        return part
+    pad = torch.zeros(rows - count, blocks.data.shape[1], dtype=torch.uint8)
+    return QuantBlocks(blocks.qtype, torch.cat([part.data, pad]), (rows, blocks.shape[1]))
+
+
+def _check_shape(tensor, expected: tuple, what: str) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"weight {what}: shape {tuple(tensor.shape)} does not fit {expected}")
 
 
 def _copy_vocab_rows(target, tensor, first: int, vocab: int, what: str) -> None:

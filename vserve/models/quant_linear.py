@@ -8,8 +8,9 @@ with activations rounded to int8 per block of 32 (`matmul`, larger batches in bf
 fp32 path dequantizes tiles for oneDNN), and reads only the looked-up rows of a quantized
 embedding table (`embedding`).
 
-`install` swaps them in after loading, for every nn.Linear / FusedLinear / nn.Embedding that
-received `QuantBlocks` (`stage.load_weights` parks them on the module): a fused projection
+`install` swaps them in after loading, for every nn.Linear / FusedLinear / nn.Embedding (or
+vocab-parallel embedding) that received `QuantBlocks` (`stage.load_weights` parks them on the
+module; under tensor parallel, each layer of `parallel_layers` its slice): a fused projection
 whose parts have different formats (Gemma's q/k in Q5_0, v in Q8_0) keeps one part per run of
 equal formats and concatenates their outputs. A tied lm_head shares the embedding's blocks.
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vserve.models.gguf_source import QuantBlocks
+from vserve.models.parallel_layers import VocabParallelEmbedding, vocab_lookup
 from vserve.models.stage import FusedLinear
 from vserve.models.weight_arena import arena_copy
 
@@ -78,12 +80,25 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    def __init__(self, blocks: QuantBlocks, dtype: torch.dtype, kernel) -> None:
+    def __init__(
+        self,
+        blocks: QuantBlocks,
+        dtype: torch.dtype,
+        kernel,
+        vocab_shard: VocabParallelEmbedding | None = None,  # tensor parallel: its rows
+    ) -> None:
         super().__init__()
         self.blocks, self.dtype, self.qkernel = blocks, dtype, kernel
         self.embedding_dim = blocks.shape[1]
+        self.shard = None if vocab_shard is None else (vocab_shard.first, vocab_shard.tp)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is None:
+            return self._lookup(ids)
+        first, tp = self.shard
+        return vocab_lookup(ids, first, self.blocks.shape[0], self._lookup, tp)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         b = self.blocks
         rows = self.qkernel.embedding(b.data, b.qtype, b.shape[1], ids.reshape(-1), self.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)
@@ -140,6 +155,8 @@ def _quantized(module: nn.Module, kernel, dtype: torch.dtype) -> nn.Module | Non
         return None
     if isinstance(module, nn.Embedding):
         return QuantEmbedding(blocks, dtype, kernel)
+    if isinstance(module, VocabParallelEmbedding):
+        return QuantEmbedding(blocks, dtype, kernel, module)
     if isinstance(module, nn.Linear):
         return QuantLinear([blocks], module.in_features, _bias(module), kernel)
     return None
@@ -190,16 +207,20 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantBlocks:
 def park_int8(model: nn.Module) -> int:
     """Q8_0 blocks for every linear weight (and the embedding) whose inputs come in whole
     blocks, parked for `install`; returns how many weights. A tied lm_head takes the
-    embedding's blocks (the loader copied one checkpoint table into both)."""
+    embedding's blocks (the loader copied one checkpoint table into both). Under tensor
+    parallel each rank quantizes its slice: blocks of 32 inputs never straddle two ranks'
+    slices when the slice is whole blocks, so they are the one-rank model's blocks."""
     count = 0
     tied_to = _tied_embedding(model)
+    head = getattr(model, "lm_head", None)
+    head = getattr(head, "linear", head)  # ParallelLMHead's matmul
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, (nn.Linear, nn.Embedding)) or weight is None:
+        if not isinstance(module, (nn.Linear, nn.Embedding, VocabParallelEmbedding)):
             continue
-        if weight.shape[1] % 32:
+        if weight is None or weight.shape[1] % 32:  # under TP: o / down's inputs per rank
             continue
-        if module is getattr(model, "lm_head", None) and tied_to is not None:
+        if module is head and tied_to is not None:  # the same rows (and padding) under TP
             module.quant_weight = tied_to.quant_weight  # quantized just before (modules order)
             continue
         blocks = quantize_q8_0(weight)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -61,10 +62,10 @@ class FusedLinear(nn.Linear):
         self.quant_shards: dict[int, QuantBlocks] = {}  # for vserve.models.quant_linear
 
     def load_shard(self, param_name: str, tensor, shard: int) -> None:
-        if self.shard_offsets is not None:
-            if isinstance(tensor, QuantBlocks):
-                raise ValueError("tensor parallel takes dense weights, not GGUF blocks")
-            tensor = tensor.narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
+        if self.shard_offsets is not None:  # tensor parallel: this rank's rows
+            offset, size = self.shard_offsets[shard], self.shard_sizes[shard]
+            narrow = tensor.rows if isinstance(tensor, QuantBlocks) else partial(tensor.narrow, 0)
+            tensor = narrow(offset, size)
         if isinstance(tensor, QuantBlocks):
             expected = (self.shard_sizes[shard], self.in_features)
             _check_shape(f"shard {shard}", tensor.shape, expected)
