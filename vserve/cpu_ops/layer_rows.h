@@ -3,7 +3,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <functional>

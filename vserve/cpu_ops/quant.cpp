@@ -37,7 +37,7 @@
 //             exact path each thread dequantizes tiles of output rows into a buffer of x's
 //             dtype and multiplies with at::mm
 //   embedding(data, qtype, k, ids [T], dtype) -> [T, K]: the dequantized rows ids
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

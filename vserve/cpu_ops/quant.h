@@ -3,7 +3,7 @@
 // decoder layer on quantized weights call them.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
