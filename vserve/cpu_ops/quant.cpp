@@ -815,6 +815,23 @@ QUANT_INLINE void store_rows(__m512 (&acc)[M], const float* minus, void* y, bool
   });
 }
 
+// K-quant rows: the A accumulators of each row summed, minus its eight mins terms (macc)
+template <int M, int A>
+QUANT_INLINE void store_kquant_rows(__m512 (&acc)[M][A], __m256 (&macc)[M], void* y,
+                                    bool bf16_out, int64_t n, int64_t r) {
+  __m512 sum[M];
+  float minus[M];
+  unroll<M>([&](auto m) QUANT_FLATTEN {
+    constexpr int mi = decltype(m)::value;
+    sum[mi] = acc[mi][0];
+    if constexpr (A > 1) sum[mi] = _mm512_add_ps(sum[mi], acc[mi][1]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(macc[mi]), _mm256_extractf128_ps(macc[mi], 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    minus[mi] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  });
+  store_rows<M>(sum, minus, y, bf16_out, n, r);
+}
+
 // int32 lanes of the exact quant dot, from vpdpbusd started at the chunk's -offset sums
 template <bool kOffset>
 QUANT_INLINE __m512i dot_lanes(__m512i wq, const XChunk& x) {
@@ -1002,17 +1019,7 @@ void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XS
         });
       });
     }
-    __m512 sum[M];
-    float minus[M];
-    unroll<M>([&](auto m) QUANT_FLATTEN {
-      constexpr int mi = decltype(m)::value;
-      sum[mi] = acc[mi][0];
-      if constexpr (A > 1) sum[mi] = _mm512_add_ps(sum[mi], acc[mi][1]);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(macc[mi]), _mm256_extractf128_ps(macc[mi], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      minus[mi] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    });
-    store_rows<M>(sum, minus, y, bf16_out, n, r);
+    store_kquant_rows<M, A>(acc, macc, y, bf16_out, n, r);
   }
 }
 
@@ -1099,17 +1106,7 @@ void vnni_rows_kspread(const uint8_t* w, int64_t row_bytes, const XChunk* xc, co
     int64_t sb = 0;
     for (; sb + A <= supers; sb += A) unroll<A>([&](auto u) QUANT_FLATTEN { super(sb + u, u); });
     for (; sb < supers; ++sb) super(sb, C<0>{});
-    __m512 sum[M];
-    float minus[M];
-    unroll<M>([&](auto m) QUANT_FLATTEN {
-      constexpr int mi = decltype(m)::value;
-      sum[mi] = acc[mi][0];
-      if constexpr (A > 1) sum[mi] = _mm512_add_ps(sum[mi], acc[mi][1]);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(macc[mi]), _mm256_extractf128_ps(macc[mi], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      minus[mi] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    });
-    store_rows<M>(sum, minus, y, bf16_out, n, r);
+    store_kquant_rows<M, A>(acc, macc, y, bf16_out, n, r);
   }
 }
 #endif
