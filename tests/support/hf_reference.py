@@ -48,16 +48,22 @@ def hf_greedy(model_dir: str, prompts: tuple[str, ...], max_new_tokens: int) -> 
 
 def hf_model(model_dir: str, dtype: torch.dtype):
     """transformers' model of a vserve model folder; a GGUF's folder (no weights of its own)
-    loads its GGUF through transformers, which dequantizes every tensor."""
+    loads its GGUF through transformers, which dequantizes every tensor (with gguf's own
+    `dequantize`). Its config and its weights each parse the file's metadata with
+    `gguf.GGUFReader`, 25 s apiece for the embedded model's 262k-token vocabulary: they share
+    one reader whose values are plain views (`_gguf_parsed_once`, the same fields and tensors:
+    tests/models/test_gguf_source.py)."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
     from vserve.models.gguf_source import gguf_file
+    from vserve.models.resolve import _gguf_parsed_once
 
     gguf = gguf_file(model_dir)
     if gguf is None:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(
-        str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=dtype
-    ).eval()
+    with _gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(
+            str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=dtype
+        ).eval()
