@@ -6,17 +6,19 @@ decompose into eight ops, rotary, two tiny attention matmuls), each paying dispa
 overhead. These kernels do that work in one call each, read a one-row matmul's weight at full
 memory bandwidth, and `decoder_layer` runs a whole layer of a decode step in one call.
 
-The extension is built with the system C++ compiler the first time a bf16 CPU model loads
-(about 30 s), into `$XDG_CACHE_HOME/vserve/cpu_ops/` (default `~/.cache`), keyed by the
+The extension is built with the system C++ compiler the first time a CPU model loads
+(about 75 s on 2 cores), into `$XDG_CACHE_HOME/vserve/cpu_ops/` (default `~/.cache`), keyed by the
 source, the torch and Python versions and the CPU's instruction sets; later loads reuse it.
 Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. bf16 models
 use all of these kernels; fp32 models only the paged decode attention (`attention_kernel`),
 which reads the cache in place where the eager path gathers it, and whose fp32 result differs
 from the eager matmuls' only in summation order.
 
-`sample.cpp` is a second extension, built the same way on the first sampled step of a CPU
-model of any dtype (`load_sampler`): fused temperature / top-k / top-p / min-p sampling over
-the full vocabulary (workers/cpu_sampling.py).
+`sample.cpp` builds into the same extension (its `sample` submodule, `load_sampler`, first
+used on the first sampled step of a CPU model of any dtype): fused temperature / top-k / top-p
+/ min-p sampling over the full vocabulary (workers/cpu_sampling.py). One extension is one
+build: each translation unit but the bindings' (decode.cpp, stack.cpp) includes only ATen,
+not torch/extension.h, which alone takes about 30 s to compile here.
 
 `quant.cpp` builds into the same extension as decode.cpp (its `quant` submodule, `load_quant`):
 GGUF block-quantized weights (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their GGUF bytes:
@@ -68,7 +70,10 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-def build_dir(sources: tuple[Path, ...] = (SOURCE, QUANT_SOURCE, STACK_SOURCE)) -> Path:
+SOURCES = (SOURCE, QUANT_SOURCE, STACK_SOURCE, SAMPLE_SOURCE)
+
+
+def build_dir(sources: tuple[Path, ...] = SOURCES) -> Path:
     headers = b"".join(h.read_bytes() for h in sorted(sources[0].parent.glob("*.h")))
     key = (
         b"".join(s.read_bytes() for s in sources)
@@ -94,8 +99,9 @@ def attention_kernel(device: torch.device, dtype: torch.dtype):
 
 
 def load_sampler():
-    """The compiled sampling module (sample.cpp), or None, like `load`."""
-    return _load("sampler", lambda: _compile((SAMPLE_SOURCE,), "vserve_cpu_sample"))
+    """The fused sampling kernels (sample.cpp: `load()`'s `sample` submodule), or None."""
+    module = load()
+    return None if module is None else module.sample
 
 
 def load_quant():
@@ -118,7 +124,7 @@ def _load(key: str, build):
 
 
 def _build():
-    return _compile((SOURCE, QUANT_SOURCE, STACK_SOURCE), "vserve_cpu_ops")
+    return _compile(SOURCES, "vserve_cpu_ops")
 
 
 def _compile(sources: tuple[Path, ...], name: str):
@@ -126,8 +132,8 @@ def _compile(sources: tuple[Path, ...], name: str):
 
     folder = build_dir(sources)
     folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.glob("*.so")):  # shown at the default log level: a 30 s pause
-        log.warning("building vserve's CPU kernels into %s (once per machine, about 30 s)", folder)
+    if not any(folder.glob("*.so")):  # shown at the default log level: a minute's pause
+        log.warning("building vserve's CPU kernels into %s (once per machine, a minute)", folder)
     _ninja_on_path()
     with _build_lock(folder):
         return load_extension(

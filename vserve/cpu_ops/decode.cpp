@@ -24,6 +24,7 @@
 
 #include "layer_rows.h"
 #include "quant.h"
+#include "sample.h"
 #include "vec16.h"
 
 namespace {
@@ -634,4 +635,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             py::arg("k"));
   quant.def("embedding", &vserve_quant::embedding, py::arg("data"), py::arg("qtype"),
             py::arg("k"), py::arg("ids"), py::arg("dtype") = at::kFloat);
+  auto sample = m.def_submodule("sample", "fused sampling over the vocabulary (sample.cpp)");
+  sample.def("sample", &vserve_sample::sample);
+  sample.def("logprobs", &vserve_sample::logprobs);
+  sample.def("argmax", &vserve_sample::argmax);
+  sample.def("exp_for_test", &vserve_sample::exp_for_test);
 }

@@ -1,6 +1,6 @@
-// Fused sampling over the full vocabulary for the CPU path (vserve/cpu_ops/__init__.py builds
-// this file; workers/cpu_sampling.py calls it; tests/workers/test_sampler_kernel.py checks it against
-// the torch sampler in workers/sampler.py, which stays the oracle and the fallback).
+// Fused sampling over the full vocabulary for the CPU path (decode.cpp's extension binds it as
+// its `sample` submodule; workers/cpu_sampling.py calls it; tests/workers/test_sampler_kernel.py
+// checks it against the torch sampler in workers/sampler.py, the oracle and the fallback).
 //
 // Per row, reading the logits in the model's dtype (bf16 or fp32), with no sort of the
 // vocabulary and no full-size copy:
@@ -18,7 +18,7 @@
 // Probabilities equal the torch path's up to float rounding, so the same (seed, position)
 // picks the same token except when u falls within rounding of a CDF edge. `logprobs` gives the
 // log-softmax facts the sampler reports (a token's logprob and rank, the top k) in three passes.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "sample.h"
 #include "vec16.h"
 
 namespace {
@@ -319,6 +320,10 @@ void sample_rows(const at::Tensor& logits, const float* temps, const double* us,
 }
 
 
+}  // namespace
+
+namespace vserve_sample {
+
 // logits [R, V] bf16 or fp32 (rows dense); temperature [R] fp32 (0: greedy); u [R] fp64
 // uniforms; num_candidates [R] int64 (0: the whole vocabulary, C: candidates for the caller's
 // filters). Returns token ids [R] (-1 for rows with candidates), candidate ids [R, max C] and
@@ -346,6 +351,10 @@ std::vector<at::Tensor> sample(const at::Tensor& logits, const at::Tensor& tempe
   return {tokens, cand_ids, cand_p};
 }
 
+}  // namespace vserve_sample
+
+namespace {
+
 template <typename T>
 void logprobs_row(const Row<T>& row, int64_t token, int64_t k, float* token_lp, int64_t* rank,
                   int64_t* top_ids, float* top_lp) {
@@ -370,6 +379,8 @@ void logprobs_row(const Row<T>& row, int64_t token, int64_t k, float* token_lp, 
 }
 
 }  // namespace
+
+namespace vserve_sample {
 
 // log-softmax facts of logits [R, V] (bf16 or fp32, rows dense) for token_ids [R]: the tokens'
 // logprobs [R] fp32, their ranks [R] (1 + the number of strictly larger logits), and the k best
@@ -442,9 +453,4 @@ at::Tensor exp_for_test(const at::Tensor& x) {
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sample", &sample);
-  m.def("logprobs", &logprobs);
-  m.def("argmax", &argmax);
-  m.def("exp_for_test", &exp_for_test);
-}
+}  // namespace vserve_sample
