@@ -32,15 +32,22 @@ def _blocks(qtype, n, k, seed):
     return torch.from_numpy(random_weight(qtype, n, k, seed))
 
 
-def _layer(seed: int, style: int, window: int):
+def _layer(seed: int, style: int, window: int, inter: int = INTER):
+    """inter: the MLP's width; one that is no multiple of 256 gets a Q8_0 down projection"""
     qd, kd = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    down = (
+        [_blocks(Q.Q4_0, HIDDEN // 2, inter, seed + 4), _blocks(Q.Q5_K, HIDDEN // 2, inter, 9)]
+        if inter % 256 == 0
+        else [_blocks(Q.Q8_0, HIDDEN, inter, seed + 4)]
+    )
     parts = [
         [_blocks(Q.Q5_0, qd + kd, HIDDEN, seed), _blocks(Q.Q8_0, kd, HIDDEN, seed + 1)],
         [_blocks(Q.Q4_K, HIDDEN, qd, seed + 2)],
-        [_blocks(Q.Q6_K, 2 * INTER, HIDDEN, seed + 3)],
-        [_blocks(Q.Q4_0, HIDDEN // 2, INTER, seed + 4), _blocks(Q.Q5_K, HIDDEN // 2, INTER, 9)],
+        [_blocks(Q.Q6_K, 2 * inter, HIDDEN, seed + 3)],
+        down,
     ]
-    formats = ([Q.Q5_0, Q.Q8_0], [Q.Q4_K], [Q.Q6_K], [Q.Q4_0, Q.Q5_K])
+    down_formats = [Q.Q4_0, Q.Q5_K] if inter % 256 == 0 else [Q.Q8_0]
+    formats = ([Q.Q5_0, Q.Q8_0], [Q.Q4_K], [Q.Q6_K], down_formats)
     qtypes = [[int(t) for t in ts] for ts in formats]
     g = torch.Generator().manual_seed(seed)
     if style == 1:  # Gemma: fp32 scales, with q / k norms
@@ -67,13 +74,7 @@ def _inputs(rows: int, seed: int = 0):
     return h, lens, tables, slots, angles.cos().to(BF), angles.sin().to(BF)
 
 
-@pytest.mark.parametrize("exact", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("style", [1, 0])
-def test_stack_is_bitwise_the_per_layer_calls(ops, monkeypatch, exact, rows, style):
-    if exact:
-        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
-    layers = [_layer(10 * i, style, window=8 if i == 1 else -1) for i in range(3)]
+def _check_bitwise(ops, layers, rows):
     h, lens, tables, slots, cos, sin = _inputs(rows)
     g = torch.Generator().manual_seed(1)
     caches = [
@@ -93,6 +94,29 @@ def test_stack_is_bitwise_the_per_layer_calls(ops, monkeypatch, exact, rows, sty
     for a, b in zip(mine, caches):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert torch.equal(h, _inputs(rows)[0])  # its input stays as it was
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("style", [1, 0])
+def test_stack_is_bitwise_the_per_layer_calls(ops, monkeypatch, exact, rows, style):
+    if exact:
+        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    _check_bitwise(ops, [_layer(10 * i, style, window=8 if i == 1 else -1) for i in range(3)], rows)
+
+
+@pytest.mark.parametrize("style", [1, 0])  # gelu, silu
+def test_stack_splits_the_activation_bitwise_at_a_ragged_width(ops, style):
+    """The team splits the gated activation into column ranges at multiples of 64; a width
+    that is not one (480: the last range ends in 32 columns that ATen's vectorized loop takes
+    alone) gets the one-call values on 2 and 3 threads too."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            _check_bitwise(ops, [_layer(7, style, window=-1, inter=480)], rows=3)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_stack_runs_on_one_thread_and_inside_a_parallel_region(ops):

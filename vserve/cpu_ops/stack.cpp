@@ -208,7 +208,8 @@ class DecodeStack {
   size_t loops_used_ = 0;
   int64_t planned_threads_ = 0;
   int64_t hidden_ = 0;
-  std::vector<bf16> x_, qkv_, qn_, kn_, qr_, kr_, attn_, o_, tmp_, mlp_in_, gate_up_, act_, down_;
+  std::vector<bf16> x_, qkv_, qn_, kn_, qr_, kr_, attn_, o_, tmp_, mlp_in_, gate_up_, gelu_, act_,
+      down_;
   std::atomic<int64_t> phase_{0};  // jobs published in this step
   std::atomic<Job*> current_{nullptr};  // the latest
   std::atomic<bool> stop_{false};
@@ -236,6 +237,7 @@ class DecodeStack {
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // the gemv's activation rows
+constexpr int64_t kActUnit = 64;  // the gated activation's columns split at multiples of this
 
 // the jobs and buffers of a step: shares for `threads` threads, buffers for kMaxRows rows
 void DecodeStack::plan(int64_t threads) {
@@ -259,6 +261,7 @@ void DecodeStack::plan(int64_t threads) {
   alloc(tmp_, hidden_);
   alloc(mlp_in_, hidden_);
   alloc(gate_up_, gu_w);
+  alloc(gelu_, gu_w / 2);
   alloc(act_, gu_w / 2);
   alloc(down_, hidden_);
   bf16* outs[4] = {qkv_.data(), o_.data(), gate_up_.data(), down_.data()};
@@ -275,9 +278,9 @@ void DecodeStack::plan(int64_t threads) {
       jobs_.push_back(std::move(job));
     }
   // the attention of a layer runs at most 2 loops per item it splits (fewer items than
-  // threads), or one over its items
+  // threads), or one over its items; the gated activation one
   loops_.clear();
-  for (size_t i = 0; i < layers_.size() * (2 * threads + 1); ++i)
+  for (size_t i = 0; i < layers_.size() * (2 * threads + 2); ++i)
     loops_.push_back(std::make_unique<Job>());
   par_.threads = threads;
   par_.run = [this](int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
@@ -444,16 +447,26 @@ void DecodeStack::layer(const Layer& l, size_t li, bf16* h, int64_t m, const bf1
     }
   }
   run_job(*jobs_[4 * li + 2], mlp_in_.data(), m);
-  {  // act_mul: ATen's activation of the gate (rounded to bf16), times up
-    auto gate_up = at::from_blob(gate_up_.data(), {m, 2 * inter}, at::kBFloat16);
-    auto gate = gate_up.narrow(1, 0, inter);
-    auto a = l.act == 1 ? at::gelu(gate, "tanh") : at::silu(gate);
-    const bf16* ap = a.data_ptr<bf16>();
-    for (int64_t r = 0; r < m; ++r) {
-      const bf16* up = row(gate_up_, r, 2 * inter) + inter;
-      bf16* out = row(act_, r, inter);
-      for (int64_t i = 0; i < inter; ++i) out[i] = b(f(ap[r * inter + i]) * f(up[i]));
-    }
+  {  // act_mul: ATen's activation of the gate (rounded to bf16), times up; on the team, in
+     // column ranges that start at multiples of 64: ATen's vectorized loop takes 64 bf16 (or
+     // 32) at a time and the rest of a row alone, so each range gets one call's values
+    const std::function<void(int64_t, int64_t)> act = [&](int64_t lo, int64_t hi) {
+      const int64_t c0 = lo * kActUnit, c1 = std::min(inter, hi * kActUnit), w = c1 - c0;
+      c10::InferenceMode mode;  // (a helper's thread)
+      auto gate = at::from_blob(gate_up_.data() + c0, {m, w}, {2 * inter, 1}, at::kBFloat16);
+      auto a = at::from_blob(gelu_.data() + c0, {m, w}, {inter, 1}, at::kBFloat16);
+      if (l.act == 1)
+        at::gelu_out(a, gate, "tanh");
+      else
+        at::silu_out(a, gate);
+      for (int64_t r = 0; r < m; ++r) {
+        const bf16* ap = row(gelu_, r, inter) + c0;
+        const bf16* up = row(gate_up_, r, 2 * inter) + inter + c0;
+        bf16* out = row(act_, r, inter) + c0;
+        for (int64_t i = 0; i < w; ++i) out[i] = b(f(ap[i]) * f(up[i]));
+      }
+    };
+    team_for((inter + kActUnit - 1) / kActUnit, 4, act);
   }
   run_job(*jobs_[4 * li + 3], act_.data(), m);
   for (int64_t r = 0; r < m; ++r) {
