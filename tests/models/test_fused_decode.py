@@ -35,7 +35,7 @@ class _Kernel:
         self.layer_calls += 1
         return h
 
-    decoder_layer = decoder_layer_q
+    decoder_layer = decoder_layer_q_tp = decoder_layer_tp = decoder_layer_q
 
 
 def _layers(n: int, quantized: bool = True) -> list[FusedLayer]:
@@ -89,7 +89,7 @@ def test_a_row_of_no_context_runs_the_per_layer_calls():
 def test_a_tensor_parallel_plan_passes_its_all_reduce_to_every_layer_call():
     kernel = _Kernel(reject=False)
     passed = []
-    kernel.decoder_layer_tp = lambda h, *args: passed.append(args[-1]) or h  # type: ignore[attr-defined]
+    kernel.decoder_layer_tp = lambda h, *args: passed.append(args[-1]) or h  # type: ignore[method-assign]
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
