@@ -17,7 +17,7 @@ from the eager matmuls' only in summation order.
 `sample.cpp` builds into the same extension (its `sample` submodule, `load_sampler`, first
 used on the first sampled step of a CPU model of any dtype): fused temperature / top-k / top-p
 / min-p sampling over the full vocabulary (workers/cpu_sampling.py). One extension is one
-build: each translation unit but the bindings' (decode.cpp, stack.cpp) includes only ATen,
+build: each translation unit but the bindings' (decode.cpp) includes only ATen,
 not torch/extension.h, which alone takes about 30 s to compile here.
 
 `quant.cpp` builds into the same extension as decode.cpp (its `quant` submodule, `load_quant`):

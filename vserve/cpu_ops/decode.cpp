@@ -660,7 +660,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear);
   m.def("decoder_layer_q", &decoder_layer_q);
   m.def("decoder_layer_q_tp", &decoder_layer_q_tp);
-  vserve_layer::bind_stack(m);
+  using vserve_layer::DecodeStackApi;
+  py::class_<DecodeStackApi>(m, "DecodeStack")
+      .def(py::init(&vserve_layer::make_decode_stack))
+      .def("add_layer", &DecodeStackApi::add_layer)
+      .def("run", &DecodeStackApi::run, py::call_guard<py::gil_scoped_release>())
+      .def_static("_fail_chunks", &vserve_layer::set_stack_fail_chunks);
   auto quant = m.def_submodule("quant", "GGUF block-format kernels (quant.cpp)");
   quant.def("dequantize", &vserve_quant::dequantize, py::arg("data"), py::arg("qtype"),
             py::arg("k"), py::arg("dtype") = at::kFloat);

@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
 
 namespace vserve_layer {
 
@@ -33,7 +36,25 @@ void attention_rows(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf1
                     int64_t d, int64_t hkv, int64_t block, int64_t bt_cols, int64_t window,
                     float scale, float softcap, const ParallelFor* par);
 
-// the decode stack's Python binding (stack.cpp), added to the extension's module
-void bind_stack(pybind11::module& m);
+// The decode stack (stack.cpp) as decode.cpp binds it: every decoder layer of a decode step
+// on GGUF blocks in one call (semantics documented in stack.cpp)
+class DecodeStackApi {
+ public:
+  virtual ~DecodeStackApi() = default;
+  virtual void add_layer(const std::vector<std::vector<at::Tensor>>& parts,
+                         const std::vector<std::vector<int64_t>>& qtypes,
+                         const std::vector<std::optional<at::Tensor>>& biases,
+                         const std::vector<at::Tensor>& norms, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t window, double scale,
+                         double softcap, double eps, int64_t style, int64_t act,
+                         int64_t rope) = 0;
+  virtual at::Tensor run(const at::Tensor& h, const std::vector<at::Tensor>& cos,
+                         const std::vector<at::Tensor>& sin,
+                         const std::vector<at::Tensor>& kv_caches, const at::Tensor& slots_full,
+                         const at::Tensor& tables_full, const at::Tensor& slots_local,
+                         const at::Tensor& tables_local, const at::Tensor& seq_lens) = 0;
+};
+std::unique_ptr<DecodeStackApi> make_decode_stack();
+void set_stack_fail_chunks(bool on);  // tests: every job's first chunk throws
 
 }  // namespace vserve_layer

@@ -13,7 +13,7 @@
 // `decoder_layer_q`, and each gemv row is computed alone in `gemv`'s order, so the result is
 // bitwise that of the per-layer call (tests/workers/test_cpu_ops.py). The gated activation is
 // ATen's, as `act_mul`'s.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -127,7 +127,7 @@ std::atomic<bool> Job::fail_chunks{false};
 // row r of buffer p of width n
 inline bf16* row(std::vector<bf16>& p, int64_t r, int64_t n) { return p.data() + r * n; }
 
-class DecodeStack {
+class DecodeStack final : public vserve_layer::DecodeStackApi {
  public:
   DecodeStack() = default;
 
@@ -136,7 +136,7 @@ class DecodeStack {
                  const std::vector<std::optional<at::Tensor>>& biases,
                  const std::vector<at::Tensor>& norms, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_dim, int64_t window, double scale, double softcap, double eps,
-                 int64_t style, int64_t act, int64_t rope) {
+                 int64_t style, int64_t act, int64_t rope) override {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(parts.size() == 4 && qtypes.size() == 4 && biases.size() == 4,
                 "DecodeStack: 4 linears");
@@ -199,7 +199,7 @@ class DecodeStack {
                  const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& kv_caches,
                  const at::Tensor& slots_full, const at::Tensor& tables_full,
                  const at::Tensor& slots_local, const at::Tensor& tables_local,
-                 const at::Tensor& seq_lens);
+                 const at::Tensor& seq_lens) override;
 
  private:
   std::vector<Layer> layers_;
@@ -576,10 +576,8 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
 
 }  // namespace
 
-void vserve_layer::bind_stack(pybind11::module& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<>())
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def_static("_fail_chunks", [](bool on) { Job::fail_chunks.store(on); });
+std::unique_ptr<vserve_layer::DecodeStackApi> vserve_layer::make_decode_stack() {
+  return std::make_unique<DecodeStack>();
 }
+
+void vserve_layer::set_stack_fail_chunks(bool on) { Job::fail_chunks.store(on); }
