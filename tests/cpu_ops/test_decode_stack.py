@@ -88,7 +88,7 @@ def _check_bitwise(ops, layers, rows):
     ref = h
     for (parts, qtypes, biases, norms, consts), cache in zip(layers, caches):
         ref = ops.decoder_layer_q(
-            ref, parts, qtypes, biases, norms, cache, slots, tables, lens, cos, sin, *consts
+            ref, parts, qtypes, biases, norms, cache, slots, tables, lens, cos, sin, *consts, None
         )
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
     for a, b in zip(mine, caches):

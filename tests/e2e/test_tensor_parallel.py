@@ -117,7 +117,7 @@ def test_unsupported_combinations_are_refused(tiny_model_dir, args, message):
 BF16_LOGPROB_TOL = 0.35  # any one position
 BF16_MEAN_TOL = 0.06  # the mean over a model's positions
 BF16_TIE = 0.13  # TP=2's pick over TP=1's token where they part
-# The tiny GGUF Gemma (decoder_layer_q_tp at decode, activations rounded to int8 per block of
+# The tiny GGUF Gemma (decoder_layer_q at decode, activations rounded to int8 per block of
 # 32 as on one rank) has small logits (logprobs near -5.3, near ties everywhere): measured at
 # most 0.021 (mean 0.0055) teacher-forced and 0.016 (mean 0.0062) at decode; bounds about 3x
 # those, as the dense ones (o's bias added on both ranks before the sum, a bug, moves them to

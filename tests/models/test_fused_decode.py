@@ -1,7 +1,7 @@
 """FusedDecode's choice between the one-call decode stack and the per-layer calls, on a stub
 kernel (no compiler): a layer the stack rejects leaves the per-layer calls on, and a step with
-a row of no context (the stack takes lengths >= 1) runs them; a tensor-parallel plan calls
-`decoder_layer_tp` with its all-reduce."""
+a row of no context (the stack takes lengths >= 1) runs them; every layer call gets the plan's
+all-reduce last (None on one rank)."""
 
 import logging
 
@@ -29,13 +29,15 @@ class _Stack:
 class _Kernel:
     def __init__(self, reject: bool) -> None:
         self.layer_calls = 0
+        self.all_reduces: list = []
         self.DecodeStack = type("DecodeStack", (_Stack,), {"reject": reject})
 
     def decoder_layer_q(self, h, *args):
         self.layer_calls += 1
+        self.all_reduces.append(args[-1])
         return h
 
-    decoder_layer = decoder_layer_q_tp = decoder_layer_tp = decoder_layer_q
+    decoder_layer = decoder_layer_q
 
 
 def _layers(n: int, quantized: bool = True) -> list[FusedLayer]:
@@ -88,8 +90,6 @@ def test_a_row_of_no_context_runs_the_per_layer_calls():
 
 def test_a_tensor_parallel_plan_passes_its_all_reduce_to_every_layer_call():
     kernel = _Kernel(reject=False)
-    passed = []
-    kernel.decoder_layer_tp = lambda h, *args: passed.append(args[-1]) or h  # type: ignore[method-assign]
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
@@ -97,4 +97,10 @@ def test_a_tensor_parallel_plan_passes_its_all_reduce_to_every_layer_call():
     fused = FusedDecode(kernel, _layers(2, quantized=False), all_reduce)
     assert fused.stack is None  # the one-call stack has no place for the all-reduces
     _run(fused, [3, 5])
-    assert passed == [all_reduce] * 2 and kernel.layer_calls == 0
+    assert kernel.all_reduces == [all_reduce] * 2
+
+
+def test_one_rank_passes_no_all_reduce():
+    kernel = _Kernel(reject=True)  # no stack: the per-layer calls run
+    _run(FusedDecode(kernel, _layers(2, quantized=False)), [3, 5])
+    assert kernel.all_reduces == [None] * 2

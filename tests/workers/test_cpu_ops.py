@@ -377,7 +377,7 @@ class _StandInComm:
 TP_CASES = {  # biases on o and down (added after the sum), one KV head for 2 ranks
     "llama-biases-kv1": ("llama", dict(attention_bias=True, mlp_bias=True, num_key_value_heads=1)),
     "gemma3": ("gemma3", {}),  # post-attention / post-feedforward norms after the sum
-    # GGUF blocks (decoder_layer_q_tp), o's bias random (tests/support/tiny_gguf.py)
+    # GGUF blocks (decoder_layer_q), o's bias random (tests/support/tiny_gguf.py)
     "gemma3-gguf-biases-kv1": ("gemma3-gguf", dict(attention_bias=True, num_key_value_heads=1)),
 }
 

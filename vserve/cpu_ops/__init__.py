@@ -24,8 +24,8 @@ not torch/extension.h, which alone takes about 30 s to compile here.
 GGUF block-quantized weights (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their GGUF bytes:
 dequantization, a small-batch gemv that dequantizes blocks in registers while streaming the
 weight, a batched matmul over dequantized tiles, and the embedding lookup of quantized rows;
-`decoder_layer_q` runs a whole decode layer on them (`decoder_layer_q_tp` on one
-tensor-parallel rank's shard, calling the all-reduce back as `decoder_layer_tp` does).
+`decoder_layer_q` runs a whole decode layer on them (on one tensor-parallel rank's shard too,
+calling the all-reduce it is given back as `decoder_layer` does).
 
 `stack.cpp` builds into it too: `DecodeStack` runs every layer of a decode step (up to 8 rows)
 on GGUF blocks in one call, with one parallel region for the step instead of a fork and join

@@ -548,48 +548,33 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& part
   return bias.has_value() && bias->defined() ? y + *bias : y;
 }
 
-// A tensor-parallel rank's linear(i, x) from product(i, x, bias): qkv and gate_up (0, 2) are
+// linear(i, x) from product(i, x, bias). One rank (`all_reduce` None): every linear whole,
+// its bias in the product. A tensor-parallel rank: qkv and gate_up (0, 2) are
 // column-parallel, whole; o and down (1, 3) are row-parallel: their partial products are
 // summed by `all_reduce` (called back with the GIL held), then their bias is added.
 template <class Product>
 auto row_parallel(const Product& product, const std::vector<std::optional<at::Tensor>>& biases,
                   const py::object& all_reduce) {
   return [&product, &biases, &all_reduce](int i, const at::Tensor& x) {
-    if (i == 0 || i == 2) return product(i, x, biases[i]);
+    if (i == 0 || i == 2 || all_reduce.is_none()) return product(i, x, biases[i]);
     auto y = all_reduce(product(i, x, std::nullopt)).template cast<at::Tensor>();
     return biases[i].has_value() && biases[i]->defined() ? y + *biases[i] : y;
   };
 }
 
-}  // namespace
-
-// decoder_layer on packed bf16 weights: packed (oneDNN) for several rows, plain (row-major
-// [N, K]) for gemv; biases: one per weight.
-at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& weights,
-                         const std::vector<at::Tensor>& plain,
-                         const std::vector<std::optional<at::Tensor>>& biases,
-                         const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
-                         const at::Tensor& slots, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, const at::Tensor& cos,
-                         const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t window, double scale, double softcap,
-                         double eps, int64_t style, int64_t act) {
-  TORCH_CHECK(weights.size() == 4 && plain.size() == 4 && biases.size() == 4,
-              "decoder_layer: 4 linears");
-  auto linear_i = [&](int i, const at::Tensor& x) {
-    return linear(x, weights[i], plain[i], biases[i]);
-  };
-  return layer(h, linear_i, norms, kv_cache, slots, block_tables, seq_lens, cos, sin,
-               num_heads, num_kv_heads, head_dim, window, scale, softcap, eps, style, act);
-}
-
-// decoder_layer on one tensor-parallel rank's shard: heads and MLP columns of this rank (its
-// num_heads / num_kv_heads), o and down row-parallel. Their partial products go through
-// `all_reduce` (the model's TPComm.all_reduce, called back with the GIL held, as the per-op
-// RowParallelLinear calls it) and their biases are added after it; the norms and residuals
-// that follow (Gemma's post-attention and post-feedforward norms too) see the summed output.
-at::Tensor decoder_layer_tp(const at::Tensor& h, const std::vector<at::Tensor>& weights,
-                            const std::vector<at::Tensor>& plain,
+// decoder_layer on the 4 linears' weights[i] and plain[i] (each its own bias), as
+// linear_fn(x, weights[i], plain[i], bias) takes them: packed bf16 (linear) or GGUF blocks
+// (quant_linear). `all_reduce`: None on one rank; on one tensor-parallel rank's shard (its
+// heads and MLP columns: its num_heads / num_kv_heads, o and down row-parallel) the model's
+// TPComm.all_reduce, which sums o's and down's partial products (called back with the GIL
+// held, as the per-op RowParallelLinear calls it) before their biases are added; the norms
+// and residuals that follow (Gemma's post-attention and post-feedforward norms too) see the
+// summed output.
+template <class W, class P,
+          at::Tensor (*linear_fn)(const at::Tensor&, const W&, const P&,
+                                  const std::optional<at::Tensor>&)>
+at::Tensor decoder_layer_of(const at::Tensor& h, const std::vector<W>& weights,
+                            const std::vector<P>& plain,
                             const std::vector<std::optional<at::Tensor>>& biases,
                             const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
                             const at::Tensor& slots, const at::Tensor& block_tables,
@@ -598,68 +583,35 @@ at::Tensor decoder_layer_tp(const at::Tensor& h, const std::vector<at::Tensor>& 
                             int64_t head_dim, int64_t window, double scale, double softcap,
                             double eps, int64_t style, int64_t act, const py::object& all_reduce) {
   TORCH_CHECK(weights.size() == 4 && plain.size() == 4 && biases.size() == 4,
-              "decoder_layer_tp: 4 linears");
+              "decoder_layer: 4 linears");
   auto product = [&](int i, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-    return linear(x, weights[i], plain[i], bias);
+    return linear_fn(x, weights[i], plain[i], bias);
   };
   return layer(h, row_parallel(product, biases, all_reduce), norms, kv_cache, slots,
                block_tables, seq_lens, cos, sin, num_heads, num_kv_heads, head_dim, window,
                scale, softcap, eps, style, act);
 }
+
+}  // namespace
+
+// decoder_layer on packed bf16 weights: packed (oneDNN) for several rows, plain (row-major
+// [N, K]) for gemv
+constexpr auto decoder_layer = &decoder_layer_of<at::Tensor, at::Tensor, linear>;
 
 // decoder_layer on GGUF-block weights: parts[i] / qtypes[i] are the i-th linear's parts as
 // QuantLinear holds them
-at::Tensor decoder_layer_q(const at::Tensor& h, const std::vector<std::vector<at::Tensor>>& parts,
-                           const std::vector<std::vector<int64_t>>& qtypes,
-                           const std::vector<std::optional<at::Tensor>>& biases,
-                           const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
-                           const at::Tensor& slots, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& cos,
-                           const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t window, double scale, double softcap,
-                           double eps, int64_t style, int64_t act) {
-  TORCH_CHECK(parts.size() == 4 && qtypes.size() == 4 && biases.size() == 4,
-              "decoder_layer_q: 4 linears");
-  auto linear_i = [&](int i, const at::Tensor& x) {
-    return quant_linear(x, parts[i], qtypes[i], biases[i]);
-  };
-  return layer(h, linear_i, norms, kv_cache, slots, block_tables, seq_lens, cos, sin,
-               num_heads, num_kv_heads, head_dim, window, scale, softcap, eps, style, act);
-}
-
-// decoder_layer_q on one tensor-parallel rank's shard of GGUF blocks, as decoder_layer_tp
-at::Tensor decoder_layer_q_tp(const at::Tensor& h,
-                              const std::vector<std::vector<at::Tensor>>& parts,
-                              const std::vector<std::vector<int64_t>>& qtypes,
-                              const std::vector<std::optional<at::Tensor>>& biases,
-                              const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
-                              const at::Tensor& slots, const at::Tensor& block_tables,
-                              const at::Tensor& seq_lens, const at::Tensor& cos,
-                              const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, int64_t window, double scale, double softcap,
-                              double eps, int64_t style, int64_t act,
-                              const py::object& all_reduce) {
-  TORCH_CHECK(parts.size() == 4 && qtypes.size() == 4 && biases.size() == 4,
-              "decoder_layer_q_tp: 4 linears");
-  auto product = [&](int i, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-    return quant_linear(x, parts[i], qtypes[i], bias);
-  };
-  return layer(h, row_parallel(product, biases, all_reduce), norms, kv_cache, slots,
-               block_tables, seq_lens, cos, sin, num_heads, num_kv_heads, head_dim, window,
-               scale, softcap, eps, style, act);
-}
+constexpr auto decoder_layer_q =
+    &decoder_layer_of<std::vector<at::Tensor>, std::vector<int64_t>, quant_linear>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rotary", &rotary);
   m.def("act_mul", &act_mul);
   m.def("decode_attention", &decode_attention);
-  m.def("decoder_layer", &decoder_layer);
-  m.def("decoder_layer_tp", &decoder_layer_tp);
+  m.def("decoder_layer", decoder_layer);
   m.def("gemv", &gemv);
   m.def("linear", &linear);
-  m.def("decoder_layer_q", &decoder_layer_q);
-  m.def("decoder_layer_q_tp", &decoder_layer_q_tp);
+  m.def("decoder_layer_q", decoder_layer_q);
   using vserve_layer::DecodeStackApi;
   py::class_<DecodeStackApi>(m, "DecodeStack")
       .def(py::init(&vserve_layer::make_decode_stack))

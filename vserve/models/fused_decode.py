@@ -7,10 +7,10 @@ A step whose rows all decode one token runs each layer as a single call into vse
 takes for every other step, so its outputs are bitwise those of that path
 (tests/workers/test_cpu_ops.py).
 
-Under tensor parallel each rank runs its shard (its heads, its MLP columns) through
-`decoder_layer_tp` (packed bf16) or `decoder_layer_q_tp` (GGUF blocks), which call the model's
-all-reduce back after o and after down, where RowParallelLinear calls it, and add their biases
-after the sum. The one-call stack below runs on a single rank only.
+Under tensor parallel each rank runs its shard (its heads, its MLP columns) through the same
+calls, given the model's all-reduce (None on one rank): they call it back after o and after
+down, where RowParallelLinear calls it, and add those biases after the sum. The one-call stack
+below runs on a single rank only.
 
 On GGUF blocks a step of up to 8 rows runs all the layers in one call instead
 (`DecodeStack`, vserve/cpu_ops/stack.cpp): one parallel region for the step, buffers
@@ -112,10 +112,6 @@ class FusedDecode:
                 seq_lens,
             )
         dense_fn, quant_fn = self.kernel.decoder_layer, self.kernel.decoder_layer_q
-        tail: tuple[AllReduce, ...] = ()
-        if self.all_reduce is not None:
-            dense_fn, quant_fn = self.kernel.decoder_layer_tp, self.kernel.decoder_layer_q_tp
-            tail = (self.all_reduce,)
         for f in self.layers:
             cos, sin = ropes[f.rope]
             slots, tables = local if f.consts.window > 0 else full
@@ -132,7 +128,7 @@ class FusedDecode:
                 cos,
                 sin,
                 *f.consts,
-                *tail,
+                self.all_reduce,
             )
         return h
 
