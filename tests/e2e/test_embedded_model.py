@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from tests.support.engines import make_llm
 from tests.support.hf_reference import hf_model
 from vserve import SamplingParams
 from vserve.models.resolve import cache_root, embedded_model_path, resolve_model_path
@@ -16,18 +15,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def llm():
-    """The default: the GGUF's own blocks (fp32 activations)."""
-    return make_llm(None, max_model_len=512)
+def llm(embedded_fp32):
+    """The default: the GGUF's own blocks (fp32 activations); shared with
+    test_quantized_model (tests/e2e/conftest.py)."""
+    return embedded_fp32(None)
 
 
 @pytest.fixture(scope="module")
-def dequantized_llm():
+def dequantized_llm(embedded_fp32):
     """Exact fp32 numerics: the GGUF dequantized at load, as transformers loads it (the
     quantized kernels round decode activations to int8 per block, as llama.cpp does)."""
-    llm = make_llm(None, max_model_len=512, quantization="none")
-    yield llm
-    llm.shutdown()
+    return embedded_fp32("none")
 
 
 def test_default_and_alias_resolve_to_embedded():

@@ -7,6 +7,7 @@ bitwise the per-op path with the same kernels, and the kernel path generates the
 greedy tokens.
 """
 
+import functools
 import shutil
 
 import pytest
@@ -266,17 +267,32 @@ def _generate(model_dir, prompts, fused=True, batch=True, max_tokens=24, **engin
     return kernel, result
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_one_at_a_time(model_dir: str):
+    """The default path (kernels, fused decode) on PROMPTS one request at a time, run once
+    per model for the two tests that compare it: whether the kernels loaded, how many
+    decode steps took the fused call, and the greedy ids and top-3 logprobs."""
+    calls = []
+    run = FusedDecode.run
+    FusedDecode.run = lambda self, *a: calls.append(1) or run(self, *a)
+    try:
+        kernel, result = _generate(model_dir, PROMPTS, batch=False)
+    finally:
+        FusedDecode.run = run
+    return kernel is not None, len(calls), result
+
+
 @needs_packing
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "mistral"])
 def test_fused_decode_is_bitwise_the_per_op_kernel_path(kind, tiny_model_dir, monkeypatch):
+    # one request at a time: every decode step has one row, the gemv row count
+    kernel, fused_steps, fused = _fused_one_at_a_time(tiny_model_dir(kind))
+    assert kernel and fused_steps == len(PROMPTS) * 23  # every decode step
     calls = []
     run = FusedDecode.run
     monkeypatch.setattr(FusedDecode, "run", lambda self, *a: calls.append(1) or run(self, *a))
-    # one request at a time: every decode step has one row, the gemv row count
-    kernel, fused = _generate(tiny_model_dir(kind), PROMPTS, batch=False)
-    assert kernel is not None and len(calls) == len(PROMPTS) * 23  # every decode step
     _, per_op = _generate(tiny_model_dir(kind), PROMPTS, fused=False, batch=False)
-    assert len(calls) == len(PROMPTS) * 23
+    assert calls == []
     assert fused == per_op  # token ids and every top-3 logprob, exactly
     _, fused_b = _generate(tiny_model_dir(kind), PROMPTS)
     _, per_op_b = _generate(tiny_model_dir(kind), PROMPTS, fused=False)
@@ -312,10 +328,10 @@ def test_fused_decode_on_quantized_weights_is_bitwise_the_per_op_path(
 @needs_packing
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3", "mistral"])
 def test_kernels_generate_the_eager_greedy_tokens(kind, tiny_model_dir, monkeypatch):
-    kernel, with_kernels = _generate(tiny_model_dir(kind), PROMPTS, batch=False)
+    kernel, _, with_kernels = _fused_one_at_a_time(tiny_model_dir(kind))
     monkeypatch.setattr(loader.cpu_ops, "load", lambda: None)
     no_kernel, eager = _generate(tiny_model_dir(kind), PROMPTS, batch=False)
-    assert kernel is not None and no_kernel is None
+    assert kernel and no_kernel is None
     for (ids_k, lps_k), (ids_e, lps_e) in zip(with_kernels, eager):
         assert ids_k == ids_e
         # bf16 rounding differences only: measured at most 0.06 (qwen2), 0.03 (llama) and
