@@ -1,6 +1,6 @@
 """Thread placement primitives of the host OS (Linux: `sched_setaffinity`, `/proc`; elsewhere
-no-ops): which CPUs this process may use, pinning every thread of a process, and the CPU time
-a process has used."""
+no-ops): which CPUs this process may use, pinning every thread of a process, the CPU time
+a process has used, and host work that does not preempt a forward."""
 
 from __future__ import annotations
 
@@ -39,6 +39,27 @@ def pin_process(pid: int, cpus: Iterable[int]) -> None:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # thread gone, or not ours to move
             pass
+
+
+def yield_on_wakeup(pid: int) -> bool:
+    """Every thread of `pid` (and the threads and processes they start from now on) under
+    SCHED_BATCH: the same CPU share as before, but a thread that wakes up no longer preempts
+    the one running on its core; it takes a core that frees or its turn at the next tick.
+    Any user may choose it. Returns whether the policy is set (False off Linux)."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return False
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    done = False
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            done = True
+        except OSError:  # thread gone, or not ours
+            pass
+    return done
 
 
 def process_cpu_seconds(pid: int) -> float:

@@ -227,6 +227,13 @@ def _thread_cpus(pid: int) -> set[tuple[int, ...]]:
     }
 
 
+def _thread_policies(pid: int) -> set[int]:
+    """The scheduling policies of every thread of `pid`."""
+    import os
+
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, monkeypatch):
     """End to end with VSERVE_CPU_NUM_RESERVED=1: every worker thread on the last CPU, every
     engine-core and front-end thread on the first; the front end gets its CPUs back."""
@@ -256,6 +263,11 @@ def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, m
         assert _thread_cpus(workers[0]) == {cpus[1:]}
         assert _thread_cpus(core) == {cpus[:1]}
         assert _thread_cpus(os.getpid()) == {cpus[:1]}
+        # async scheduling: the engine core's threads never preempt a forward on wakeup;
+        # the workers (and this front end) keep the ordinary policy
+        assert _thread_policies(core) == {os.SCHED_BATCH}
+        assert _thread_policies(workers[0]) == {os.SCHED_OTHER}
+        assert _thread_policies(os.getpid()) == {os.SCHED_OTHER}
     finally:
         llm.shutdown()
     assert _thread_cpus(os.getpid()) == before
