@@ -5,6 +5,7 @@ PP=3 runs the cost-balanced split of the 4-layer model (2, 1, 1) and, sync, a sp
 first stage holds no layer (VSERVE_PP_LAYER_PARTITION)."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -158,6 +159,10 @@ def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatc
         engine.shutdown()
     assert results == reference
     _check_stage_forwards(records, MODES[mode].get("pipeline_parallel_size", 1))
+    # an engine core in this process (async-inproc-mpexec) leaves its scheduling policy alone
+    assert {os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")} == {
+        os.SCHED_OTHER
+    }
     assert stats.num_preemptions > 0  # the small KV cache forced recomputation
     assert stats.prefix_cache_hits > 0
     assert stats.kv_cache_usage == 0.0 and stats.num_running_reqs == 0

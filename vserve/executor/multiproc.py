@@ -22,7 +22,6 @@ from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
-from vserve.cpu_affinity import yield_on_wakeup
 from vserve.distributed.grid import local_ranks
 from vserve.executor.base import Executor, StepFuture
 from vserve.executor.placement import layer_shares
@@ -105,14 +104,6 @@ class MultiprocExecutor(Executor):
         self._monitor.start()
         self._call(wire.Load())
         self.placement.start()
-        if config.async_scheduling:
-            # the engine core works while the workers run a forward: woken by a reply, it
-            # preempted the worker's forward thread on its core (a spinning OpenMP thread held
-            # the other), which waited 0.4-0.8 ms a step for the engine core's update and
-            # schedule (embedded model, batch 1: from the reply to the next step's start
-            # 0.69-1.15 ms, 0.31-0.34 under SCHED_BATCH). The workers, spawned above, keep
-            # their policy; threads this process starts from now on inherit it.
-            yield_on_wakeup(os.getpid())
 
     # -- Executor ----------------------------------------------------------------------------------
     def num_kv_blocks(self) -> int:
