@@ -30,36 +30,33 @@ def pin_process(pid: int, cpus: Iterable[int]) -> None:
     if not hasattr(os, "sched_setaffinity"):
         return
     cpus = set(cpus)
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
+    for tid in _thread_ids(pid):
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # thread gone, or not ours to move
             pass
 
 
-def yield_on_wakeup(pid: int) -> bool:
+def yield_on_wakeup(pid: int) -> None:
     """Every thread of `pid` (and the threads and processes they start from now on) under
     SCHED_BATCH: the same CPU share as before, but a thread that wakes up no longer preempts
     the one running on its core; it takes a core that frees or its turn at the next tick.
-    Any user may choose it. Returns whether the policy is set (False off Linux)."""
+    Any user may choose it (a no-op off Linux)."""
     if not hasattr(os, "SCHED_BATCH"):
-        return False
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    done = False
-    for tid in tids:
+        return
+    for tid in _thread_ids(pid):
         try:
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-            done = True
         except OSError:  # thread gone, or not ours
             pass
-    return done
+
+
+def _thread_ids(pid: int) -> list[int]:
+    """The threads of `pid` now (just `pid` where /proc cannot say)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
 
 
 def process_cpu_seconds(pid: int) -> float:
