@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+from pathlib import Path
 
 import torch
 
@@ -52,18 +54,28 @@ def hf_model(model_dir: str, dtype: torch.dtype):
     `dequantize`). Its config and its weights each parse the file's metadata with
     `gguf.GGUFReader`, 25 s apiece for the embedded model's 262k-token vocabulary: they share
     one reader whose values are plain views (`_gguf_parsed_once`, the same fields and tensors:
-    tests/models/test_gguf_source.py)."""
-    from pathlib import Path
-
+    tests/models/test_gguf_source.py). The dequantized fp32 model is kept (the embedded one
+    takes 8-16 s to load) and another dtype is a cast copy of it: transformers casts the same
+    fp32 values when it loads a GGUF in that dtype (the embedded model in bf16: all 237
+    tensors equal, checked 2026-12-02)."""
     from transformers import AutoModelForCausalLM
 
     from vserve.models.gguf_source import gguf_file
-    from vserve.models.resolve import _gguf_parsed_once
 
     gguf = gguf_file(model_dir)
     if gguf is None:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    fp32 = _gguf_fp32_model(gguf)
+    return fp32 if dtype == torch.float32 else copy.deepcopy(fp32).to(dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_fp32_model(gguf: str):
+    from transformers import AutoModelForCausalLM
+
+    from vserve.models.resolve import _gguf_parsed_once
+
     with _gguf_parsed_once():
         return AutoModelForCausalLM.from_pretrained(
-            str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=dtype
+            str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=torch.float32
         ).eval()

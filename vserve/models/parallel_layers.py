@@ -32,7 +32,7 @@ from torch import nn
 
 from vserve.distributed.tp_comm import TPShard
 from vserve.models.gguf_source import QuantBlocks
-from vserve.models.stage import FusedLinear, _check_shape
+from vserve.models.stage import FusedLinear, check_shape
 
 # checkpoint names of the weights split by their inputs (RowParallelLinear)
 ROW_PARALLEL_WEIGHTS = (".o_proj.weight", ".down_proj.weight")
@@ -126,7 +126,7 @@ class RowParallelLinear(nn.Module):
             return "bias"
         local = self.in_features // self.tp.size
         if isinstance(tensor, QuantBlocks):
-            _check_shape(leaf, tensor.shape, (self.linear.out_features, self.in_features))
+            check_shape(leaf, tensor.shape, (self.linear.out_features, self.in_features))
             self.linear.quant_weight = tensor.cols(self.tp.rank * local, local)  # parked
         else:
             _copy(self.linear.weight, tensor.narrow(1, self.tp.rank * local, local), leaf)
@@ -193,7 +193,7 @@ class ParallelLMHead(nn.Module):
 def _vocab_blocks(blocks: QuantBlocks, first: int, rows: int, vocab: int, what: str):
     """Rows [first, first + rows) of a [vocab, hidden] weight in blocks; zero bytes (zeros in
     every format) past the end. A view when no padding is needed."""
-    _check_shape(what, blocks.shape, (vocab, blocks.shape[1]))
+    check_shape(what, blocks.shape, (vocab, blocks.shape[1]))
     count = max(0, min(rows, vocab - first))
     part = blocks.rows(min(first, vocab), count)  # a rank past a tiny vocabulary: none
     if count == rows:
@@ -204,7 +204,7 @@ def _vocab_blocks(blocks: QuantBlocks, first: int, rows: int, vocab: int, what: 
 
 def _copy_vocab_rows(target, tensor, first: int, vocab: int, what: str) -> None:
     """Rows [first, first + len(target)) of a [vocab, hidden] tensor; zeros past the end."""
-    _check_shape(what, tensor.shape, (vocab, target.shape[1]))
+    check_shape(what, tensor.shape, (vocab, target.shape[1]))
     count = max(0, min(target.shape[0], vocab - first))
     with torch.no_grad():
         target.zero_()
@@ -212,6 +212,6 @@ def _copy_vocab_rows(target, tensor, first: int, vocab: int, what: str) -> None:
 
 
 def _copy(target, tensor, what: str) -> None:
-    _check_shape(what, tensor.shape, target.shape)
+    check_shape(what, tensor.shape, target.shape)
     with torch.no_grad():
         target.copy_(tensor)

@@ -68,7 +68,7 @@ class FusedLinear(nn.Linear):
             tensor = narrow(offset, size)
         if isinstance(tensor, QuantBlocks):
             expected = (self.shard_sizes[shard], self.in_features)
-            _check_shape(f"shard {shard}", tensor.shape, expected)
+            check_shape(f"shard {shard}", tensor.shape, expected)
             self.quant_shards[shard] = tensor
             return
         start = sum(self.shard_sizes[:shard])
@@ -104,7 +104,7 @@ def load_weights(
             loaded.add(f"{module_path}.{loader(leaf, tensor)}")
             continue
         if name in params:
-            _check_shape(ckpt_name, tuple(tensor.shape), tuple(params[name].shape))
+            check_shape(ckpt_name, tuple(tensor.shape), tuple(params[name].shape))
             if isinstance(tensor, QuantBlocks):  # parked: quant_linear.install takes it
                 modules[module_path].quant_weight = tensor
             else:
@@ -114,7 +114,7 @@ def load_weights(
     return loaded
 
 
-def _check_shape(what: str, shape: tuple, expected: tuple) -> None:
+def check_shape(what: str, shape: tuple, expected: tuple) -> None:
     if tuple(shape) != tuple(expected):
         raise ValueError(f"weight {what}: shape {tuple(shape)} does not fit {tuple(expected)}")
 
