@@ -4,6 +4,7 @@
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python llama-cpp-python
     python benchmarks/vs_llamacpp.py [--gguf PATH] [--threads 2] [--llama-python PYTHON]
         [--input-len 128] [--output-len 128] [--num-prompts 64] [--output-json PATH]
+        [--llama-no-repack]
 
 `--llama-python` is an interpreter that has `llama_cpp` (default: this one); the llama.cpp side
 runs in its own process. Rows:
@@ -41,7 +42,9 @@ def llama_side(cfg: dict) -> dict:
     import llama_cpp as lc
 
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(cfg["gguf"].encode(), lc.llama_model_default_params())
+    params = lc.llama_model_default_params()
+    params.use_extra_bufts = not cfg.get("no_repack", False)  # llama-cli's --no-repack
+    model = lc.llama_model_load_from_file(cfg["gguf"].encode(), params)
     vocab = lc.llama_model_get_vocab(model)
     n_vocab = lc.llama_vocab_n_tokens(vocab)
     out = {"batch1": _llama_batch1(lc, model, cfg, n_vocab), "batched": {}}
@@ -161,6 +164,12 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--output-json", default=str(RESULTS))
+    p.add_argument(
+        "--llama-no-repack",
+        action="store_true",
+        help="llama.cpp without its repacked weight buffers (llama-cli's --no-repack): its AMX "
+        "buffer crashed in the first llama_decode on an AMX Xeon (llama-cpp-python 0.3.36)",
+    )
     p.add_argument("--llama-side", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.llama_side:
@@ -178,6 +187,7 @@ def main() -> int:
         "num_prompts": args.num_prompts,
         "iters": args.iters,
         "parallel": [16, 32, 64],
+        "no_repack": args.llama_no_repack,
     }
     llama = subprocess.run(
         [args.llama_python, __file__, "--llama-side", json.dumps(cfg)],
