@@ -839,10 +839,8 @@ QUANT_INLINE __m512i dot_lanes(__m512i wq, const XChunk& x) {
   return _mm512_dpbusd_epi32(start, wq, _mm512_load_si512(x.q));
 }
 
-#ifndef QUANT_STREAM_AHEAD
-#define QUANT_STREAM_AHEAD 4096
-#endif
-// A row's worth of lines QUANT_STREAM_AHEAD bytes ahead of row r, within a thread's rows
+constexpr int64_t kStreamAhead = 4096;  // bytes ahead the int8 gemv prefetches its weight
+// A row's worth of lines kStreamAhead bytes ahead of row r, within a thread's rows
 // [.., r1). Where a core's own share of DRAM bandwidth is set by how many misses it keeps in
 // flight (a 2-core Xeon VM with AMX: 9-14 GB/s a thread from DRAM against 19-28 from cache),
 // the hardware prefetchers alone leave the int8 gemv waiting on memory; measured there
@@ -850,7 +848,7 @@ QUANT_INLINE __m512i dot_lanes(__m512i wq, const XChunk& x) {
 // GB/s, Q5_0 18.4 -> 28.4, Q4_K 23.1 -> 29.5, Q6_K 21.1 -> 31.5 (from cache within +-7%),
 // the embedded model's batch-1 step 13.7 -> 10.6-11.0 ms; 8 KB ahead measured the same.
 QUANT_INLINE void fetch_ahead(const uint8_t* w, int64_t row_bytes, int64_t r, int64_t r1) {
-  const uint8_t* p = w + r * row_bytes + QUANT_STREAM_AHEAD;
+  const uint8_t* p = w + r * row_bytes + kStreamAhead;
   const uint8_t* end = w + r1 * row_bytes;
   for (int64_t o = 0; o < row_bytes && p + o < end; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
