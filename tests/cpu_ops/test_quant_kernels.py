@@ -19,6 +19,7 @@ activation, so sum over blocks of d_x / 2 * sum |w| over the block per output
 there; elsewhere it is the only path. The `exact` fixture runs the product tests both ways.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -161,9 +162,9 @@ def test_gemv_and_matmul_match_the_dequantized_product(quant, exact, qtype, n, k
             y = quant.matmul(x, weight, int(qtype), k)
             if m <= 8:
                 assert_int8_close(y, x, w, exact)
-            elif dtype == BF and not exact:  # the int8 GEMM
+            elif gemm_is_int8(m, dtype, exact):
                 assert_int8_close(y, x, w, False)
-            else:  # exact: tiles dequantized to x's dtype and at::mm
+            else:  # tiles dequantized to x's dtype: at::mm, or AMX's tile GEMM
                 assert_product_close(y, x, w, bf16_weights=dtype == BF)
 
 
@@ -215,6 +216,27 @@ def test_gemv_propagates_nan_activations(quant, exact, qtype):
     assert_int8_close(y[keep], x[keep], w, exact)
 
 
+def _has_amx() -> bool:
+    """The tile GEMM's instructions, as the kernels' build (-march=native) sees them."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
+AMX_MIN_ROWS, AMX_MAX_ROWS = 48, 512  # quant.cpp's kAmxMinRows, kAmxMaxRows
+
+
+def gemm_is_int8(m: int, dtype: torch.dtype, exact: bool) -> bool:
+    """Whether matmul over m > 8 rows runs the int8 GEMM (bf16 x on a VNNI CPU, the exact path
+    not forced) rather than a product of weights dequantized to x's dtype: at::mm over tiles,
+    or on an AMX CPU from AMX_MIN_ROWS rows on the tile GEMM (the same products, summed in
+    fp32 in another order), and at::mm again from AMX_MAX_ROWS."""
+    amx = _has_amx() and m >= AMX_MIN_ROWS and os.environ.get("VSERVE_QUANT_AMX") != "0"
+    return dtype == BF and not exact and _has_vnni() and not amx
+
+
 def _has_vnni() -> bool:
     try:
         return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
@@ -227,7 +249,10 @@ needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="the int8 paths need AVX
 
 @pytest.fixture
 def int8_path(monkeypatch):
+    """The int8 kernels: the exact path not forced, and the int8 GEMM where AMX would take
+    48 rows or more."""
     monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    monkeypatch.setenv("VSERVE_QUANT_AMX", "0")
 
 
 SMALL_FORMATS = [q for q in FORMATS if GGML_QUANT_SIZES[q][0] == 32]
@@ -399,7 +424,102 @@ def test_real_gguf_tensors(quant, gguf_slices, exact, name):
             assert_int8_close(quant.gemv(x, weight, int(qtype), k), x, ref, exact)
         x = activations(33, k, dtype)
         y = quant.matmul(x, weight, int(qtype), k)
-        if dtype == BF and not exact:
+        if gemm_is_int8(33, dtype, exact):
             assert_int8_close(y, x, ref, False)
         else:
             assert_product_close(y, x, ref, bf16_weights=dtype == BF)
+
+
+needs_amx = pytest.mark.skipif(not _has_amx(), reason="the tile GEMM needs AMX (amx_tile, amx_bf16)")
+
+
+def assert_same_products(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+    """y and ref sum the same bf16 products in fp32 in different orders, each rounded to bf16:
+    apart by fp32 summation slack of the scale and one bf16 step."""
+    scale = x.double().abs() @ w.to(BF).double().abs().T
+    tol = 1e-5 * scale + 2.0**-8 * ref.double().abs()
+    assert ((y.double() - ref.double()).abs() <= tol + 1e-30).all()
+    return tol
+
+
+AMX_CASES = [(q, 512) for q in FORMATS] + [(q, k) for q in SMALL_FORMATS for k in (32, 96)]
+
+
+@needs_amx
+@pytest.mark.parametrize(("qtype", "k"), AMX_CASES, ids=[f"{q.name}-k{k}" for q, k in AMX_CASES])
+def test_amx_gemm_is_the_dequantized_bf16_product(quant, monkeypatch, qtype, k):
+    """From 48 bf16 rows on an AMX CPU, matmul multiplies each tile of 32 weight rows,
+    dequantized to bf16, with the activations on the tile unit (whole and partial tiles of 16
+    rows and of 32 outputs: 70 outputs, 48 / 69 / 130 rows): the exact path's result
+    (VSERVE_QUANT_EXACT=1: dequantized tiles and at::mm) up to the order of the fp32 sums.
+    VSERVE_QUANT_AMX=0 gives the int8 GEMM, another result."""
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    data = torch.from_numpy(random_weight(qtype, 70, k, seed=11))
+    w = reference(data.numpy(), qtype)
+    for m in (48, 69, 130):
+        x = activations(m, k, BF)
+        monkeypatch.delenv("VSERVE_QUANT_AMX", raising=False)
+        y = quant.matmul(x, data, int(qtype), k)
+        assert_product_close(y, x, w, bf16_weights=True)
+        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+        ref = quant.matmul(x, data, int(qtype), k)
+        monkeypatch.delenv("VSERVE_QUANT_EXACT")
+        tol = assert_same_products(y, ref, x, w)
+        monkeypatch.setenv("VSERVE_QUANT_AMX", "0")
+        int8 = quant.matmul(x, data, int(qtype), k)
+        assert ((int8.double() - ref.double()).abs() > tol).any()
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_amx_gemm_propagates_nan_rows(quant, monkeypatch, qtype):
+    """A NaN activation makes its own row's outputs NaN on the tiles, every other row is the
+    product."""
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    monkeypatch.delenv("VSERVE_QUANT_AMX", raising=False)
+    k = 256
+    data = torch.from_numpy(random_weight(qtype, 40, k, seed=7))
+    w = reference(data.numpy(), qtype)
+    x = activations(50, k, BF)
+    x[5, 200] = float("nan")
+    y = quant.matmul(x, data, int(qtype), k)
+    assert torch.isnan(y[5]).all()
+    keep = torch.tensor([i for i in range(50) if i != 5])
+    assert not torch.isnan(y[keep]).any()
+    assert_product_close(y[keep], x[keep], w, bf16_weights=True)
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [131072 + 32, 131072 + 37])
+def test_amx_gemm_streams_a_large_output(quant, monkeypatch, n):
+    """The logits of a batch of 64 (past 16 MB) from the tile GEMM: streaming stores for whole
+    tiles of 32 outputs, plain ones for a partial last tile."""
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    monkeypatch.delenv("VSERVE_QUANT_AMX", raising=False)
+    k = 32
+    data = random_weight(Q.Q8_0, n, k, seed=8)
+    w = reference(data, Q.Q8_0)
+    x = activations(64, k, BF)
+    y = quant.matmul(x, torch.from_numpy(data), int(Q.Q8_0), k)
+    assert y.numel() * y.element_size() > 16 << 20
+    assert_product_close(y, x, w, bf16_weights=True)
+
+
+@needs_amx
+def test_amx_prefill_sizes_take_onednn(quant, monkeypatch):
+    """From 512 rows on an AMX CPU the product is at::mm's over dequantized tiles (oneDNN's
+    tile GEMM, faster at prefill sizes): bitwise the exact path's result."""
+    monkeypatch.delenv("VSERVE_QUANT_AMX", raising=False)
+    k = 64
+    data = torch.from_numpy(random_weight(Q.Q5_0, 40, k, seed=3))
+    x = activations(AMX_MAX_ROWS, k, BF)
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    y = quant.matmul(x, data, int(Q.Q5_0), k)
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    assert_bitwise(y, quant.matmul(x, data, int(Q.Q5_0), k))
+    monkeypatch.delenv("VSERVE_QUANT_EXACT")
+    below = activations(AMX_MAX_ROWS - 1, k, BF)
+    tile = quant.matmul(below, data, int(Q.Q5_0), k)
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    assert_same_products(tile, quant.matmul(below, data, int(Q.Q5_0), k), below,
+                         reference(data.numpy(), Q.Q5_0))
