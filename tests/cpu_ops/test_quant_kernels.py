@@ -217,12 +217,10 @@ def test_gemv_propagates_nan_activations(quant, exact, qtype):
 
 
 def _has_amx() -> bool:
-    """The tile GEMM's instructions, as the kernels' build (-march=native) sees them."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_tile" in flags and "amx_bf16" in flags
+    """Whether matmul may take the AMX tile GEMM: the kernels' own answer (built for a CPU
+    with AMX, the tile state granted by the OS)."""
+    module = cpu_ops.load_quant()
+    return module is not None and module.amx_gemm()
 
 
 AMX_MIN_ROWS, AMX_MAX_ROWS = 48, 512  # quant.cpp's kAmxMinRows, kAmxMaxRows
