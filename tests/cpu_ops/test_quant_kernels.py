@@ -428,7 +428,9 @@ def test_real_gguf_tensors(quant, gguf_slices, exact, name):
             assert_product_close(y, x, ref, bf16_weights=dtype == BF)
 
 
-needs_amx = pytest.mark.skipif(not _has_amx(), reason="the tile GEMM needs AMX (amx_tile, amx_bf16)")
+needs_amx = pytest.mark.skipif(
+    not _has_amx(), reason="the tile GEMM needs AMX (amx_tile, amx_bf16)"
+)
 
 
 def assert_same_products(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
@@ -519,5 +521,6 @@ def test_amx_prefill_sizes_take_onednn(quant, monkeypatch):
     below = activations(AMX_MAX_ROWS - 1, k, BF)
     tile = quant.matmul(below, data, int(Q.Q5_0), k)
     monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
-    assert_same_products(tile, quant.matmul(below, data, int(Q.Q5_0), k), below,
-                         reference(data.numpy(), Q.Q5_0))
+    assert_same_products(
+        tile, quant.matmul(below, data, int(Q.Q5_0), k), below, reference(data.numpy(), Q.Q5_0)
+    )
