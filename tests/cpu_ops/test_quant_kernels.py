@@ -217,12 +217,10 @@ def test_gemv_propagates_nan_activations(quant, exact, qtype):
 
 
 def _has_amx() -> bool:
-    """The tile GEMM's instructions, as the kernels' build (-march=native) sees them."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_tile" in flags and "amx_bf16" in flags
+    """Whether matmul may take the AMX tile GEMM: the kernels' own answer (built for a CPU
+    with AMX, the tile state granted by the OS)."""
+    module = cpu_ops.load_quant()
+    return module is not None and module.amx_gemm()
 
 
 AMX_MIN_ROWS, AMX_MAX_ROWS = 48, 512  # quant.cpp's kAmxMinRows, kAmxMaxRows
@@ -430,7 +428,9 @@ def test_real_gguf_tensors(quant, gguf_slices, exact, name):
             assert_product_close(y, x, ref, bf16_weights=dtype == BF)
 
 
-needs_amx = pytest.mark.skipif(not _has_amx(), reason="the tile GEMM needs AMX (amx_tile, amx_bf16)")
+needs_amx = pytest.mark.skipif(
+    not _has_amx(), reason="the tile GEMM needs AMX (amx_tile, amx_bf16)"
+)
 
 
 def assert_same_products(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
@@ -521,5 +521,6 @@ def test_amx_prefill_sizes_take_onednn(quant, monkeypatch):
     below = activations(AMX_MAX_ROWS - 1, k, BF)
     tile = quant.matmul(below, data, int(Q.Q5_0), k)
     monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
-    assert_same_products(tile, quant.matmul(below, data, int(Q.Q5_0), k), below,
-                         reference(data.numpy(), Q.Q5_0))
+    assert_same_products(
+        tile, quant.matmul(below, data, int(Q.Q5_0), k), below, reference(data.numpy(), Q.Q5_0)
+    )

@@ -625,6 +625,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             py::arg("k"));
   quant.def("matmul", &vserve_quant::matmul, py::arg("x"), py::arg("data"), py::arg("qtype"),
             py::arg("k"));
+  quant.def("amx_gemm", &vserve_quant::amx_gemm);
   quant.def("embedding", &vserve_quant::embedding, py::arg("data"), py::arg("qtype"),
             py::arg("k"), py::arg("ids"), py::arg("dtype") = at::kFloat);
   auto sample = m.def_submodule("sample", "fused sampling over the vocabulary (sample.cpp)");

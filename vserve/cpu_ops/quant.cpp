@@ -1927,6 +1927,14 @@ const void* GemvInput::data() const {
       (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
 }
 
+bool amx_gemm() {
+#ifdef QUANT_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 bool supported_qtype(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;

@@ -33,6 +33,9 @@ void gemv_prepare(GemvInput& in, const c10::BFloat16* x, int64_t m, int64_t k, i
 void gemv_rows(const GemvInput& in, const uint8_t* w, int64_t row_bytes, c10::BFloat16* y,
                int64_t ldy, int64_t r0, int64_t r1);
 bool supported_qtype(int64_t qtype);
+// whether matmul may take the AMX tile GEMM here: built for a CPU with AMX and granted the tile
+// state by the OS (VSERVE_QUANT_AMX=0 still keeps it off)
+bool amx_gemm();
 int64_t row_bytes_of(int64_t qtype, int64_t k);  // -1 when k is not a whole number of blocks
 
 }  // namespace vserve_quant
