@@ -3,7 +3,8 @@
 torch's `FileBaton` is a plain file in the build folder; `load` waits while it exists. A
 process killed mid-build leaves it behind (seen on a shared machine: every engine start hung
 for 15 minutes). vserve builds under an flock, which the kernel releases when its holder dies,
-and clears a baton it finds while holding it.
+and clears a baton it finds while holding it. The build folder's key covers the compiler
+flags too.
 """
 
 from __future__ import annotations
@@ -78,3 +79,11 @@ def test_checkouts_with_the_same_sources_build_from_one_place(build_folder, monk
     stamp = (build_folder / "src" / cpu_ops.SAMPLE_SOURCE.name).stat().st_mtime_ns
     cpu_ops._compile((source,), "vserve_test")  # unchanged: not rewritten (ninja reads mtimes)
     assert (build_folder / "src" / cpu_ops.SAMPLE_SOURCE.name).stat().st_mtime_ns == stamp
+
+
+def test_the_build_folder_is_keyed_by_the_compiler_flags(monkeypatch):
+    """A flag changed in CFLAGS is a new build: the cache must not hand back the binary the
+    old flags made (the folder was keyed by the sources, torch, Python and the CPU only)."""
+    before = cpu_ops.build_dir()
+    monkeypatch.setattr(cpu_ops, "CFLAGS", [*cpu_ops.CFLAGS, "-fno-unroll-loops"])
+    assert cpu_ops.build_dir() != before

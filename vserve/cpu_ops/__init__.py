@@ -71,6 +71,7 @@ def _cpu_flags() -> bytes:
 
 
 SOURCES = (SOURCE, QUANT_SOURCE, STACK_SOURCE, SAMPLE_SOURCE)
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def build_dir(sources: tuple[Path, ...] = SOURCES) -> Path:
@@ -81,6 +82,7 @@ def build_dir(sources: tuple[Path, ...] = SOURCES) -> Path:
         + torch.__version__.encode()
         + sys.version.encode()
         + _cpu_flags()
+        + " ".join(CFLAGS).encode()  # a flag changed is a new build
     )
     digest = hashlib.sha256(key).hexdigest()[:12]
     return cache_dir("cpu_ops") / digest
@@ -139,7 +141,7 @@ def _compile(sources: tuple[Path, ...], name: str):
         return load_extension(
             f"{name}_{folder.name}",
             [str(s) for s in _staged(sources, folder)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,
