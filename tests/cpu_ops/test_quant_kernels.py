@@ -272,23 +272,6 @@ def test_int8_gemv_of_quads_and_the_blocks_after_them(quant, qtype, blocks):
         assert_int8_close(quant.gemv(x, torch.from_numpy(data), int(qtype), k), x, w, False)
 
 
-@needs_vnni
-@pytest.mark.usefixtures("int8_path")
-@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_int8_gemm_propagates_nan_rows(quant, qtype):
-    """More than 8 bf16 rows take the int8 GEMM: a NaN activation makes its own row's outputs
-    NaN (its block's d_x is NaN), every other row is the product."""
-    k = 256
-    data = torch.from_numpy(random_weight(qtype, 40, k, seed=7))
-    w = reference(data.numpy(), qtype)
-    x = activations(13, k, BF)
-    x[5, 200] = float("nan")
-    y = quant.matmul(x, data, int(qtype), k)
-    assert torch.isnan(y[5]).all()
-    keep = torch.tensor([i for i in range(13) if i != 5])
-    assert_int8_close(y[keep], x[keep], w, exact=False)
-
-
 GEMM_CASES = [(q, 512) for q in FORMATS] + [
     (q, k) for q in FORMATS if GGML_QUANT_SIZES[q][0] == 32 for k in (32, 96)
 ]  # k = 32 and 96: a lone last block of 32
@@ -312,21 +295,6 @@ def test_int8_gemm_rows_are_the_int8_gemvs(quant, monkeypatch, qtype, k):
     monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
     exact = quant.matmul(x, data, int(qtype), k).double()
     assert ((exact - ref.double()).abs() > tol).any()  # the exact path is another result
-
-
-@needs_vnni
-@pytest.mark.usefixtures("int8_path")
-@pytest.mark.parametrize("n", [131072 + 32, 131072 + 37])
-def test_int8_gemm_streams_a_large_output(quant, n):
-    """An output past 16 MB (the logits of a batch) is written with streaming stores, every
-    row's lines when N is a multiple of 32; a partial last tile of columns is not."""
-    k = 32
-    data = random_weight(Q.Q8_0, n, k, seed=8)
-    w = reference(data, Q.Q8_0)
-    x = activations(64, k, BF)
-    y = quant.matmul(x, torch.from_numpy(data), int(Q.Q8_0), k)
-    assert y.numel() * y.element_size() > 16 << 20
-    assert_int8_close(y, x, w, exact=False)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
@@ -470,39 +438,52 @@ def test_amx_gemm_is_the_dequantized_bf16_product(quant, monkeypatch, qtype, k):
         assert ((int8.double() - ref.double()).abs() > tol).any()
 
 
-@needs_amx
+GEMMS = [pytest.param("int8", 13, marks=needs_vnni), pytest.param("amx", 50, marks=needs_amx)]
+
+
+@pytest.mark.parametrize(("gemm", "rows"), GEMMS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_amx_gemm_propagates_nan_rows(quant, monkeypatch, qtype):
-    """A NaN activation makes its own row's outputs NaN on the tiles, every other row is the
-    product."""
+def test_gemms_propagate_nan_rows(quant, monkeypatch, qtype, gemm, rows):
+    """More than 8 bf16 rows take a GEMM: the int8 one (a NaN makes its block's d_x NaN) or,
+    on an AMX CPU from 48 rows, the tile one. A NaN activation makes its own row's outputs
+    NaN, every other row is the product."""
     monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
-    monkeypatch.delenv("VSERVE_QUANT_AMX", raising=False)
+    monkeypatch.setenv("VSERVE_QUANT_AMX", "1" if gemm == "amx" else "0")
     k = 256
     data = torch.from_numpy(random_weight(qtype, 40, k, seed=7))
     w = reference(data.numpy(), qtype)
-    x = activations(50, k, BF)
+    x = activations(rows, k, BF)
     x[5, 200] = float("nan")
     y = quant.matmul(x, data, int(qtype), k)
     assert torch.isnan(y[5]).all()
-    keep = torch.tensor([i for i in range(50) if i != 5])
+    keep = torch.tensor([i for i in range(rows) if i != 5])
     assert not torch.isnan(y[keep]).any()
-    assert_product_close(y[keep], x[keep], w, bf16_weights=True)
+    if gemm == "amx":
+        assert_product_close(y[keep], x[keep], w, bf16_weights=True)
+    else:
+        assert_int8_close(y[keep], x[keep], w, exact=False)
 
 
-@needs_amx
+@pytest.mark.parametrize(
+    "gemm", [pytest.param("int8", marks=needs_vnni), pytest.param("amx", marks=needs_amx)]
+)
 @pytest.mark.parametrize("n", [131072 + 32, 131072 + 37])
-def test_amx_gemm_streams_a_large_output(quant, monkeypatch, n):
-    """The logits of a batch of 64 (past 16 MB) from the tile GEMM: streaming stores for whole
-    tiles of 32 outputs, plain ones for a partial last tile."""
+def test_gemms_stream_a_large_output(quant, monkeypatch, n, gemm):
+    """An output past 16 MB (the logits of a batch of 64) is written with streaming stores,
+    every row's lines when N is a multiple of 32; a partial last tile of columns is not. Both
+    GEMMs (the tile one on an AMX CPU, the int8 one with VSERVE_QUANT_AMX=0)."""
     monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
-    monkeypatch.delenv("VSERVE_QUANT_AMX", raising=False)
+    monkeypatch.setenv("VSERVE_QUANT_AMX", "1" if gemm == "amx" else "0")
     k = 32
     data = random_weight(Q.Q8_0, n, k, seed=8)
     w = reference(data, Q.Q8_0)
     x = activations(64, k, BF)
     y = quant.matmul(x, torch.from_numpy(data), int(Q.Q8_0), k)
     assert y.numel() * y.element_size() > 16 << 20
-    assert_product_close(y, x, w, bf16_weights=True)
+    if gemm == "amx":
+        assert_product_close(y, x, w, bf16_weights=True)
+    else:
+        assert_int8_close(y, x, w, exact=False)
 
 
 @needs_amx
