@@ -1237,11 +1237,17 @@ constexpr bool x_sums() {
   return F::kBlock == 256;
 }
 
+// whether the environment sets `name` to 0, false or off
+bool env_says_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr &&
+         (std::strcmp(e, "0") == 0 || std::strcmp(e, "false") == 0 || std::strcmp(e, "off") == 0);
+}
+
 // VSERVE_QUANT_EXACT=1 (read on every call: tests flip it) makes gemv dequantize to fp32
 bool exact_forced() {
   const char* e = std::getenv("VSERVE_QUANT_EXACT");
-  return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0 &&
-         std::strcmp(e, "false") != 0 && std::strcmp(e, "off") != 0;
+  return e != nullptr && *e != '\0' && !env_says_off("VSERVE_QUANT_EXACT");
 }
 
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
@@ -1630,9 +1636,10 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
 // the tiles (a block's int32 sums must be scaled before the next block's are added), and
 // measured it bounds an AMX int8 kernel to the VNNI one's speed. So here each thread
 // dequantizes a tile of 32 weight rows to bf16 (dequant_row: each weight gguf's fp32 value
-// rounded once), lays it out as the tile unit reads it ([K / 2][2 halves][16 rows][2 inputs],
-// a 16 x 16 transpose of bf16 pairs per 32 inputs) and multiplies every activation tile of 16
-// rows with it, the sums staying in the tiles over all of K. The result is the exact path's
+// rounded once) and multiplies it, as the tiles' first operand and untransposed, with every
+// activation tile of 16 rows, paired once per call as the second operand reads them
+// (pair_activations); the sums stay in the tiles over all of K and come out transposed
+// (untranspose). The result is the exact path's
 // (bf16 weights times bf16 activations, summed in fp32) up to the order of the sums; the tile
 // unit flushes denormal inputs and outputs to zero.
 
@@ -1654,12 +1661,7 @@ bool amx_permitted() {
 }
 
 // VSERVE_QUANT_AMX=0 (read on every call: tests compare both) keeps the int8 GEMM
-bool amx_enabled() {
-  const char* e = std::getenv("VSERVE_QUANT_AMX");
-  const bool off = e != nullptr && (std::strcmp(e, "0") == 0 || std::strcmp(e, "false") == 0 ||
-                                    std::strcmp(e, "off") == 0);
-  return !off && amx_permitted();
-}
+bool amx_enabled() { return !env_says_off("VSERVE_QUANT_AMX") && amx_permitted(); }
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
