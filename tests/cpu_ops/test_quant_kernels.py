@@ -11,12 +11,14 @@ so for bf16 x the weights are also rounded to bf16 (another 2^-8 of the scale). 
 runs on random blocks; the formats the embedded Gemma 3 270M Q4_K_M GGUF holds also run on
 slices of its tensors.
 
-`gemv` (and `matmul` up to 8 rows) has two paths: on a CPU with AVX512-VNNI it quantizes the
+`gemv` (and `matmul` up to 8 rows) has two paths: for bf16 activations on a CPU with an int8
+gemv (AVX512-VNNI, else AVX2 with FMA and F16C: `quant.int8_gemv()`) it quantizes the
 activations to int8 per block of 32 (d_x = amax / 127, q = round(x / d_x)) and multiplies them
 with the weights' integer quants, whose only extra error is that rounding: at most d_x / 2 per
 activation, so sum over blocks of d_x / 2 * sum |w| over the block per output
 (`assert_int8_close`). `VSERVE_QUANT_EXACT=1` (read on every call) forces the exact fp32 path
 there; elsewhere it is the only path. The `exact` fixture runs the product tests both ways.
+The AVX2 gemv is also called directly (`quant.gemv_avx2`) on every AVX2 CPU, VNNI or not.
 """
 
 import os
@@ -30,6 +32,7 @@ from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from vserve import cpu_ops
+from vserve.config import cpu_has_bf16
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -505,3 +508,102 @@ def test_amx_prefill_sizes_take_onednn(quant, monkeypatch):
     assert_same_products(
         tile, quant.matmul(below, data, int(Q.Q5_0), k), below, reference(data.numpy(), Q.Q5_0)
     )
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+needs_avx2 = pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="the AVX2 int8 gemv needs AVX2, FMA, F16C"
+)
+
+
+@needs_avx2
+@pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=CASE_IDS)
+def test_avx2_int8_gemv_is_the_product(quant, qtype, n, k):
+    """The AVX2 int8 gemv on random blocks, 1-8 rows of fp32 and bf16 activations: within the
+    activations' int8 rounding of the exact product, and not the exact path's result (the
+    rounding shows beyond fp32 summation slack, so a kernel that skipped it would fail)."""
+    data = random_weight(qtype, n, k, seed=11)
+    w = reference(data, qtype)
+    weight = torch.from_numpy(data)
+    torch.manual_seed(2)
+    for dtype in (torch.float32, BF):
+        for m in range(1, 9):
+            x = activations(m, k, dtype)
+            assert_int8_close(quant.gemv_avx2(x, weight, int(qtype), k), x, w, False)
+    x = activations(8, k, torch.float32)
+    err = (quant.gemv_avx2(x, weight, int(qtype), k).double() - x.double() @ w.double().T).abs()
+    assert (err > 1e-4 * (x.double().abs() @ w.double().abs().T)).any()
+
+
+@needs_avx2
+@pytest.mark.parametrize("name", list(GGUF_TENSORS))
+def test_avx2_int8_gemv_on_real_gguf_tensors(quant, gguf_slices, name):
+    data, qtype, k = gguf_slices[name]
+    ref = reference(data, qtype)
+    torch.manual_seed(3)
+    for dtype in (torch.float32, BF):
+        for m in (1, 3, 8):
+            x = activations(m, k, dtype)
+            y = quant.gemv_avx2(x, torch.from_numpy(data), int(qtype), k)
+            assert_int8_close(y, x, ref, False)
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_avx2_int8_gemv_propagates_nan_and_checks_inputs(quant, qtype):
+    k = 256
+    data = torch.from_numpy(random_weight(qtype, 16, k, seed=6))
+    w = reference(data.numpy(), qtype)
+    x = activations(3, k, BF)
+    x[1, 100] = float("inf")
+    y = quant.gemv_avx2(x, data, int(qtype), k)
+    assert torch.isnan(y[1]).all()
+    keep = torch.tensor([0, 2])
+    assert_int8_close(y[keep], x[keep], w, False)
+    with pytest.raises(RuntimeError, match="1 to 8"):
+        quant.gemv_avx2(torch.randn(9, k), data, int(qtype), k)
+    with pytest.raises(RuntimeError, match="K = "):
+        quant.gemv_avx2(torch.randn(1, 2 * k), data, int(qtype), k)
+
+
+def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, monkeypatch):
+    """VNNI where the CPU has it, else AVX2, else none; for bf16 activations only (fp32 is the
+    exact mode), and on an AVX2 CPU without VNNI gemv's result is the AVX2 kernel's, bit for
+    bit."""
+    flags = _cpu_flags()
+    if {"avx512_vnni", "avx512bw", "avx512dq"} <= flags:
+        expected = "vnni"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        expected = "avx2"
+    else:
+        expected = ""
+    assert quant.int8_gemv() == expected
+    assert quant.int8_activations(BF) == (expected != "")
+    assert not quant.int8_activations(torch.float32)
+    if expected != "avx2":
+        return
+    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    for qtype in FORMATS:
+        data = torch.from_numpy(random_weight(qtype, 40, 512, seed=8))
+        x = activations(5, 512, BF)
+        y = quant.gemv(x, data, int(qtype), 512)
+        assert torch.equal(y, quant.gemv_avx2(x, data, int(qtype), 512))
+
+
+@pytest.mark.skipif(cpu_has_bf16(), reason="bf16 instructions: the exact matmul runs in bf16")
+def test_bf16_matmul_multiplies_in_fp32_without_bf16_instructions(quant, monkeypatch):
+    """Where a bf16 at::mm is emulated, the exact matmul of bf16 rows is the fp32 one's result
+    rounded to bf16 (bitwise), not a bf16 product of bf16-rounded weights."""
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    data = torch.from_numpy(random_weight(Q.Q4_K, 64, 512, seed=12))
+    x = activations(33, 512, BF)
+    y = quant.matmul(x, data, int(Q.Q4_K), 512)
+    assert torch.equal(y, quant.matmul(x.float(), data, int(Q.Q4_K), 512).to(BF))

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode.cpp")
 SAMPLE_SOURCE = Path(__file__).with_name("sample.cpp")
 QUANT_SOURCE = Path(__file__).with_name("quant.cpp")
+QUANT_AVX2_SOURCE = Path(__file__).with_name("quant_avx2.cpp")
 STACK_SOURCE = Path(__file__).with_name("stack.cpp")
 _state: dict[str, object] = {}
 
@@ -70,7 +71,7 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-SOURCES = (SOURCE, QUANT_SOURCE, STACK_SOURCE, SAMPLE_SOURCE)
+SOURCES = (SOURCE, QUANT_SOURCE, QUANT_AVX2_SOURCE, STACK_SOURCE, SAMPLE_SOURCE)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

@@ -626,6 +626,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   quant.def("matmul", &vserve_quant::matmul, py::arg("x"), py::arg("data"), py::arg("qtype"),
             py::arg("k"));
   quant.def("amx_gemm", &vserve_quant::amx_gemm);
+  quant.def("int8_gemv", &vserve_quant::int8_gemv);
+  quant.def("int8_activations", &vserve_quant::int8_activations, py::arg("dtype"));
+  quant.def("gemv_avx2", &vserve_quant::gemv_avx2_checked, py::arg("x"), py::arg("data"),
+            py::arg("qtype"), py::arg("k"));
   quant.def("embedding", &vserve_quant::embedding, py::arg("data"), py::arg("qtype"),
             py::arg("k"), py::arg("ids"), py::arg("dtype") = at::kFloat);
   auto sample = m.def_submodule("sample", "fused sampling over the vocabulary (sample.cpp)");

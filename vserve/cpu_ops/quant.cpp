@@ -64,6 +64,7 @@
 #include <unistd.h>
 
 #include "quant.h"
+#include "quant_avx2.h"
 #include "row_shares.h"
 #include "vec16.h"
 
@@ -465,34 +466,17 @@ void check_out_dtype(at::ScalarType dtype) {
 // at least ~64 KB of weight per thread: smaller slices cost more to start than to stream
 int64_t row_grain(int64_t row_bytes) { return std::max<int64_t>(1, (64 << 10) / row_bytes); }
 
-// fn(lo, hi) over rows [0, n) of a streamed weight. Each thread streams its own contiguous
-// share front to back (what the prefetchers read best), in chunks of 64-256 KB that it
-// claims one at a time; a thread done with its share takes the chunks left in the others'
-// from their far end. A thread the OS preempts (the engine's host work beside the forward,
-// on a machine with no spare core) then no longer holds up the whole call at the join with
-// its unread half (measured: the embedded model's head, 3.0 -> 4.0 ms a step under async).
-// (vserve_rows::RowShares, row_shares.h)
+// whether the environment sets `name` to 0, false or off
+bool env_says_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr &&
+         (std::strcmp(e, "0") == 0 || std::strcmp(e, "false") == 0 || std::strcmp(e, "off") == 0);
+}
 
-// min_share: the fewest bytes worth a thread (streaming: ~64 KB; the GEMM, whose tiles are
-// arithmetic-bound, one tile)
-template <class Fn>
-void stream_rows(int64_t n, int64_t row_bytes, Fn&& fn, int64_t min_share = 64 << 10) {
-  auto shares = vserve_rows::RowShares::of(n, row_bytes, at::get_num_threads(), min_share);
-  const int64_t threads = shares.threads();
-  if (threads <= 1) {
-    fn(int64_t{0}, n);
-    return;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      int64_t c;
-      while (shares.claim(t, true, c)) shares.run(t, c, fn);
-      for (int64_t o = 1; o < threads; ++o) {
-        int64_t u = (t + o) % threads;
-        while (shares.claim(u, false, c)) shares.run(u, c, fn);
-      }
-    }
-  });
+// VSERVE_QUANT_EXACT=1 (read on every call: tests flip it) makes gemv dequantize to fp32
+bool exact_forced() {
+  const char* e = std::getenv("VSERVE_QUANT_EXACT");
+  return e != nullptr && *e != '\0' && !env_says_off("VSERVE_QUANT_EXACT");
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -844,21 +828,6 @@ QUANT_INLINE __m512i dot_lanes(__m512i wq, const XChunk& x) {
   return _mm512_dpbusd_epi32(start, wq, _mm512_load_si512(x.q));
 }
 
-constexpr int64_t kStreamAhead = 4096;  // bytes ahead the int8 gemv prefetches its weight
-// A row's worth of lines kStreamAhead bytes ahead of row r, within a thread's rows
-// [.., r1). Where a core's own share of DRAM bandwidth is set by how many misses it keeps in
-// flight (a 2-core Xeon VM with AMX: 9-14 GB/s a thread from DRAM against 19-28 from cache),
-// the hardware prefetchers alone leave the int8 gemv waiting on memory; measured there
-// (benchmarks/quant_gemv_speed.py --compare, 2 threads, from DRAM) M = 1 Q8_0 27.6 -> 34.3
-// GB/s, Q5_0 18.4 -> 28.4, Q4_K 23.1 -> 29.5, Q6_K 21.1 -> 31.5 (from cache within +-7%),
-// the embedded model's batch-1 step 13.7 -> 10.6-11.0 ms; 8 KB ahead measured the same.
-QUANT_INLINE void fetch_ahead(const uint8_t* w, int64_t row_bytes, int64_t r, int64_t r1) {
-  const uint8_t* p = w + r * row_bytes + kStreamAhead;
-  const uint8_t* end = w + r1 * row_bytes;
-  for (int64_t o = 0; o < row_bytes && p + o < end; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-}
-
 template <class F, int M>
 void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSums*, int64_t k,
                void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
@@ -870,7 +839,7 @@ void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSum
   const XQuad* xq = reinterpret_cast<const XQuad*>(xc);
   const XChunk* tc = xc + 2 * quads * M;  // the chunks of the blocks after the quads
   for (int64_t r = r0; r < r1; ++r) {
-    fetch_ahead(w, row_bytes, r, r1);
+    vserve_rows::fetch_ahead(w, row_bytes, r, r1);
     __m512 acc[M] = {}, acc2[M] = {};
 #ifdef QUANT_QUADS
     if constexpr (quad_format<F>()) {
@@ -1011,7 +980,7 @@ void vnni_rows_k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XS
   constexpr int A = M == 1 ? 2 : 1;
   const int64_t supers = k / 256;
   for (int64_t r = r0; r < r1; ++r) {
-    fetch_ahead(w, row_bytes, r, r1);
+    vserve_rows::fetch_ahead(w, row_bytes, r, r1);
     const uint8_t* row = w + r * row_bytes;
     __m512 acc[M][A] = {};
     __m256 macc[M] = {};
@@ -1088,7 +1057,7 @@ void vnni_rows_kspread(const uint8_t* w, int64_t row_bytes, const XChunk* xc, co
                                            0x1020408000000000LL, 0x0102040800000000LL);
   const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   for (int64_t r = r0; r < r1; ++r) {
-    fetch_ahead(w, row_bytes, r, r1);
+    vserve_rows::fetch_ahead(w, row_bytes, r, r1);
     const uint8_t* row = w + r * row_bytes;
     __m512 acc[M][A] = {};
     __m256 macc[M] = {};
@@ -1143,7 +1112,7 @@ void vnni_rows_q6k(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const 
   constexpr int A = M == 1 ? 2 : 1;
   const int64_t supers = k / 256;
   for (int64_t r = r0; r < r1; ++r) {
-    fetch_ahead(w, row_bytes, r, r1);
+    vserve_rows::fetch_ahead(w, row_bytes, r, r1);
     const uint8_t* row = w + r * row_bytes;
     __m512 acc[M][A] = {};
     for (int64_t sb = 0; sb < supers; ++sb) {
@@ -1237,19 +1206,6 @@ constexpr bool x_sums() {
   return F::kBlock == 256;
 }
 
-// whether the environment sets `name` to 0, false or off
-bool env_says_off(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr &&
-         (std::strcmp(e, "0") == 0 || std::strcmp(e, "false") == 0 || std::strcmp(e, "off") == 0);
-}
-
-// VSERVE_QUANT_EXACT=1 (read on every call: tests flip it) makes gemv dequantize to fp32
-bool exact_forced() {
-  const char* e = std::getenv("VSERVE_QUANT_EXACT");
-  return e != nullptr && *e != '\0' && !env_says_off("VSERVE_QUANT_EXACT");
-}
-
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
   int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
   auto out = at::empty({m, n}, x.options());
@@ -1271,7 +1227,7 @@ at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
       quantize_x(x.data_ptr<float>(), m, k, x_offset<F>(), x_layout<F>(), chunks.data(), sp);
     const XChunk* xc = chunks.data();
     const XSums* xs = sums.data();
-    stream_rows(n, row_bytes, [&](int64_t lo, int64_t hi) {
+    vserve_rows::stream_rows(n, row_bytes, [&](int64_t lo, int64_t hi) {
       vnni_dispatch<F>(m, w, row_bytes, xc, xs, k, yp, bf16_out, n, lo, hi);
     });
   });
@@ -1590,7 +1546,7 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
     const int64_t tiles = (n + kTileN - 1) / kTileN;
     const bool stream = m * n * x.element_size() > (16 << 20);
     // tiles in shares per thread, the rest taken by whichever thread is free (stream_rows)
-    stream_rows(tiles, kTileN * row_bytes, [&](int64_t lo, int64_t hi) {
+    vserve_rows::stream_rows(tiles, kTileN * row_bytes, [&](int64_t lo, int64_t hi) {
       thread_local std::vector<uint8_t> pq_buf;
       thread_local std::vector<float> ps_buf;
       pq_buf.resize(k / 4 * 128 + 64);
@@ -1782,7 +1738,7 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& data, int64_t qtype, 
   with_format(qtype, [&](auto fmt) {
     using F = decltype(fmt);
     const int64_t tiles = (n + kTileN - 1) / kTileN;
-    stream_rows(tiles, kTileN * row_bytes, [&](int64_t lo, int64_t hi) {
+    vserve_rows::stream_rows(tiles, kTileN * row_bytes, [&](int64_t lo, int64_t hi) {
       thread_local std::vector<bf16> rows_buf;
       bf16* rows = aligned_scratch(rows_buf, kTileN * k);
       alignas(64) float out_t[kTileN][32], tile_out[32][kTileN];
@@ -1830,16 +1786,28 @@ at::Tensor dequantize(const at::Tensor& data, int64_t qtype, int64_t k, at::Scal
   return out;
 }
 
+// whether the CPU has bf16 instructions (the build's -march=native): AVX512-BF16 or AMX
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+constexpr bool kBf16Compute = true;
+#else
+constexpr bool kBf16Compute = false;
+#endif
+
+// x W^T in x's dtype over tiles of weights dequantized to it (matmul's exact path)
+at::Tensor exact_matmul(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k);
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
   check_weight(data, qtype, k);
   check_activations(x, k);
   int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
   TORCH_CHECK(m >= 1 && m <= 8, "gemv takes 1 to 8 activation rows, got ", m);
+  if (!exact_forced() && int8_activations(x.scalar_type())) {
 #ifdef QUANT_VNNI
-  // bf16 activations only: fp32 is the exact mode (and its results do not depend on the batch
-  // only if every path sums exactly the same products)
-  if (!exact_forced() && x.scalar_type() == at::kBFloat16) return gemv_int8(x, data, qtype, k);
+    return gemv_int8(x, data, qtype, k);
+#elif defined(QUANT_AVX2_INT8)
+    return gemv_avx2(x, data, qtype, k);
 #endif
+  }
   auto xf = m == 1 ? x.to(at::kFloat).contiguous() : pack_x(x);
   auto out = at::empty({m, n}, x.options());
   const uint8_t* w = data.data_ptr<uint8_t>();
@@ -1848,7 +1816,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int6
   bool bf16_out = x.scalar_type() == at::kBFloat16;
   with_format(qtype, [&](auto fmt) {
     using F = decltype(fmt);
-    stream_rows(n, row_bytes, [&](int64_t lo, int64_t hi) {
+    vserve_rows::stream_rows(n, row_bytes, [&](int64_t lo, int64_t hi) {
       gemv_dispatch<F>(m, w, row_bytes, xp, k, yp, bf16_out, n, lo, hi);
     });
   });
@@ -1871,7 +1839,18 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t qtype, in
 #endif
   if (fast && !amx) return gemm_int8(x, data, qtype, k);
 #endif
-  // the exact path; and on a CPU with AMX, from kAmxMaxRows bf16 rows on, oneDNN's GEMM
+  // the exact path; and on a CPU with AMX, from kAmxMaxRows bf16 rows on, oneDNN's GEMM.
+  // Without bf16 instructions a bf16 at::mm is emulated (7x slower than fp32 on an
+  // AVX2 EPYC, 128 x 640 x 2048): there bf16 x multiplies the fp32 weights in fp32
+  if (x.scalar_type() == at::kBFloat16 && !kBf16Compute) {
+    auto xf = x.to(at::kFloat);
+    return exact_matmul(xf, data, qtype, k).to(at::kBFloat16);
+  }
+  return exact_matmul(x, data, qtype, k);
+}
+
+at::Tensor exact_matmul(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
+  const int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
   auto out = at::empty({m, n}, x.options());
   // Tiles of ~2 MB of dequantized rows (L3-resident while at::mm reads them): oneDNN's kernel
   // runs ~2x slower on 128-row tiles than on 2048-row ones at M = 16, and the dequantization
@@ -1924,6 +1903,35 @@ at::Tensor embedding(const at::Tensor& data, int64_t qtype, int64_t k, const at:
   return out;
 }
 
+const char* int8_gemv() {
+#ifdef QUANT_VNNI
+  return "vnni";
+#elif defined(QUANT_AVX2_INT8)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
+bool int8_activations(at::ScalarType dtype) {
+  if (*int8_gemv() == '\0') return false;
+  // bf16 only: fp32 is the exact mode (dtype="auto" gives quantized models bf16 on every
+  // CPU with an int8 gemv, so fp32 is always asked for)
+  return dtype == at::kBFloat16;
+}
+
+at::Tensor gemv_avx2_checked(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                             int64_t k) {
+  check_weight(data, qtype, k);
+  check_activations(x, k);
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "gemv takes 1 to 8 activation rows");
+#ifdef QUANT_AVX2_INT8
+  return gemv_avx2(x, data, qtype, k);
+#else
+  TORCH_CHECK(false, "gemv_avx2: built for a CPU without AVX2, FMA and F16C");
+#endif
+}
+
 const void* GemvInput::data() const {
   return reinterpret_cast<const void*>(
       (reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
@@ -1953,11 +1961,7 @@ void gemv_prepare(GemvInput& in, const bf16* x, int64_t m, int64_t k, int64_t qt
   in.m = m;
   in.k = k;
   in.qtype = qtype;
-#ifdef QUANT_VNNI
-  in.int8 = !exact_forced();  // as gemv decides, call by call
-#else
-  in.int8 = false;
-#endif
+  in.int8 = !exact_forced() && int8_activations(at::kBFloat16);  // as gemv decides, each call
   if (in.int8) {
 #ifdef QUANT_VNNI
     with_format(qtype, [&](auto fmt) {
@@ -1968,6 +1972,9 @@ void gemv_prepare(GemvInput& in, const bf16* x, int64_t m, int64_t k, int64_t qt
       XSums* sums = nsums > 0 ? reinterpret_cast<XSums*>(ch + nch * m) : nullptr;
       quantize_x(x, m, k, x_offset<F>(), x_layout<F>(), ch, sums);
     });
+#elif defined(QUANT_AVX2_INT8)
+    in.buf.resize(avx2_x_bytes(m, k) + 64);
+    avx2_prepare(x, m, k, static_cast<uint8_t*>(const_cast<void*>(in.data())));
 #endif
     return;
   }
@@ -1984,6 +1991,13 @@ void gemv_rows(const GemvInput& in, const uint8_t* w, int64_t row_bytes, bf16* y
                int64_t r0, int64_t r1) {
   with_format(in.qtype, [&](auto fmt) {
     using F = decltype(fmt);
+#if !defined(QUANT_VNNI) && defined(QUANT_AVX2_INT8)
+    if (in.int8) {
+      avx2_rows(static_cast<const uint8_t*>(in.data()), in.m, in.k, in.qtype, w, row_bytes, y,
+                true, ldy, r0, r1);
+      return;
+    }
+#endif
 #ifdef QUANT_VNNI
     if (in.int8) {
       const auto* ch = static_cast<const XChunk*>(in.data());

@@ -36,6 +36,13 @@ bool supported_qtype(int64_t qtype);
 // whether matmul may take the AMX tile GEMM here: built for a CPU with AMX and granted the tile
 // state by the OS (VSERVE_QUANT_AMX=0 still keeps it off)
 bool amx_gemm();
+// the int8 gemv this build has: "vnni", "avx2" or "" (none: gemv is the exact path alone)
+const char* int8_gemv();
+// whether gemv quantizes activations of this dtype (unless VSERVE_QUANT_EXACT=1)
+bool int8_activations(at::ScalarType dtype);
+// the AVX2 int8 gemv whatever int8_gemv() says (builds with AVX2, FMA and F16C), checked
+at::Tensor gemv_avx2_checked(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                             int64_t k);
 int64_t row_bytes_of(int64_t qtype, int64_t k);  // -1 when k is not a whole number of blocks
 
 }  // namespace vserve_quant

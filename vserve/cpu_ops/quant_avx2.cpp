@@ -1,0 +1,412 @@
+// The int8 gemv on AVX2 (no AVX512-VNNI): quant.cpp's "int8 gemv" arithmetic in 256-bit
+// registers, the multiply-add of byte pairs that llama.cpp's AVX2 dot products use. Formats
+// and their semantics: quant.cpp's header; declared in quant_avx2.h; checked against
+// gguf.quants by tests/cpu_ops/test_quant_kernels.py (`quant.gemv_avx2`).
+//
+// The activations are quantized once per call, per block of 32 of each row: d_x = amax / 127
+// (fp32), q_x = round(x / d_x) in -127..127 (a NaN or infinity makes d_x NaN, an amax whose
+// 1 / d_x overflows counts as a zero block, as in quant.cpp). Each 32 weights of a row unpack
+// to 32 bytes in order: Q4_0 / Q5_0 / Q8_0 / Q6_K as their signed quants (q - 8, q - 16, q,
+// q - 32), whose dot with q_x is vpmaddubsw(|w|, sign(q_x, w)) then vpmaddwd with ones (no
+// int16 pair sum exceeds 2 * 128 * 127); Q4_K / Q5_K as their unsigned quants (0..31) straight
+// into vpmaddubsw, their mins taken away per sub-block as dmin * min_j * d_x * sum(q_x). The
+// eight int32 lanes of a block's dot are scaled in fp32 by d_w * d_x (Q6_K: lanes 0-3 and 4-7
+// by their own 16-weight scales) into fp32 accumulators. The only error beyond fp32
+// summation is the activations' rounding, as on the VNNI path.
+#include "quant_avx2.h"
+
+#ifdef QUANT_AVX2_INT8
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#include "row_shares.h"
+
+#define A2_INLINE inline __attribute__((always_inline))
+#define A2_FLATTEN __attribute__((always_inline))
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+template <int I>
+using C = std::integral_constant<int, I>;
+
+template <class Fn, int... I>
+A2_INLINE void unroll_seq(Fn&& fn, std::integer_sequence<int, I...>) {
+  (fn(C<I>{}), ...);
+}
+
+template <int N, class Fn>
+A2_INLINE void unroll(Fn&& fn) {
+  unroll_seq(fn, std::make_integer_sequence<int, N>{});
+}
+
+A2_INLINE float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return _cvtsh_ss(h);
+}
+
+A2_INLINE __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+A2_INLINE __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+
+// the 16 nibble bytes at p as 32 quants: low nibbles (weights 0-15), then high (16-31)
+A2_INLINE __m256i nibbles32(const uint8_t* p) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), bytes(15));
+}
+
+// bit j of h as byte j: 0xFF where set
+A2_INLINE __m256i bit_bytes(uint32_t h) {
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                            0x0303030303030303LL);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(h)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+// Each format's `block(p, emit, mins)` calls emit(C<j>, w, scale) for the 32-weight groups j
+// of the block at p: w its 32 quants (signed when kSigned, else unsigned), scale the fp32
+// factor of each int32 lane of their dot. The K-quants with mins also call mins(v): v lane j
+// = dmin * min_j of sub-block j.
+
+struct Q4_0 {
+  static constexpr int kBlock = 32, kBytes = 18;
+  static constexpr bool kSigned = true;
+  template <class Emit, class Mins>
+  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
+    emit(C<0>{}, _mm256_sub_epi8(nibbles32(b + 2), bytes(8)), _mm256_set1_ps(half_at(b)));
+  }
+};
+
+struct Q5_0 {
+  static constexpr int kBlock = 32, kBytes = 22;
+  static constexpr bool kSigned = true;
+  template <class Emit, class Mins>
+  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
+    uint32_t h;
+    std::memcpy(&h, b + 2, sizeof(h));
+    const __m256i q = _mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bit_bytes(h), bytes(16)));
+    emit(C<0>{}, _mm256_sub_epi8(q, bytes(16)), _mm256_set1_ps(half_at(b)));
+  }
+};
+
+struct Q8_0 {
+  static constexpr int kBlock = 32, kBytes = 34;
+  static constexpr bool kSigned = true;
+  template <class Emit, class Mins>
+  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
+    emit(C<0>{}, load32(b + 2), _mm256_set1_ps(half_at(b)));
+  }
+};
+
+// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (quant.cpp's
+// scale_min)
+A2_INLINE void scale_min(const uint8_t* s, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K / Q5_K: 32-byte group g of nibbles holds sub-block 2g (low) and 2g + 1 (high); Q5_K
+// adds bit j of fifth-bit byte l to weight l of sub-block j
+template <bool kFifth>
+struct KQuant {
+  static constexpr int kBlock = 256, kBytes = kFifth ? 176 : 144;
+  static constexpr bool kSigned = false;
+  template <class Emit, class Mins>
+  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&& mins) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* s = b + 4;
+    const uint8_t* qs = b + (kFifth ? 48 : 16);
+    const __m256i high = kFifth ? load32(b + 16) : _mm256_setzero_si256();
+    alignas(32) float m[8];
+    unroll<4>([&](auto g) A2_FLATTEN {
+      constexpr int i = decltype(g)::value;
+      const __m256i v = load32(qs + 32 * i);
+      unroll<2>([&](auto half) A2_FLATTEN {
+        constexpr int j = 2 * i + decltype(half)::value;
+        __m256i q = _mm256_and_si256(half.value ? _mm256_srli_epi16(v, 4) : v, bytes(15));
+        if constexpr (kFifth)  // bit j of each byte to bit 4
+          q = _mm256_or_si256(
+              q, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(high, j), 4), bytes(16)));
+        int scale, min;
+        scale_min(s, j, scale, min);
+        m[j] = dmin * static_cast<float>(min);
+        emit(C<j>{}, q, _mm256_set1_ps(d * static_cast<float>(scale)));
+      });
+    });
+    mins(_mm256_load_ps(m));
+  }
+};
+
+using Q4_K = KQuant<false>;
+using Q5_K = KQuant<true>;
+
+// Q6_K: weight i of half h (128 weights) takes the nibble i / 64 of low byte h * 64 + i % 64
+// and the 2-bit pair i / 32 of high byte h * 32 + i % 32; one int8 scale per 16 weights
+struct Q6_K {
+  static constexpr int kBlock = 256, kBytes = 210;
+  static constexpr bool kSigned = true;
+  template <class Emit, class Mins>
+  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
+    const float d = half_at(b + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    unroll<2>([&](auto half) A2_FLATTEN {
+      constexpr int h = decltype(half)::value;
+      const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32);
+      const __m256i hb = load32(b + 128 + 32 * h);
+      unroll<4>([&](auto chunk) A2_FLATTEN {
+        constexpr int c = decltype(chunk)::value, j = 4 * h + c;
+        const __m256i low = c % 2 == 0 ? l0 : l1;
+        const __m256i lo = _mm256_and_si256(c < 2 ? low : _mm256_srli_epi16(low, 4), bytes(15));
+        // pair c of each high byte to bits 4-5
+        __m256i hi;
+        if constexpr (c == 0)
+          hi = _mm256_slli_epi16(hb, 4);
+        else if constexpr (c == 1)
+          hi = _mm256_slli_epi16(hb, 2);
+        else if constexpr (c == 2)
+          hi = hb;
+        else
+          hi = _mm256_srli_epi16(hb, 2);
+        const __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hi, bytes(0x30)));
+        const __m256 scale = _mm256_set_m128(
+            _mm_set1_ps(d * static_cast<float>(scales[2 * j + 1])),
+            _mm_set1_ps(d * static_cast<float>(scales[2 * j])));
+        emit(C<j>{}, _mm256_sub_epi8(q, bytes(32)), scale);
+      });
+    });
+  }
+};
+
+// the activations of M rows: quants [blocks][M][32], d_x [M][blocks], d_x * sum(q_x)
+// [M][blocks]
+struct XRows {
+  const int8_t* q;
+  const float* dx;
+  const float* sx;
+  int64_t blocks;
+};
+
+A2_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+A2_INLINE __m256 load8(const bf16* p) {  // bf16 widens exactly
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+A2_INLINE float hmax(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+A2_INLINE float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+A2_INLINE int32_t hsum(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return _mm_cvtsi128_si32(h);
+}
+
+// row mi of x [.., K] into the XRows of M rows at q, dx, sx
+template <typename T>
+void quantize_row(const T* x, int64_t mi, int64_t m_rows, int64_t blocks, int8_t* q, float* dx,
+                  float* sx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(FLT_MAX);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    int bad = 0;
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(x + 32 * b + 8 * i);
+      const __m256 a = _mm256_andnot_ps(sign, v[i]);
+      amax = _mm256_max_ps(amax, a);
+      bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, big, _CMP_NLE_UQ));
+    }
+    float d = hmax(amax) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    if (std::isinf(id)) id = 0.0f;
+    if (bad != 0) {
+      d = std::numeric_limits<float>::quiet_NaN();
+      id = 0.0f;
+    }
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i i[4];
+    for (int t = 0; t < 4; ++t) i[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], vid));
+    const int32_t sum = hsum(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
+                                              _mm256_add_epi32(i[2], i[3])));
+    // packs work per 128-bit lane: the permute puts the 32 bytes back in order
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q + (b * m_rows + mi) * 32), p);
+    dx[mi * blocks + b] = d;
+    sx[mi * blocks + b] = d * static_cast<float>(sum);
+  }
+}
+
+// the int32 lanes of the dot of 32 unsigned quants (<= 128) with 32 signed activations
+A2_INLINE __m256i dot_lanes(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// y[m, r] = x[m] . w[r] for rows r0..r1, all M activation rows at once: each weight group is
+// unpacked once and dotted with the M rows' quants; one row alone keeps two accumulator
+// chains (a 32-weight format takes two blocks a step to fill them)
+template <class F, int M>
+void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf16_out,
+          int64_t n, int64_t r0, int64_t r1) {
+  constexpr int A = M == 1 ? 2 : 1, G = F::kBlock / 32, U = G == 1 ? 2 : 1;
+  const int64_t units = x.blocks / G;
+  for (int64_t r = r0; r < r1; ++r) {
+    vserve_rows::fetch_ahead(w, row_bytes, r, r1);
+    const uint8_t* row = w + r * row_bytes;
+    __m256 acc[M][A], macc[M];
+    unroll<M>([&](auto m) A2_FLATTEN {
+      macc[m.value] = _mm256_setzero_ps();
+      unroll<A>([&](auto a) A2_FLATTEN { acc[m.value][a.value] = _mm256_setzero_ps(); });
+    });
+    auto step = [&](int64_t u, auto uu) A2_FLATTEN {
+      const int64_t b0 = u * G;
+      F::block(
+          row + u * F::kBytes,
+          [&](auto j, __m256i q, __m256 scale) A2_FLATTEN {
+            constexpr int a = (decltype(uu)::value * G + decltype(j)::value) % A;
+            const int64_t b = b0 + decltype(j)::value;
+            const int8_t* xb = x.q + b * M * 32;
+            __m256i aq = q;
+            if constexpr (F::kSigned) aq = _mm256_sign_epi8(q, q);  // |q|
+            unroll<M>([&](auto m) A2_FLATTEN {
+              constexpr int mi = decltype(m)::value;
+              __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * mi));
+              if constexpr (F::kSigned) xv = _mm256_sign_epi8(xv, q);
+              const __m256 s = _mm256_mul_ps(scale, _mm256_broadcast_ss(x.dx + mi * x.blocks + b));
+              acc[mi][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(aq, xv)), s, acc[mi][a]);
+            });
+          },
+          [&](__m256 mins) A2_FLATTEN {
+            unroll<M>([&](auto m) A2_FLATTEN {
+              constexpr int mi = decltype(m)::value;
+              macc[mi] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x.sx + mi * x.blocks + b0),
+                                         macc[mi]);
+            });
+          });
+    };
+    int64_t u = 0;
+    for (; u + U <= units; u += U) unroll<U>([&](auto uu) A2_FLATTEN { step(u + uu.value, uu); });
+    for (; u < units; ++u) step(u, C<0>{});
+    unroll<M>([&](auto m) A2_FLATTEN {
+      constexpr int mi = decltype(m)::value;
+      __m256 s = acc[mi][0];
+      if constexpr (A > 1) s = _mm256_add_ps(s, acc[mi][1]);
+      const float v = hsum(s) - hsum(macc[mi]);
+      if (bf16_out)
+        static_cast<bf16*>(y)[mi * n + r] = static_cast<bf16>(v);
+      else
+        static_cast<float*>(y)[mi * n + r] = v;
+    });
+  }
+}
+
+template <class F, int M = 1>
+void dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const XRows& x, void* y,
+              bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
+  if constexpr (M < 8) {
+    if (m != M) {
+      dispatch<F, M + 1>(m, w, row_bytes, x, y, bf16_out, n, r0, r1);
+      return;
+    }
+  }
+  rows<F, M>(w, row_bytes, x, y, bf16_out, n, r0, r1);
+}
+
+template <class Fn>
+void with_format(int64_t qtype, Fn&& fn) {
+  switch (qtype) {
+    case 2: return fn(Q4_0{});
+    case 6: return fn(Q5_0{});
+    case 8: return fn(Q8_0{});
+    case 12: return fn(Q4_K{});
+    case 13: return fn(Q5_K{});
+    case 14: return fn(Q6_K{});
+  }
+  TORCH_CHECK(false, "gemv_avx2: unsupported GGML quantization type ", qtype);
+}
+
+}  // namespace
+
+namespace vserve_quant {
+
+int64_t avx2_x_bytes(int64_t m, int64_t k) { return k / 32 * m * (32 + 2 * 4); }
+
+namespace {
+
+XRows x_rows(const uint8_t* buf, int64_t m, int64_t k) {
+  const int64_t blocks = k / 32;
+  const auto* q = reinterpret_cast<const int8_t*>(buf);
+  const auto* dx = reinterpret_cast<const float*>(q + blocks * m * 32);
+  return {q, dx, dx + blocks * m, blocks};
+}
+
+}  // namespace
+
+// buf: avx2_x_bytes(m, k) bytes, 32-byte aligned: quants [blocks][M][32], d_x [M][blocks],
+// d_x * sum(q_x) [M][blocks]
+template <typename T>
+void avx2_prepare(const T* x, int64_t m, int64_t k, uint8_t* buf) {
+  const XRows xr = x_rows(buf, m, k);
+  auto* q = const_cast<int8_t*>(xr.q);
+  auto* dx = const_cast<float*>(xr.dx);
+  for (int64_t mi = 0; mi < m; ++mi)
+    quantize_row(x + mi * k, mi, m, xr.blocks, q, dx, const_cast<float*>(xr.sx));
+}
+template void avx2_prepare(const float*, int64_t, int64_t, uint8_t*);
+template void avx2_prepare(const c10::BFloat16*, int64_t, int64_t, uint8_t*);
+
+void avx2_rows(const uint8_t* buf, int64_t m, int64_t k, int64_t qtype, const uint8_t* w,
+               int64_t row_bytes, void* y, bool bf16_out, int64_t ldy, int64_t r0, int64_t r1) {
+  const XRows xr = x_rows(buf, m, k);
+  with_format(qtype, [&](auto fmt) {
+    dispatch<decltype(fmt)>(m, w, row_bytes, xr, y, bf16_out, ldy, r0, r1);
+  });
+}
+
+at::Tensor gemv_avx2(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
+  const int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
+  auto buf = at::empty({avx2_x_bytes(m, k)}, data.options());  // 64-byte aligned
+  uint8_t* bp = buf.data_ptr<uint8_t>();
+  const bool bf16_out = x.scalar_type() == at::kBFloat16;
+  if (bf16_out)
+    avx2_prepare(x.data_ptr<bf16>(), m, k, bp);
+  else
+    avx2_prepare(x.data_ptr<float>(), m, k, bp);
+  auto out = at::empty({m, n}, x.options());
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  void* yp = out.data_ptr();
+  vserve_rows::stream_rows(n, row_bytes, [&](int64_t lo, int64_t hi) {
+    avx2_rows(bp, m, k, qtype, w, row_bytes, yp, bf16_out, n, lo, hi);
+  });
+  return out;
+}
+
+}  // namespace vserve_quant
+
+#endif  // QUANT_AVX2_INT8

@@ -1,0 +1,29 @@
+// The int8 gemv in 256-bit registers (quant_avx2.cpp), for quant.cpp's `gemv` on CPUs with
+// AVX2 but without AVX512-VNNI.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_AVX2_INT8 1
+#endif
+
+namespace vserve_quant {
+
+// x W^T [M, N] in x's dtype for M <= 8 fp32 or bf16 activation rows and a GGUF weight of
+// format qtype (shapes checked by the caller): activations quantized to int8 per block of 32
+// as the VNNI gemv does, integer block dots, fp32 sums. Defined only with QUANT_AVX2_INT8.
+at::Tensor gemv_avx2(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k);
+
+// the same in two halves (GemvInput's, quant.h): the activations quantized into a buffer of
+// avx2_x_bytes(m, k) bytes (32-byte aligned), then output rows [r0, r1) from it into y (row
+// stride ldy), from any thread
+int64_t avx2_x_bytes(int64_t m, int64_t k);
+template <typename T>
+void avx2_prepare(const T* x, int64_t m, int64_t k, uint8_t* buf);
+void avx2_rows(const uint8_t* buf, int64_t m, int64_t k, int64_t qtype, const uint8_t* w,
+               int64_t row_bytes, void* y, bool bf16_out, int64_t ldy, int64_t r0, int64_t r1);
+
+}  // namespace vserve_quant
