@@ -136,14 +136,26 @@ class EngineConfig:
         )
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 matmul instructions (AVX512-BF16 or AMX) on this CPU."""
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 matmul instructions (AVX512-BF16 or AMX) on this CPU."""
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_int8_gemv() -> bool:
+    """An int8 gemv for quantized weights (vserve/cpu_ops: AVX512-VNNI, or AVX2 with FMA and
+    F16C), which takes bf16 activations as they are on any such CPU."""
+    flags = _cpu_flags()
+    return "avx512_vnni" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
 __all__ = [
@@ -156,4 +168,5 @@ __all__ = [
     "SchedulerConfig",
     "SpeculativeConfig",
     "cpu_has_bf16",
+    "cpu_has_int8_gemv",
 ]

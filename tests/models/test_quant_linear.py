@@ -322,6 +322,22 @@ def test_quantization_defaults_and_refusals(tiny_model_dir, tmp_path):
     assert _config(str(gguf_like), quantization="none").quantization == "none"
 
 
+@pytest.mark.parametrize(("bf16", "int8_gemv"), [(False, True), (False, False), (True, True)])
+def test_auto_dtype_of_quantized_models(tiny_model_dir, monkeypatch, bf16, int8_gemv):
+    """dtype="auto" on an fp32 checkpoint: bf16 where the CPU has bf16 instructions; on one
+    without them, bf16 for quantized weights where an int8 gemv takes bf16 activations (the
+    fused decode kernels run only in bf16), fp32 for dense ones and without the gemv."""
+    from vserve.engine import arg_utils
+
+    monkeypatch.setattr(arg_utils, "cpu_has_bf16", lambda: bf16)
+    monkeypatch.setattr(arg_utils, "cpu_has_int8_gemv", lambda: int8_gemv)
+    path = tiny_model_dir("llama")
+    assert _config(path).dtype == ("bfloat16" if bf16 else "float32")
+    quantized = _config(path, quantization="int8").dtype
+    assert quantized == ("bfloat16" if bf16 or int8_gemv else "float32")
+    assert _config(path, quantization="int8", dtype="float32").dtype == "float32"
+
+
 def test_int8_model_generates(tiny_model_dir):
     """int8 on a safetensors model: every linear and the embedding on Q8_0 blocks, the tied
     head sharing the embedding's, greedy ids equal the dense fp32 model's on a tiny model."""

@@ -59,10 +59,13 @@ def load_model(
         if hasattr(module, "post_load"):
             module.post_load()  # tables: rotary cos/sin, and those derived from the weights
     model = model.eval().requires_grad_(False)
-    if can_pack(device, dtype):
+    packable = can_pack(device, dtype)
+    # quantized bf16 models take the CPU kernels (the int8 gemv, the fused layers) on any CPU
+    # that builds them; dense bf16 weights need the packed (oneDNN) linears too
+    if packable or (qkernel is not None and dtype == torch.bfloat16):
         kernel = cpu_ops.load()
-        # bitwise the same outputs, without a weight reorder per call
-        pack_linears(model, keep_plain=kernel is not None)
+        if packable:  # bitwise the same outputs, without a weight reorder per call
+            pack_linears(model, keep_plain=kernel is not None)
         if kernel is not None:
             share_tied_head(model)
             attach_kernel(model, kernel)
