@@ -16,7 +16,8 @@ runs in its own process. Rows:
 - batched: num-prompts requests at once, output tok/s = all output tokens / the run's time
   (prefill included), as `vserve bench throughput`; llama.cpp decodes 16, 32 and 64 sequences
   per batch (a unified KV cache, prompts prefilled in 512-token batches) and its best counts.
-- vserve in bf16 (`quantization=none`), on the GGUF's own blocks (`gguf`) and Q8_0 (`int8`),
+- vserve on dense weights (`quantization=none`: bf16, or fp32 on a CPU without bf16
+  instructions, as dtype=auto resolves), on the GGUF's own blocks (`gguf`) and Q8_0 (`int8`),
   beside the weight-streaming floor of a batch-1 step: weight bytes / read bandwidth (a
   one-pass sum over 1 GiB on the same threads).
 
@@ -202,12 +203,17 @@ def main() -> int:
     # the same floor as batch1_roofline.py (this folder is on sys.path when run as a script)
     from batch1_roofline import read_bandwidth, weight_bytes
 
+    from vserve.config import cpu_has_bf16
     from vserve.models.resolve import resolve_model_path
 
     folder = resolve_model_path(args.gguf)
     result["read_gb_s"] = read_bandwidth(threads=args.threads)
+    # dtype=auto: quantized weights run bf16 activations; dense ones fp32 without bf16
+    # instructions (an AVX2 CPU)
+    result["dense_dtype"] = "bfloat16" if cpu_has_bf16() else "float32"
     result["weight_bytes"] = {
-        q: weight_bytes(folder, "bfloat16", q) for q in ("gguf", "none", "int8")
+        q: weight_bytes(folder, result["dense_dtype"] if q == "none" else "bfloat16", q)
+        for q in ("gguf", "none", "int8")
     }
     print_table(result, args)
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +236,8 @@ def print_table(r: dict, args) -> None:
         f"| llama.cpp | GGUF | {b1_ref:.1f} | 1.00 | {llama['batch1']['step_ms']:.2f} | "
         f"| {best:.1f} ({best_par} seqs) | 1.00 |"
     )
-    for q, label in (("none", "bf16"), ("gguf", "GGUF blocks"), ("int8", "Q8_0 at load")):
+    dense = {"bfloat16": "bf16", "float32": "fp32"}[r.get("dense_dtype", "bfloat16")]
+    for q, label in (("none", dense), ("gguf", "GGUF blocks"), ("int8", "Q8_0 at load")):
         lat, thr = r[q]["batch1"], r[q]["batched"]
         tok_s = args.output_len / lat["avg_latency"]
         step = lat.get("overlap", {}).get("tpot_p50_ms", float("nan"))

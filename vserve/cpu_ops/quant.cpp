@@ -65,48 +65,19 @@
 
 #include "quant.h"
 #include "quant_avx2.h"
+#include "quant_blocks.h"
 #include "row_shares.h"
 #include "vec16.h"
-
-#define QUANT_INLINE inline __attribute__((always_inline))
-// on a lambda: GCC leaves a large one (the gemv's step) out of line otherwise, and its
-// accumulators in memory
-#define QUANT_FLATTEN __attribute__((always_inline))
 
 namespace {
 
 using bf16 = c10::BFloat16;
 using namespace vec16;  // vf, vi, vh, load16
+using namespace vserve_qblock;  // C, unroll, half_at, scale_min
 
 typedef uint8_t vb __attribute__((vector_size(16)));
 typedef int8_t vsb __attribute__((vector_size(16)));
 typedef uint32_t vu __attribute__((vector_size(64)));
-
-// compile-time indices: the decoders hand each 16-weight chunk to their consumer with its
-// index as a type, so a consumer's accumulator arrays are indexed by constants and stay in
-// registers
-template <int I>
-using C = std::integral_constant<int, I>;
-
-template <class Fn, int... I>
-QUANT_INLINE void unroll_seq(Fn&& fn, std::integer_sequence<int, I...>) {
-  (fn(C<I>{}), ...);
-}
-
-template <int N, class Fn>
-QUANT_INLINE void unroll(Fn&& fn) {
-  unroll_seq(fn, std::make_integer_sequence<int, N>{});
-}
-
-QUANT_INLINE float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // two 8-lane halves as one 16-lane vector (AVX2: the halves are its two registers)
@@ -226,19 +197,6 @@ struct Q8_0 {
     emit(C<1>{}, fl(sbytes16(b + 18)) * d);
   }
 };
-
-// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block from its 12 packed
-// bytes s: j < 4 in the low six bits of s[j] and s[j + 4]; j >= 4 in the nibbles of s[j + 4],
-// with the top two bits of s[j - 4] (scale) and s[j] (min) above them
-QUANT_INLINE void scale_min(const uint8_t* s, int j, int& scale, int& min) {
-  if (j < 4) {
-    scale = s[j] & 63;
-    min = s[j + 4] & 63;
-  } else {
-    scale = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
 
 // Q4_K and Q5_K: 32-byte group g of nibbles holds sub-block 2g (low) and 2g + 1 (high);
 // Q5_K adds bit j of fifth-bit byte l to weight l of sub-block j

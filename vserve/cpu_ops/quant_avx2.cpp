@@ -27,48 +27,28 @@
 #include <type_traits>
 #include <utility>
 
+#include "quant_blocks.h"
 #include "row_shares.h"
-
-#define A2_INLINE inline __attribute__((always_inline))
-#define A2_FLATTEN __attribute__((always_inline))
 
 namespace {
 
 using bf16 = c10::BFloat16;
+using namespace vserve_qblock;  // C, unroll, half_at, scale_min
 
-template <int I>
-using C = std::integral_constant<int, I>;
-
-template <class Fn, int... I>
-A2_INLINE void unroll_seq(Fn&& fn, std::integer_sequence<int, I...>) {
-  (fn(C<I>{}), ...);
-}
-
-template <int N, class Fn>
-A2_INLINE void unroll(Fn&& fn) {
-  unroll_seq(fn, std::make_integer_sequence<int, N>{});
-}
-
-A2_INLINE float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-  return _cvtsh_ss(h);
-}
-
-A2_INLINE __m256i load32(const uint8_t* p) {
+QUANT_INLINE __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-A2_INLINE __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+QUANT_INLINE __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
 
 // the 16 nibble bytes at p as 32 quants: low nibbles (weights 0-15), then high (16-31)
-A2_INLINE __m256i nibbles32(const uint8_t* p) {
+QUANT_INLINE __m256i nibbles32(const uint8_t* p) {
   const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), bytes(15));
 }
 
 // bit j of h as byte j: 0xFF where set
-A2_INLINE __m256i bit_bytes(uint32_t h) {
+QUANT_INLINE __m256i bit_bytes(uint32_t h) {
   const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
                                             0x0303030303030303LL);
   const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
@@ -85,7 +65,7 @@ struct Q4_0 {
   static constexpr int kBlock = 32, kBytes = 18;
   static constexpr bool kSigned = true;
   template <class Emit, class Mins>
-  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
     emit(C<0>{}, _mm256_sub_epi8(nibbles32(b + 2), bytes(8)), _mm256_set1_ps(half_at(b)));
   }
 };
@@ -94,7 +74,7 @@ struct Q5_0 {
   static constexpr int kBlock = 32, kBytes = 22;
   static constexpr bool kSigned = true;
   template <class Emit, class Mins>
-  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
     uint32_t h;
     std::memcpy(&h, b + 2, sizeof(h));
     const __m256i q = _mm256_or_si256(nibbles32(b + 6), _mm256_and_si256(bit_bytes(h), bytes(16)));
@@ -106,22 +86,10 @@ struct Q8_0 {
   static constexpr int kBlock = 32, kBytes = 34;
   static constexpr bool kSigned = true;
   template <class Emit, class Mins>
-  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
     emit(C<0>{}, load32(b + 2), _mm256_set1_ps(half_at(b)));
   }
 };
-
-// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (quant.cpp's
-// scale_min)
-A2_INLINE void scale_min(const uint8_t* s, int j, int& scale, int& min) {
-  if (j < 4) {
-    scale = s[j] & 63;
-    min = s[j + 4] & 63;
-  } else {
-    scale = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
 
 // Q4_K / Q5_K: 32-byte group g of nibbles holds sub-block 2g (low) and 2g + 1 (high); Q5_K
 // adds bit j of fifth-bit byte l to weight l of sub-block j
@@ -130,16 +98,16 @@ struct KQuant {
   static constexpr int kBlock = 256, kBytes = kFifth ? 176 : 144;
   static constexpr bool kSigned = false;
   template <class Emit, class Mins>
-  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&& mins) {
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit, Mins&& mins) {
     const float d = half_at(b), dmin = half_at(b + 2);
     const uint8_t* s = b + 4;
     const uint8_t* qs = b + (kFifth ? 48 : 16);
     const __m256i high = kFifth ? load32(b + 16) : _mm256_setzero_si256();
     alignas(32) float m[8];
-    unroll<4>([&](auto g) A2_FLATTEN {
+    unroll<4>([&](auto g) QUANT_FLATTEN {
       constexpr int i = decltype(g)::value;
       const __m256i v = load32(qs + 32 * i);
-      unroll<2>([&](auto half) A2_FLATTEN {
+      unroll<2>([&](auto half) QUANT_FLATTEN {
         constexpr int j = 2 * i + decltype(half)::value;
         __m256i q = _mm256_and_si256(half.value ? _mm256_srli_epi16(v, 4) : v, bytes(15));
         if constexpr (kFifth)  // bit j of each byte to bit 4
@@ -164,14 +132,14 @@ struct Q6_K {
   static constexpr int kBlock = 256, kBytes = 210;
   static constexpr bool kSigned = true;
   template <class Emit, class Mins>
-  static A2_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
     const float d = half_at(b + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    unroll<2>([&](auto half) A2_FLATTEN {
+    unroll<2>([&](auto half) QUANT_FLATTEN {
       constexpr int h = decltype(half)::value;
       const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32);
       const __m256i hb = load32(b + 128 + 32 * h);
-      unroll<4>([&](auto chunk) A2_FLATTEN {
+      unroll<4>([&](auto chunk) QUANT_FLATTEN {
         constexpr int c = decltype(chunk)::value, j = 4 * h + c;
         const __m256i low = c % 2 == 0 ? l0 : l1;
         const __m256i lo = _mm256_and_si256(c < 2 ? low : _mm256_srli_epi16(low, 4), bytes(15));
@@ -204,25 +172,25 @@ struct XRows {
   int64_t blocks;
 };
 
-A2_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-A2_INLINE __m256 load8(const bf16* p) {  // bf16 widens exactly
+QUANT_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+QUANT_INLINE __m256 load8(const bf16* p) {  // bf16 widens exactly
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-A2_INLINE float hmax(__m256 v) {
+QUANT_INLINE float hmax(__m256 v) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
 
-A2_INLINE float hsum(__m256 v) {
+QUANT_INLINE float hsum(__m256 v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-A2_INLINE int32_t hsum(__m256i v) {
+QUANT_INLINE int32_t hsum(__m256i v) {
   __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
   h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
@@ -264,7 +232,7 @@ void quantize_row(const T* x, int64_t mi, int64_t m_rows, int64_t blocks, int8_t
 }
 
 // the int32 lanes of the dot of 32 unsigned quants (<= 128) with 32 signed activations
-A2_INLINE __m256i dot_lanes(__m256i u, __m256i s) {
+QUANT_INLINE __m256i dot_lanes(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
@@ -280,21 +248,21 @@ void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf1
     vserve_rows::fetch_ahead(w, row_bytes, r, r1);
     const uint8_t* row = w + r * row_bytes;
     __m256 acc[M][A], macc[M];
-    unroll<M>([&](auto m) A2_FLATTEN {
+    unroll<M>([&](auto m) QUANT_FLATTEN {
       macc[m.value] = _mm256_setzero_ps();
-      unroll<A>([&](auto a) A2_FLATTEN { acc[m.value][a.value] = _mm256_setzero_ps(); });
+      unroll<A>([&](auto a) QUANT_FLATTEN { acc[m.value][a.value] = _mm256_setzero_ps(); });
     });
-    auto step = [&](int64_t u, auto uu) A2_FLATTEN {
+    auto step = [&](int64_t u, auto uu) QUANT_FLATTEN {
       const int64_t b0 = u * G;
       F::block(
           row + u * F::kBytes,
-          [&](auto j, __m256i q, __m256 scale) A2_FLATTEN {
+          [&](auto j, __m256i q, __m256 scale) QUANT_FLATTEN {
             constexpr int a = (decltype(uu)::value * G + decltype(j)::value) % A;
             const int64_t b = b0 + decltype(j)::value;
             const int8_t* xb = x.q + b * M * 32;
             __m256i aq = q;
             if constexpr (F::kSigned) aq = _mm256_sign_epi8(q, q);  // |q|
-            unroll<M>([&](auto m) A2_FLATTEN {
+            unroll<M>([&](auto m) QUANT_FLATTEN {
               constexpr int mi = decltype(m)::value;
               __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * mi));
               if constexpr (F::kSigned) xv = _mm256_sign_epi8(xv, q);
@@ -302,8 +270,8 @@ void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf1
               acc[mi][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(aq, xv)), s, acc[mi][a]);
             });
           },
-          [&](__m256 mins) A2_FLATTEN {
-            unroll<M>([&](auto m) A2_FLATTEN {
+          [&](__m256 mins) QUANT_FLATTEN {
+            unroll<M>([&](auto m) QUANT_FLATTEN {
               constexpr int mi = decltype(m)::value;
               macc[mi] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x.sx + mi * x.blocks + b0),
                                          macc[mi]);
@@ -311,9 +279,9 @@ void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf1
           });
     };
     int64_t u = 0;
-    for (; u + U <= units; u += U) unroll<U>([&](auto uu) A2_FLATTEN { step(u + uu.value, uu); });
+    for (; u + U <= units; u += U) unroll<U>([&](auto uu) QUANT_FLATTEN { step(u + uu.value, uu); });
     for (; u < units; ++u) step(u, C<0>{});
-    unroll<M>([&](auto m) A2_FLATTEN {
+    unroll<M>([&](auto m) QUANT_FLATTEN {
       constexpr int mi = decltype(m)::value;
       __m256 s = acc[mi][0];
       if constexpr (A > 1) s = _mm256_add_ps(s, acc[mi][1]);
