@@ -136,7 +136,8 @@ class EngineConfig:
         )
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where unreadable)."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
@@ -147,14 +148,14 @@ def _cpu_flags() -> set[str]:
 
 def cpu_has_bf16() -> bool:
     """Native bf16 matmul instructions (AVX512-BF16 or AMX) on this CPU."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def cpu_has_int8_gemv() -> bool:
     """An int8 gemv for quantized weights (vserve/cpu_ops: AVX512-VNNI, or AVX2 with FMA and
     F16C), which takes bf16 activations as they are on any such CPU."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "avx512_vnni" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
@@ -167,6 +168,7 @@ __all__ = [
     "DataParallelConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "cpu_flags",
     "cpu_has_bf16",
     "cpu_has_int8_gemv",
 ]

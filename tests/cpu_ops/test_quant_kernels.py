@@ -23,7 +23,6 @@ The AVX2 gemv is also called directly (`quant.gemv_avx2`) on every AVX2 CPU, VNN
 
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,7 +31,7 @@ from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from vserve import cpu_ops
-from vserve.config import cpu_has_bf16
+from vserve.config import cpu_flags, cpu_has_bf16
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -239,10 +238,7 @@ def gemm_is_int8(m: int, dtype: torch.dtype, exact: bool) -> bool:
 
 
 def _has_vnni() -> bool:
-    try:
-        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "avx512_vnni" in cpu_flags()
 
 
 needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="the int8 paths need AVX512-VNNI")
@@ -510,17 +506,8 @@ def test_amx_prefill_sizes_take_onednn(quant, monkeypatch):
     )
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 needs_avx2 = pytest.mark.skipif(
-    not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="the AVX2 int8 gemv needs AVX2, FMA, F16C"
+    not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="the AVX2 int8 gemv needs AVX2, FMA, F16C"
 )
 
 
@@ -578,7 +565,7 @@ def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, monkeypatch):
     """VNNI where the CPU has it, else AVX2, else none; for bf16 activations only (fp32 is the
     exact mode), and on an AVX2 CPU without VNNI gemv's result is the AVX2 kernel's, bit for
     bit."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if {"avx512_vnni", "avx512bw", "avx512dq"} <= flags:
         expected = "vnni"
     elif {"avx2", "fma", "f16c"} <= flags:

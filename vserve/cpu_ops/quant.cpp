@@ -73,7 +73,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 using namespace vec16;  // vf, vi, vh, load16
-using namespace vserve_qblock;  // C, unroll, half_at, scale_min
+using namespace vserve_qblock;  // C, unroll, half_at, scale_min, with_format_of, kQ4_0..
 
 typedef uint8_t vb __attribute__((vector_size(16)));
 typedef int8_t vsb __attribute__((vector_size(16)));
@@ -268,21 +268,10 @@ struct Q6_K {
   }
 };
 
-constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
-
 // calls fn(Format{}) for the format of GGML type id qtype
 template <class Fn>
 decltype(auto) with_format(int64_t qtype, Fn&& fn) {
-  switch (qtype) {
-    case kQ4_0: return fn(Q4_0{});
-    case kQ5_0: return fn(Q5_0{});
-    case kQ8_0: return fn(Q8_0{});
-    case kQ4_K: return fn(Q4_K{});
-    case kQ5_K: return fn(Q5_K{});
-    case kQ6_K: return fn(Q6_K{});
-  }
-  TORCH_CHECK(false, "unsupported GGML quantization type ", qtype,
-              " (supported: Q4_0=2, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+  return with_format_of<Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K>(qtype, fn);
 }
 
 QUANT_INLINE void store16(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }

@@ -33,7 +33,7 @@
 namespace {
 
 using bf16 = c10::BFloat16;
-using namespace vserve_qblock;  // C, unroll, half_at, scale_min
+using namespace vserve_qblock;  // C, unroll, half_at, scale_min, with_format_of
 
 QUANT_INLINE __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -306,19 +306,6 @@ void dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const XRows& x, vo
   rows<F, M>(w, row_bytes, x, y, bf16_out, n, r0, r1);
 }
 
-template <class Fn>
-void with_format(int64_t qtype, Fn&& fn) {
-  switch (qtype) {
-    case 2: return fn(Q4_0{});
-    case 6: return fn(Q5_0{});
-    case 8: return fn(Q8_0{});
-    case 12: return fn(Q4_K{});
-    case 13: return fn(Q5_K{});
-    case 14: return fn(Q6_K{});
-  }
-  TORCH_CHECK(false, "gemv_avx2: unsupported GGML quantization type ", qtype);
-}
-
 }  // namespace
 
 namespace vserve_quant {
@@ -352,7 +339,7 @@ template void avx2_prepare(const c10::BFloat16*, int64_t, int64_t, uint8_t*);
 void avx2_rows(const uint8_t* buf, int64_t m, int64_t k, int64_t qtype, const uint8_t* w,
                int64_t row_bytes, void* y, bool bf16_out, int64_t ldy, int64_t r0, int64_t r1) {
   const XRows xr = x_rows(buf, m, k);
-  with_format(qtype, [&](auto fmt) {
+  with_format_of<Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K>(qtype, [&](auto fmt) {
     dispatch<decltype(fmt)>(m, w, row_bytes, xr, y, bf16_out, ldy, r0, r1);
   });
 }

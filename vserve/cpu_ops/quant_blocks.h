@@ -1,7 +1,9 @@
-// What both kernel files (quant.cpp, quant_avx2.cpp) decode GGUF blocks with: compile-time
-// unrolling, the fp16 scale of a block, and the K-quants' packed scales and mins.
+// What both kernel files (quant.cpp, quant_avx2.cpp) decode GGUF blocks with: the GGML type
+// ids and the dispatch on them, compile-time unrolling, the fp16 scale of a block, and the
+// K-quants' packed scales and mins.
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #if defined(__F16C__)
@@ -19,6 +21,23 @@
 #define QUANT_FLATTEN __attribute__((always_inline))
 
 namespace vserve_qblock {
+
+constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+// calls fn(F{}) with F the decoder, among a kernel file's six, of GGML type id qtype
+template <class Q4_0, class Q5_0, class Q8_0, class Q4_K, class Q5_K, class Q6_K, class Fn>
+decltype(auto) with_format_of(int64_t qtype, Fn&& fn) {
+  switch (qtype) {
+    case kQ4_0: return fn(Q4_0{});
+    case kQ5_0: return fn(Q5_0{});
+    case kQ8_0: return fn(Q8_0{});
+    case kQ4_K: return fn(Q4_K{});
+    case kQ5_K: return fn(Q5_K{});
+    case kQ6_K: return fn(Q6_K{});
+  }
+  TORCH_CHECK(false, "unsupported GGML quantization type ", qtype,
+              " (supported: Q4_0=2, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+}
 
 // compile-time indices: the decoders hand each 16-weight chunk to their consumer with its
 // index as a type, so a consumer's accumulator arrays are indexed by constants and stay in
