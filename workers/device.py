@@ -7,6 +7,10 @@ other way through `upload`, which never makes the host wait for the device.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -77,3 +81,23 @@ class DeviceShim:
         if not self.is_cuda:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+@functools.cache
+def fix_blas_thread_count() -> bool:
+    """Turn off MKL's dynamic threading (torch's CPU BLAS on x86); True where it was on MKL.
+
+    With it on (MKL's default) a product may run on fewer threads than torch's count while
+    the machine is busy, and a sum split another way rounds differently: the same greedy
+    request gave other fp32 logprobs in 50 of 60 runs beside a CPU hog (each value a few ulps
+    off, enough to flip a near tie). Off, a result depends on the inputs and on the thread
+    count the worker sets, not on the load. `MKL_DYNAMIC=FALSE` does the same where MKL reads
+    it before its first call; this works after torch has run."""
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        set_dynamic = ctypes.CDLL(str(lib)).MKL_Set_Dynamic  # C; `mkl_set_dynamic` is Fortran
+    except (OSError, AttributeError):  # not Linux, or a torch built without MKL
+        return False
+    set_dynamic.argtypes = [ctypes.c_int]
+    set_dynamic(0)
+    return True

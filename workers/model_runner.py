@@ -28,7 +28,7 @@ from vserve.distributed.tp_comm import TPShard
 from vserve.models.loader import load_model
 from vserve.models.stage import StageInfo
 from vserve.workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
-from vserve.workers.device import DeviceShim, HostCopy
+from vserve.workers.device import DeviceShim, HostCopy, fix_blas_thread_count
 from vserve.workers.feedback import FeedbackQueue
 from vserve.workers.input_batch import InputBatch
 from vserve.workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
@@ -111,6 +111,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = torch.device(config.device)
         self.shim = DeviceShim(self.device)
+        fix_blas_thread_count()  # results independent of the machine's load
         self.dtype = _DTYPES[config.dtype]
         self.stage = (
             StageInfo.from_counts(config.layer_partition, config.pp_rank)

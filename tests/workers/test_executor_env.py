@@ -1,9 +1,16 @@
 """Worker processes start with libgomp's spin count pinned (vserve.executor.multiproc says why),
-unless the user set it."""
+unless the user set it; the runner turns MKL's load-dependent thread count off."""
 
+import ctypes
 import os
+from pathlib import Path
 
+import pytest
+import torch
+
+from tests.support.engines import make_llm
 from vserve.executor.multiproc import WORKER_ENV_DEFAULTS, _environment
+from vserve.workers.device import fix_blas_thread_count
 
 
 def test_worker_env_defaults_apply_only_while_spawning(monkeypatch):
@@ -33,3 +40,19 @@ def test_spawned_workers_inherit_the_defaults(tiny_model_dir, monkeypatch):
         assert "GOMP_SPINCOUNT" not in os.environ  # this process is left as it was
     finally:
         llm.shutdown()
+
+
+def _mkl(name: str):
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    return getattr(lib, name, None)
+
+
+@pytest.mark.skipif(_mkl("mkl_serv_get_dynamic") is None, reason="torch without MKL")
+def test_the_runner_fixes_blas_threads_against_the_load(tiny_model_dir):
+    """With MKL's dynamic threading on, a busy machine made products run on fewer threads and
+    the same request's fp32 logprobs moved by ulps (a flaky exact-logprob server test)."""
+    _mkl("MKL_Set_Dynamic")(1)
+    fix_blas_thread_count.cache_clear()
+    assert _mkl("mkl_serv_get_dynamic")() == 1
+    make_llm(tiny_model_dir("llama"), max_model_len=64)
+    assert _mkl("mkl_serv_get_dynamic")() == 0
