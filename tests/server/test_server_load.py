@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 NUM_CLIENTS = 64
 NUM_ROUNDS = 2
-MAX_TOKENS = 16
-NUM_ALONE = 3
+MAX_TOKENS = 12
+NUM_ALONE = 2
 SUBJECTS = [
     "the ocean",
     "a violin",
