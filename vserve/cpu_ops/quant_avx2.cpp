@@ -239,6 +239,29 @@ QUANT_INLINE __m256i dot_lanes(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+// acc[m][a] += (the int32 lanes of q . row m's 32 quants at xb) * scale(m), for the M rows;
+// q signed (kSigned: through |q| and sign(x, q)) or unsigned
+template <bool kSigned, int M, int A, int a, class Scale>
+QUANT_INLINE void add_dots(__m256i q, const int8_t* xb, __m256 (&acc)[M][A], C<a>,
+                           Scale&& scale) {
+  __m256i aq = q;
+  if constexpr (kSigned) aq = _mm256_sign_epi8(q, q);  // |q|
+  unroll<M>([&](auto m) QUANT_FLATTEN {
+    constexpr int mi = decltype(m)::value;
+    __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * mi));
+    if constexpr (kSigned) xv = _mm256_sign_epi8(xv, q);
+    acc[mi][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(aq, xv)), scale(C<mi>{}), acc[mi][a]);
+  });
+}
+
+// y[mi, r] = v, in the output's dtype
+QUANT_INLINE void store_y(void* y, bool bf16_out, int64_t n, int64_t mi, int64_t r, float v) {
+  if (bf16_out)
+    static_cast<bf16*>(y)[mi * n + r] = static_cast<bf16>(v);
+  else
+    static_cast<float*>(y)[mi * n + r] = v;
+}
+
 // y[m, r] = x[m] . w[r] for rows r0..r1, all M activation rows at once: each weight group is
 // unpacked once and dotted with the M rows' quants; one row alone keeps two accumulator
 // chains (a 32-weight format takes two blocks a step to fill them)
@@ -262,15 +285,8 @@ void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf1
           [&](auto j, __m256i q, __m256 scale) QUANT_FLATTEN {
             constexpr int a = (decltype(uu)::value * G + decltype(j)::value) % A;
             const int64_t b = b0 + decltype(j)::value;
-            const int8_t* xb = x.q + b * M * 32;
-            __m256i aq = q;
-            if constexpr (F::kSigned) aq = _mm256_sign_epi8(q, q);  // |q|
-            unroll<M>([&](auto m) QUANT_FLATTEN {
-              constexpr int mi = decltype(m)::value;
-              __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * mi));
-              if constexpr (F::kSigned) xv = _mm256_sign_epi8(xv, q);
-              const __m256 s = _mm256_mul_ps(scale, _mm256_broadcast_ss(x.dx + mi * x.blocks + b));
-              acc[mi][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(aq, xv)), s, acc[mi][a]);
+            add_dots<F::kSigned>(q, x.q + b * M * 32, acc, C<a>{}, [&](auto m) QUANT_FLATTEN {
+              return _mm256_mul_ps(scale, _mm256_broadcast_ss(x.dx + m.value * x.blocks + b));
             });
           },
           [&](__m256 mins) QUANT_FLATTEN {
@@ -288,11 +304,7 @@ void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf1
       constexpr int mi = decltype(m)::value;
       __m256 s = acc[mi][0];
       if constexpr (A > 1) s = _mm256_add_ps(s, acc[mi][1]);
-      const float v = hsum(s) - hsum(macc[mi]);
-      if (bf16_out)
-        static_cast<bf16*>(y)[mi * n + r] = static_cast<bf16>(v);
-      else
-        static_cast<float*>(y)[mi * n + r] = v;
+      store_y(y, bf16_out, n, mi, r, hsum(s) - hsum(macc[mi]));
     });
   }
 }
@@ -351,18 +363,10 @@ void rows32(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool b
       });
     };
     auto one_block = [&](int64_t b, auto j) QUANT_FLATTEN {
-      constexpr int a = decltype(j)::value % A;
-      const __m256i q = F::quants(row + b * F::kBytes);
-      const int8_t* xb = x.q + b * M * 32;
-      __m256i aq = q;
-      if constexpr (F::kSigned) aq = _mm256_sign_epi8(q, q);  // |q|
-      unroll<M>([&](auto m) QUANT_FLATTEN {
-        constexpr int mi = decltype(m)::value;
-        __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + 32 * mi));
-        if constexpr (F::kSigned) xv = _mm256_sign_epi8(xv, q);
-        acc[mi][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(aq, xv)),
-                                     _mm256_broadcast_ss(&s[mi][decltype(j)::value]), acc[mi][a]);
-      });
+      add_dots<F::kSigned>(F::quants(row + b * F::kBytes), x.q + b * M * 32, acc,
+                           C<decltype(j)::value % A>{}, [&](auto m) QUANT_FLATTEN {
+                             return _mm256_broadcast_ss(&s[m.value][decltype(j)::value]);
+                           });
     };
     auto group = [&](int64_t b0, auto count) QUANT_FLATTEN {
       scale_group(b0, count);
@@ -386,11 +390,7 @@ void rows32(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool b
       if constexpr (A > 1) t = _mm256_add_ps(t, acc[mi][1]);
       if constexpr (F::kOffset != 0)
         t = _mm256_fnmadd_ps(_mm256_set1_ps(static_cast<float>(F::kOffset)), macc[mi], t);
-      const float v = hsum(t);
-      if (bf16_out)
-        static_cast<bf16*>(y)[mi * n + r] = static_cast<bf16>(v);
-      else
-        static_cast<float*>(y)[mi * n + r] = v;
+      store_y(y, bf16_out, n, mi, r, hsum(t));
     });
   }
 }
