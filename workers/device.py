@@ -98,6 +98,6 @@ def fix_blas_thread_count() -> bool:
         set_dynamic = ctypes.CDLL(str(lib)).MKL_Set_Dynamic  # C; `mkl_set_dynamic` is Fortran
     except (OSError, AttributeError):  # not Linux, or a torch built without MKL
         return False
-    set_dynamic.argtypes = [ctypes.c_int]
+    set_dynamic.argtypes, set_dynamic.restype = [ctypes.c_int], None
     set_dynamic(0)
     return True

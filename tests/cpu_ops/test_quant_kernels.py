@@ -534,8 +534,9 @@ def test_avx2_int8_gemv_is_the_product(quant, qtype, n, k):
 @pytest.mark.parametrize("qtype", SMALL_FORMATS, ids=[q.name for q in SMALL_FORMATS])
 @pytest.mark.parametrize("blocks", [4, 5, 6, 7, 9, 15, 20])
 def test_avx2_gemv_of_eight_block_groups_and_the_blocks_after_them(quant, qtype, blocks):
-    """The AVX2 Q4_0 / Q5_0 / Q8_0 rows convert their scales eight blocks at a time, and the
-    last blocks % 8 as one shorter group: every split is the product, for 1, 3 and 8 rows."""
+    """The AVX2 Q4_0 / Q5_0 rows convert their scales eight blocks at a time, and the last
+    blocks % 8 as one shorter group (Q8_0, one scale a block, alongside): every split is the
+    product, for 1, 3 and 8 rows."""
     k = 32 * blocks
     data = random_weight(qtype, 45, k, seed=20 + blocks)
     w = reference(data, qtype)
@@ -574,6 +575,24 @@ def test_avx2_int8_gemv_propagates_nan_and_checks_inputs(quant, qtype):
         quant.gemv_avx2(torch.randn(9, k), data, int(qtype), k)
     with pytest.raises(RuntimeError, match="K = "):
         quant.gemv_avx2(torch.randn(1, 2 * k), data, int(qtype), k)
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", SMALL_FORMATS, ids=[q.name for q in SMALL_FORMATS])
+def test_avx2_gemv_tail_group_propagates_nan_and_reads_only_its_row(quant, qtype):
+    """k = 288: a group of eight blocks and a lone ninth. An infinity in the ninth block's
+    activations makes that row NaN; the next weight row's first scale set to inf must not
+    reach the row before it (a tail group reading past its row would pick it up)."""
+    k = 288
+    raw = random_weight(qtype, 16, k, seed=7)
+    raw[5, :2] = np.frombuffer(np.float16(np.inf).tobytes(), dtype=np.uint8)
+    data = torch.from_numpy(raw)
+    x = activations(3, k, BF)
+    x[1, 270] = float("inf")
+    y = quant.gemv_avx2(x, data, int(qtype), k)
+    assert torch.isnan(y[1]).all()
+    rows = torch.tensor([0, 2])
+    assert torch.isfinite(y[rows][:, :5]).all() and not torch.isfinite(y[rows][:, 5]).all()
 
 
 def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, monkeypatch):

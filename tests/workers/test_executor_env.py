@@ -54,5 +54,8 @@ def test_the_runner_fixes_blas_threads_against_the_load(tiny_model_dir):
     _mkl("MKL_Set_Dynamic")(1)
     fix_blas_thread_count.cache_clear()
     assert _mkl("mkl_serv_get_dynamic")() == 1
-    make_llm(tiny_model_dir("llama"), max_model_len=64)
-    assert _mkl("mkl_serv_get_dynamic")() == 0
+    llm = make_llm(tiny_model_dir("llama"), max_model_len=64)
+    try:
+        assert _mkl("mkl_serv_get_dynamic")() == 0
+    finally:
+        llm.shutdown()

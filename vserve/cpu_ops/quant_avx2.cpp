@@ -14,7 +14,8 @@
 // of a block's dot are scaled in fp32 by d_w * d_x (Q6_K: lanes 0-3 and 4-7 by their own
 // 16-weight scales) into fp32 accumulators; Q4_0 / Q5_0 convert eight blocks' scales at once
 // (rows32). The only error beyond fp32 summation is the activations' rounding, as on the
-// VNNI path.
+// VNNI path (the offsets' and mins' terms are subtracted in fp32, so a block of weights at
+// their offset gives a residue of fp32 rounding rather than an exact 0).
 #include "quant_avx2.h"
 
 #ifdef QUANT_AVX2_INT8
@@ -58,7 +59,7 @@ QUANT_INLINE __m256i bit_bytes(uint32_t h) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 
-// Each K-quant's `block(p, emit, mins)` calls emit(C<j>, w, scale) for the 32-weight groups j
+// Each rows() format's (Q8_0, the K-quants, Q6_K) `block(p, emit, mins)` calls emit(C<j>, w, scale) for the 32-weight groups j
 // of the block at p: w its 32 quants (signed when kSigned, else unsigned), scale the fp32
 // factor of each int32 lane of their dot. The K-quants with mins also call mins(v): v lane j
 // = dmin * min_j of sub-block j.
