@@ -148,38 +148,6 @@ def test_prefix_repetition_dataset(model, tmp_path):
     assert r["total_num_prompt_tokens"] == 8 * 40 and r["total_num_output_tokens"] == 32
 
 
-def test_latency(model, tmp_path):
-    out_json = tmp_path / "lat.json"
-    stdout = _bench(
-        "latency",
-        "--model",
-        model,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--batch-size",
-        "3",
-        "--input-len",
-        "16",
-        "--output-len",
-        "8",
-        "--num-iters-warmup",
-        "1",
-        "--num-iters",
-        "3",
-        "--output-json",
-        str(out_json),
-    )
-    assert re.search(r"Avg latency: [\d.]+ seconds", stdout)
-    for p in (10, 25, 50, 75, 90, 99):
-        assert f"{p}% percentile latency:" in stdout
-    r = json.loads(out_json.read_text())
-    assert len(r["latencies"]) == 3
-    assert min(r["latencies"]) <= r["percentiles"]["50"] <= max(r["latencies"])
-    assert r["overlap"]["num_steps"] >= 3 * 8
-
-
 def test_throughput_compare_sync(model, tmp_path):
     """--compare-sync: the same workload sync, then async, in one process; the sync run
     calibrates the async run's overlap report and the JSON carries both and the ratio."""
@@ -213,7 +181,9 @@ def test_throughput_compare_sync(model, tmp_path):
     assert sync["overlap"]["forward_slowdown"] == pytest.approx(1.0)
 
 
-def test_latency_compare_sync(model, tmp_path):
+def test_latency_and_compare_sync(model, tmp_path):
+    """`bench latency` (printed percentiles, JSON) and its --compare-sync on one run: the async
+    run is a plain latency run (the same engine args and executor), its result the JSON's."""
     out_json = tmp_path / "lat_cmp.json"
     stdout = _bench(
         "latency",
@@ -224,21 +194,27 @@ def test_latency_compare_sync(model, tmp_path):
         "--max-model-len",
         "256",
         "--batch-size",
-        "2",
+        "3",
         "--input-len",
         "16",
         "--output-len",
-        "6",
+        "8",
         "--num-iters-warmup",
         "1",
         "--num-iters",
-        "2",
+        "3",
         "--compare-sync",
         "--output-json",
         str(out_json),
     )
+    assert len(re.findall(r"Avg latency: [\d.]+ seconds", stdout)) == 2
+    for p in (10, 25, 50, 75, 90, 99):
+        assert stdout.count(f"{p}% percentile latency:") == 2
     assert "Async speedup over sync:" in stdout
     r = json.loads(out_json.read_text())
+    assert len(r["latencies"]) == 3
+    assert min(r["latencies"]) <= r["percentiles"]["50"] <= max(r["latencies"])
+    assert r["overlap"]["num_steps"] >= 3 * 8
     c = r["compare_sync"]
     assert c["metric"] == "avg_latency" and r["async_scheduling"] is True
     assert c["sync_result"]["async_scheduling"] is False

@@ -23,11 +23,20 @@ pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    """The single-host tokens, the same for every layout: one in-process run for the module
+    (shut down before the two-host runs, which start engines of their own)."""
+    single = make_llm(tiny_model_dir("gemma3"), max_model_len=256)
+    try:
+        return [o.outputs[0].token_ids for o in single.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally:
+        single.shutdown()
+
+
 @pytest.mark.parametrize("pp, tp", [(2, 1), (2, 2), (1, 2)])
-def test_two_hosts_equal_one(tiny_model_dir, pp, tp):
+def test_two_hosts_equal_one(tiny_model_dir, expected, pp, tp):
     model = tiny_model_dir("gemma3")
-    single = make_llm(model, max_model_len=256)
-    expected = [o.outputs[0].token_ids for o in single.generate(PROMPTS, PARAMS, use_tqdm=False)]
     port = free_port()
     common = [
         "--model",

@@ -135,7 +135,9 @@ def _bf16_runs(model_dir, tp: int, forced=None):
 
     greedy = SamplingParams(temperature=0, max_tokens=BF16_TOKENS, logprobs=2, ignore_eos=True)
     teacher = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    llm = LLM(model_dir, dtype="bfloat16", max_model_len=128, tensor_parallel_size=tp)
+    # one rank runs in this process (no engine core or worker to start), two in workers
+    one_rank = dict(multiprocess=False, distributed_executor_backend="uni") if tp == 1 else {}
+    llm = LLM(model_dir, dtype="bfloat16", max_model_len=128, tensor_parallel_size=tp, **one_rank)
     try:
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         runs = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -128,17 +129,24 @@ def test_chunked_body_too_large(server):
 
 def test_request_timeout_aborts(server):
     """A request that would run far longer than --request-timeout (3 s) is aborted in the
-    engine: it ends with finish_reason "abort", streaming or not, and frees its slot."""
+    engine: it ends with finish_reason "abort", streaming or not, and frees its slot. The two
+    requests run side by side (one timeout's wait, not two)."""
     body = C(max_tokens=8000, ignore_eos=True)[1]
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+    def stream_events() -> list[str]:
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+        ) as s:
+            return [line for line in s.iter_lines() if line.startswith("data: {")]
+
+    with ThreadPoolExecutor(1) as pool:
+        streamed = pool.submit(stream_events)
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        events = streamed.result(timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "abort"
     assert r.json()["usage"]["completion_tokens"] < 8000
-    with httpx.stream(
-        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120
-    ) as s:
-        events = [line for line in s.iter_lines() if line.startswith("data: {")]
     assert '"finish_reason":"abort"' in events[-1], events[-1]
     _check_still_serving(server)
 
