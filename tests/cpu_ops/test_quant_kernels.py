@@ -260,8 +260,8 @@ SMALL_FORMATS = [q for q in FORMATS if GGML_QUANT_SIZES[q][0] == 32]
 @pytest.mark.parametrize("qtype", SMALL_FORMATS, ids=[q.name for q in SMALL_FORMATS])
 @pytest.mark.parametrize("blocks", [4, 5, 6, 7, 20])
 def test_int8_gemv_of_quads_and_the_blocks_after_them(quant, qtype, blocks):
-    """Q4_0 / Q5_0 rows run four blocks a step, and the last blocks % 4 (a pair, a lone block
-    or both) two at a time: every split is the product, for 1, 3 and 8 rows."""
+    """Q4_0 / Q5_0 / Q8_0 rows run four blocks a step, and the last blocks % 4 (a pair, a lone
+    block or both) two at a time: every split is the product, for 1, 3 and 8 rows."""
     k = 32 * blocks
     data = random_weight(qtype, 45, k, seed=10 + blocks)
     w = reference(data, qtype)

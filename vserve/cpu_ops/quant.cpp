@@ -439,8 +439,8 @@ bool exact_forced() {
 // lane, starting from -offset * (the lane's four q_x) so that the lane holds the exact dot of
 // the signed quants. The lanes of one block of 32 are then scaled in fp32 by d_w * d_x (times
 // the sub-block scale of the K-quants; Q4_K / Q5_K subtract dmin * min_j * d_x * sum(q_x) per
-// sub-block), into fp32 accumulators. Q4_0 / Q5_0 take four blocks a step where the CPU has
-// VBMI and BITALG (XQuad, `quad_unpack`): both vpdpbusd of the step add into the same lanes
+// sub-block), into fp32 accumulators. Q4_0 / Q5_0 / Q8_0 take four blocks a step where the CPU
+// has VBMI and BITALG (XQuad, `quad_unpack`): both vpdpbusd of the step add into the same lanes
 // (each lane 8 products of one block), so the conversion and scaling run once per 128
 // weights, and byte permutes replace the pair's inserts and shuffles; Q4_K / Q5_K likewise
 // add a super-block's four chunks into one accumulator where the CPU also has GFNI
@@ -477,7 +477,7 @@ enum class XLayout {
   kInOrder,      // Q8_0 / Q6_K: chunk c = activations 64c..64c + 63
   kKNibbles,     // Q4_K / Q5_K otherwise: chunks of a super-block hold blocks (0, 2),
                  // (1, 3), (4, 6), (5, 7): the low and high nibbles of its 64-byte halves
-  kQuads,        // Q4_0 / Q5_0 (with VBMI and BITALG): XQuads of four blocks, then the last
+  kQuads,        // Q4_0 / Q5_0 / Q8_0 (with VBMI, BITALG): XQuads of four blocks, then the last
                  // K / 32 % 4 blocks as kInOrder chunks
   kKSpread,      // Q4_K / Q5_K (with VBMI, BITALG and GFNI): chunk t of a super-block holds
                  // activations 8t..8t + 7 of each of its 8 blocks (bytes 8j.. : block j)
@@ -680,7 +680,7 @@ struct Vnni32<Q8_0> {
 
 template <class F>
 constexpr bool quad_format() {
-  return std::is_same_v<F, Q4_0> || std::is_same_v<F, Q5_0>;
+  return std::is_same_v<F, Q4_0> || std::is_same_v<F, Q5_0> || std::is_same_v<F, Q8_0>;
 }
 
 template <class F>
@@ -730,6 +730,36 @@ QUANT_INLINE void quad_unpack(const uint8_t* p, __m512i& lo, __m512i& hi, __m512
   }
   dw = _mm512_cvtph_ps(
       _mm512_castsi512_si256(_mm512_permutex2var_epi8(z0, load64(t.scale), z1)));
+}
+
+// Q8_0 four blocks a step as well: a quad is 136 bytes, more than two loads hold, so `lo`
+// (quants 0-15 of each block) and the scales come from its bytes [0, 128) and `hi` (16-31)
+// from [8, 136), each by one byte permute of two loads; the quants become unsigned (q + 128)
+// with one xor. Per 128 weights: 3 permutes, 2 xors, 2 vpdpbusd into the same lanes, one
+// conversion and scaling (the pairs took two of each, and two scale broadcasts and inserts).
+struct Q8QuadTables {
+  alignas(64) int8_t lo[64] = {}, hi[64] = {}, scale[64] = {};
+  constexpr Q8QuadTables() {
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 16; ++j) {
+        lo[16 * i + j] = static_cast<int8_t>(Q8_0::kBytes * i + 2 + j);       // in [0, 128)
+        hi[16 * i + j] = static_cast<int8_t>(Q8_0::kBytes * i + 18 + j - 8);  // in [8, 136)
+      }
+    for (int l = 0; l < 32; ++l)
+      scale[l] = scale[32 + l] = static_cast<int8_t>(Q8_0::kBytes * (l / 8) + l % 2);
+  }
+};
+inline constexpr Q8QuadTables kQ8QuadTables{};
+
+template <>
+QUANT_INLINE void quad_unpack<Q8_0>(const uint8_t* p, __m512i& lo, __m512i& hi, __m512& dw) {
+  const Q8QuadTables& t = kQ8QuadTables;
+  const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
+  const __m512i c = _mm512_loadu_si512(p + 8), d = _mm512_loadu_si512(p + 72);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  lo = _mm512_xor_si512(_mm512_permutex2var_epi8(a, load64(t.lo), b), flip);
+  hi = _mm512_xor_si512(_mm512_permutex2var_epi8(c, load64(t.hi), d), flip);
+  dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi8(a, load64(t.scale), b)));
 }
 #else
 template <class F>
