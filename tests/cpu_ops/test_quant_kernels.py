@@ -75,6 +75,13 @@ def assert_bitwise(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(out.view(bits), ref.view(bits))
 
 
+def bf16_step(v: torch.Tensor) -> torch.Tensor:
+    """The distance from each bf16 value to the next one away from zero (8 significant bits):
+    two roundings of nearly equal fp32 sums to bf16 differ by at most this."""
+    _, exponent = torch.frexp(v.float())
+    return torch.ldexp(torch.ones_like(v, dtype=torch.float32), exponent - 8)
+
+
 def assert_product_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bf16_weights: bool):
     """y ~ x w^T: fp32 summation slack of the scale, plus bf16 roundings where bf16 is used."""
     assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == x.dtype
@@ -285,11 +292,14 @@ def test_int8_gemm_rows_are_the_int8_gemvs(quant, monkeypatch, qtype, k):
     monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
     data = torch.from_numpy(random_weight(qtype, 70, k, seed=9))
     w = reference(data.numpy(), qtype)
+    # (seed 26: Q5_0 at k = 96 has two bf16 results one step apart just above a power of two,
+    # where a step is 2^-7 of the value: a 2^-8 relative bound failed there, one run in ~50)
+    torch.manual_seed(26)
     x = activations(20, k, BF)
     y = quant.matmul(x, data, int(qtype), k).double()
     ref = torch.cat([quant.gemv(x[i : i + 5], data, int(qtype), k) for i in range(0, 20, 5)])
     scale = x.double().abs() @ w.double().abs().T
-    tol = 1e-5 * scale + 2.0**-8 * ref.double().abs()
+    tol = 1e-5 * scale + bf16_step(ref).double()
     assert ((y - ref.double()).abs() <= tol).all()
     monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
     exact = quant.matmul(x, data, int(qtype), k).double()
@@ -404,7 +414,7 @@ def assert_same_products(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w:
     """y and ref sum the same bf16 products in fp32 in different orders, each rounded to bf16:
     apart by fp32 summation slack of the scale and one bf16 step."""
     scale = x.double().abs() @ w.to(BF).double().abs().T
-    tol = 1e-5 * scale + 2.0**-8 * ref.double().abs()
+    tol = 1e-5 * scale + bf16_step(ref).double()
     assert ((y.double() - ref.double()).abs() <= tol + 1e-30).all()
     return tol
 
