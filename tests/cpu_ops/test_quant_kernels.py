@@ -278,6 +278,30 @@ def test_int8_gemv_of_quads_and_the_blocks_after_them(quant, qtype, blocks):
         assert_int8_close(quant.gemv(x, torch.from_numpy(data), int(qtype), k), x, w, False)
 
 
+@needs_vnni
+@pytest.mark.usefixtures("int8_path")
+@pytest.mark.parametrize("qtype", SMALL_FORMATS, ids=[q.name for q in SMALL_FORMATS])
+@pytest.mark.parametrize("blocks", [4, 7, 20])
+def test_int8_gemv_row_is_the_same_whichever_rows_a_call_takes(quant, qtype, blocks):
+    """A row's output does not depend on the rows beside it in the call: every slice of the
+    weight gives its rows' outputs bitwise, on one thread and two (other shares), so TP
+    shards and thread counts agree (a kernel that blocked rows in another sum order fails)."""
+    k = 32 * blocks
+    data = torch.from_numpy(random_weight(qtype, 301, k, seed=blocks))  # 2 shares at k = 640
+    x = activations(1, k, BF)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            full = quant.gemv(x, data, int(qtype), k)
+            for lo, hi in ((0, 1), (1, 4), (2, 9), (5, 301), (3, 200), (150, 301)):
+                part = quant.gemv(x, data[lo:hi].contiguous(), int(qtype), k)
+                assert_bitwise(part, full[:, lo:hi])
+    finally:
+        torch.set_num_threads(threads)
+    assert_int8_close(full, x, reference(data.numpy(), qtype), False)
+
+
 GEMM_CASES = [(q, 512) for q in FORMATS] + [
     (q, k) for q in FORMATS if GGML_QUANT_SIZES[q][0] == 32 for k in (32, 96)
 ]  # k = 32 and 96: a lone last block of 32
