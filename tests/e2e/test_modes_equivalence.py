@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from tests.support.engines import assert_worker_drained
 from tests.support.hf_reference import PREFIX_PROMPTS, PROMPTS
 from vserve import envs
 from vserve.engine.arg_utils import EngineArgs
@@ -133,6 +134,7 @@ def _run(engine: LLMEngine):
 def reference(tiny_model_dir):
     engine = _engine(tiny_model_dir("qwen3"), MODES["sync-inproc"])
     results, stats = _run(engine)
+    assert_worker_drained(engine)
     engine.shutdown()
     return results
 
@@ -143,6 +145,10 @@ def _engine(model_dir, mode):
     return LLMEngine.from_engine_args(
         EngineArgs(model=model_dir, **ENGINE, **mode), multiprocess=multiprocess
     )
+
+
+def _worker_in_process(mode: dict) -> bool:
+    return not mode["multiprocess"] and mode.get("distributed_executor_backend") == "uni"
 
 
 def _check_stage_forwards(records, pp: int) -> None:
@@ -181,6 +187,8 @@ def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatc
     try:
         results, stats = _run(engine)
         records = engine.take_step_records()
+        if _worker_in_process(MODES[mode]):
+            assert_worker_drained(engine)
     finally:
         engine.shutdown()
     assert results == reference
