@@ -1,6 +1,8 @@
 """Sync, async, pipeline parallel, in-process and multiprocess engines produce the same tokens
 (greedy and seeded sampling) on one workload with staggered arrivals, chunked prefill, prefix
 hits, preemption by a small KV cache, aborts and stop strings (scenarios 29, 31, 32, 36, 39).
+The stop string is a piece of g3's greedy text, so it fires: "stop" repeats g3's prompt and
+arrives once g3's streamed text holds that piece.
 PP=3 runs the cost-balanced split of the 4-layer model (2, 1, 1) and, sync, a split whose
 first stage holds no layer (VSERVE_PP_LAYER_PARTITION)."""
 
@@ -9,10 +11,12 @@ import os
 
 import pytest
 
+from tests.support.engines import assert_worker_drained
 from tests.support.hf_reference import PREFIX_PROMPTS, PROMPTS
 from vserve import envs
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
+from vserve.engine.output_processor import OutputKind
 from vserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
@@ -62,8 +66,8 @@ def _workload():
             temperature=0.9, top_p=0.9, top_k=40, seed=100 + i, max_tokens=16, ignore_eos=True
         )
         items.append((f"s{i}", p, sp, i % 2))
-    for i, p in enumerate(prompts[:6]):
-        items.append((f"w{i}", p, greedy.clone(max_tokens=12 + i), 1))
+    for i, p in enumerate(prompts[:6]):  # w5 outlives "stop" (see _add_stop_request)
+        items.append((f"w{i}", p, greedy.clone(max_tokens=28 if i == 5 else 12 + i), 1))
     items.append(
         (
             "n2",
@@ -72,18 +76,37 @@ def _workload():
             1,
         )
     )
-    items.append(("stop", PROMPTS[3], greedy.clone(stop=["@@"], max_tokens=30), 0))
     items.append(("abort-a", PROMPTS[0], greedy.clone(max_tokens=100), 0))
     items.append(("abort-b", PROMPTS[2], greedy.clone(max_tokens=100), 1))
     return items
 
 
+def _stop_string(text: str) -> str | None:
+    """3 characters of a greedy text a few characters in, where they first occur (so that they
+    stop a greedy run of the same prompt there); None while the text is too short."""
+    start = next((i for i in range(5, len(text) - 2) if text.find(text[i : i + 3]) == i), None)
+    return None if start is None else text[start : start + 3]
+
+
+def _add_stop_request(engine: LLMEngine, g3_text: str) -> bool:
+    """Adds "stop" (g3's prompt, greedy, stopped by a piece of g3's text) once there is one.
+    It ends in the front end, which then aborts it in the engine core; an in-process core
+    applies that abort at its next step, so a run must not end on it (it would stay in the core
+    while idle, holding its KV blocks and batch row)."""
+    stop = _stop_string(g3_text)
+    if stop is not None:
+        sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+        engine.add_request("stop", PROMPTS[3], sp)
+    return stop is not None
+
+
 def _run(engine: LLMEngine):
     items = _workload()
-    results, added_wave1, steps = {}, False, 0
+    results, added_wave1, added_stop, steps = {}, False, False, 0
     for rid, prompt, sp, wave in items:
-        if wave == 0:
-            engine.add_request(rid, prompt, sp)
+        if wave == 0:  # g3 (the greedy run of PROMPTS[3]) streams its text for "stop"
+            kind = OutputKind.CUMULATIVE if rid == "g3" else OutputKind.FINAL_ONLY
+            engine.add_request(rid, prompt, sp, kind)
     while engine.has_unfinished_requests() or not added_wave1:
         if (
             steps == 3
@@ -97,6 +120,8 @@ def _run(engine: LLMEngine):
         if steps == 6:
             engine.abort_request(["abort-a", "abort-b"])
         for out in engine.step():
+            if out.request_id == "g3" and not added_stop:
+                added_stop = _add_stop_request(engine, out.outputs[0].text)
             if out.finished:
                 results[out.request_id] = [
                     (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs
@@ -109,6 +134,7 @@ def _run(engine: LLMEngine):
 def reference(tiny_model_dir):
     engine = _engine(tiny_model_dir("qwen3"), MODES["sync-inproc"])
     results, stats = _run(engine)
+    assert_worker_drained(engine)
     engine.shutdown()
     return results
 
@@ -119,6 +145,10 @@ def _engine(model_dir, mode):
     return LLMEngine.from_engine_args(
         EngineArgs(model=model_dir, **ENGINE, **mode), multiprocess=multiprocess
     )
+
+
+def _worker_in_process(mode: dict) -> bool:
+    return not mode["multiprocess"] and mode.get("distributed_executor_backend") == "uni"
 
 
 def _check_stage_forwards(records, pp: int) -> None:
@@ -139,10 +169,12 @@ def _check_stage_forwards(records, pp: int) -> None:
 
 def test_reference_exercises_the_workload(reference):
     assert "abort-a" not in reference and "abort-b" not in reference
-    stop = reference["stop"][0]
-    assert stop[2] in ("stop", "length")
+    ids, text, _, _ = reference["g3"][0]
+    stop_ids, stop_text, reason, stop = reference["stop"][0]
+    assert reason == "stop" and stop == _stop_string(text)  # it fired, where g3 has it
+    assert text.startswith(stop_text + stop) and stop_ids == ids[: len(stop_ids)]
     assert len(reference["n2"]) == 2 and reference["n2"][0][0] != reference["n2"][1][0]
-    assert len(reference) == len(_workload()) - 2
+    assert len(reference) == len(_workload()) - 2 + 1  # less the aborted, plus "stop"
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "sync-inproc"])
@@ -155,6 +187,8 @@ def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatc
     try:
         results, stats = _run(engine)
         records = engine.take_step_records()
+        if _worker_in_process(MODES[mode]):
+            assert_worker_drained(engine)
     finally:
         engine.shutdown()
     assert results == reference

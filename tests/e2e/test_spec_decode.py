@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.support.engines import make_llm
+from tests.support.engines import assert_worker_drained, make_llm
 from tests.support.hf_reference import PROMPTS
 from vserve import SamplingParams
 from vserve.engine.arg_utils import EngineArgs
@@ -72,6 +72,7 @@ def test_drafts_with_preemption_and_aborts(model, reference):
     assert sched.num_preemptions > 0 and sched.spec_stats.num_drafts > 0
     assert sched.kv.pool.num_used_blocks == 0
     sched.check_invariants()
+    assert_worker_drained(engine)  # no row of a finished, preempted or aborted request
 
 
 def test_seeded_sampling_with_drafts_is_reproducible(model):

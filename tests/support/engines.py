@@ -31,3 +31,15 @@ def greedy_with_logprobs(llm, prompts, max_tokens: int, one_at_a_time: bool = Fa
         )
         for o in outs
     ]
+
+
+def assert_worker_drained(engine) -> None:
+    """For an in-process engine whose front end has no request left: its engine core holds none
+    either (every abort the front end sent was applied), and once it has run the step that tells
+    the worker of the last finished requests, the worker holds no batch row."""
+    core = engine.client.core
+    assert not core.scheduler.requests, sorted(core.scheduler.requests)
+    while core.has_work():  # finished ids ride on the next step
+        engine.step()
+    batch = core.executor.worker.runner.batch
+    assert not batch.row_of, batch.row_of

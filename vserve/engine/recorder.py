@@ -100,10 +100,16 @@ class StepRecorder:
 
 
 def exposed_time(start: float, end: float, forwards: list[tuple[float, float]]) -> float:
-    """Length of [start, end] not covered by any of the forward intervals."""
+    """Length of [start, end] not covered by any of the forward intervals.
+
+    Forwards may overlap (PP stages run steps side by side), so they are clipped to the window
+    and merged into their union before subtracting: an overlap counted twice would under-report.
+    """
     covered = 0.0
-    for f_start, f_end in forwards:
-        lo, hi = max(start, f_start), min(end, f_end)
+    reach = start  # end of the union so far
+    for f_start, f_end in sorted(forwards):
+        lo, hi = max(reach, f_start), min(end, f_end)
         if hi > lo:
             covered += hi - lo
+            reach = hi
     return max(0.0, (end - start) - covered)
