@@ -294,15 +294,41 @@ def test_s15_prefix_cache_same_step_dedupe_and_follow_up():
 
 
 def test_prefix_cache_only_caches_settled_tokens():
-    sched = make_scheduler(block_size=4, async_scheduling=True)
-    driver = Driver(sched, depth=2)
-    driver.add(make_request("a", [1, 2, 3], max_tokens=10))
-    for _ in range(6):
+    """Settled (kv_cache_manager): positions sent to a step whose ids are known -- the prompt
+    and the outputs the driver has received. A step in flight has a placeholder at the
+    position after its input, which must never reach a cached block."""
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=6, async_scheduling=True)
+    runner = FakeRunner()
+    driver = Driver(sched, runner, depth=2)
+    prompt = random_prompt(random.Random(14), 20)
+    driver.add(make_request("a", prompt, max_tokens=12))
+    num_sent, clamped = 0, []
+
+    def check_cached_blocks():
+        num_known = len(prompt) + len(driver.outputs["a"])
+        settled = min(num_sent, num_known)
+        assert sched.kv.num_cached_blocks.get("a", 0) == settled // 4, (num_sent, num_known)
+        clamped.append(settled // 4 < num_sent // 4)
+
+    execute = runner.execute
+
+    def spy(so):  # after each schedule, before any commit of the driver's step
+        nonlocal num_sent
+        if "a" in so.num_scheduled_tokens:
+            num_sent += so.num_scheduled_tokens["a"]
+            check_cached_blocks()
+        return execute(so)
+
+    runner.execute = spy
+    while "a" in sched.requests:
         driver.step()
-        req = sched.requests["a"]
-        settled = min(req.num_computed_tokens, req.num_tokens)
-        assert sched.kv.num_cached_blocks.get("a", 0) <= settled // 4
+        if "a" in sched.requests:
+            check_cached_blocks()
+    chunks = [so.num_scheduled_tokens["a"] for so in runner.steps[:4]]
+    assert chunks == [6, 6, 6, 2]  # prefill in chunks, the next sent before one returns
+    assert any(clamped)  # counting sent positions would have cached a placeholder's block
     driver.run()
+    assert driver.outputs["a"] == expected_tokens(prompt, 12)
 
 
 def test_n_siblings_share_prompt_blocks_without_prefix_caching():
