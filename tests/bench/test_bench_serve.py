@@ -1,6 +1,8 @@
 """`vserve bench serve` against our own server: the printed block and the saved JSON."""
 
+import argparse
 import json
+import random
 import re
 import subprocess
 import sys
@@ -8,6 +10,7 @@ import sys
 import pytest
 
 from tests.support.openai_server import TINY_ARGS, ServerProcess
+from vserve.bench.serve import RequestResult, compute_metrics
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def test_bench_serve_prints_reference_labels(server, tmp_path, backend):
         assert re.search(rf"^{re.escape(label)}\s+\S+", stdout, re.M), label
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["total_output_tokens"] == 12 * 10  # ignore_eos: exactly max_tokens
-    assert result["max_concurrent_requests"] <= 4
+    assert 2 <= result["max_concurrent_requests"] <= 4
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert len(result["ttfts"]) == 12 and all(t > 0 for t in result["ttfts"])
     assert 0 < len(result["itls"]) <= 12 * 9  # pooled gaps between content chunks
@@ -108,6 +111,53 @@ def test_bench_serve_poisson_rate(server, tmp_path):
     assert "Request rate configured (RPS):" in stdout and "20.00" in stdout
     assert result["completed"] == 12
     assert result["total_input_tokens"] > 0
+    # the gaps the run slept after each of its 12 requests (vserve.bench.serve._drive)
+    rng = random.Random(1)
+    gaps = [rng.gammavariate(1.0, 1.0 / 20) for _ in range(12)]
+    assert result["duration"] >= sum(gaps)
+
+
+def _synthetic(i: int) -> RequestResult:
+    """Request i of 1..100: TTFT i ms, then 10 more tokens i/2 ms apart; groups of 4 start
+    together, 10 s apart."""
+    start, ttft, tpot = 10.0 * (i // 4), i * 1e-3, i * 0.5e-3
+    chunks = [start + ttft + j * tpot for j in range(11)]
+    return RequestResult(
+        success=True,
+        prompt_len=5,
+        output_tokens=11,
+        ttft=ttft,
+        latency=ttft + 10 * tpot,
+        itl=[tpot] * 10,
+        start=start,
+        chunk_times=chunks,
+    )
+
+
+def test_compute_metrics_on_known_requests():
+    failed = RequestResult(start=1000.0, error="HTTP 500")
+    results = [_synthetic(i) for i in range(1, 101)] + [failed]
+    args = argparse.Namespace(metric_percentiles="50,99", goodput=["ttft:50"])
+    m = compute_metrics(results, 10.0, args)
+    assert (m["completed"], m["failed"], m["errors"]) == (100, 1, ["HTTP 500"])
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (500, 1100)
+    assert m["request_throughput"] == pytest.approx(10.0)
+    assert m["output_throughput"] == pytest.approx(110.0)
+    assert m["total_token_throughput"] == pytest.approx(160.0)
+    assert m["request_goodput"] == pytest.approx(5.0)  # TTFT <= 50 ms: requests 1..50
+    expected = {  # TTFT i, TPOT i/2 (ITL: 10 gaps each), E2EL 6i over i = 1..100, in ms
+        "ttft": (50.5, 50.5, 99.01),
+        "tpot": (25.25, 25.25, 49.505),
+        "itl": (25.25, 25.25, 49.505),
+        "e2el": (303.0, 303.0, 594.06),
+    }
+    for name, (mean, median, p99) in expected.items():
+        got = (m[f"mean_{name}_ms"], m[f"median_{name}_ms"], m[f"p99_{name}_ms"])
+        assert got == pytest.approx((mean, median, p99)), name
+        assert m[f"p50_{name}_ms"] == pytest.approx(median), name
+    assert len(m["itls"]) == 1000
+    assert m["max_concurrent_requests"] == 4
+    assert m["max_output_tokens_per_s"] == pytest.approx(44.0)  # requests 96..99, one second
 
 
 # -- SSE parsing (no server) -------------------------------------------------------------------

@@ -154,15 +154,29 @@ def test_s7_max_model_len(depth):
     assert positions == 11  # never a step for a position at or past max_model_len - 1
 
 
+def _cuts_a_prompt(so, runner) -> bool:
+    """Whether the step scheduled fewer of a request's prompt tokens than remained."""
+    for new in so.scheduled_new_reqs:
+        if new.num_computed_tokens + so.num_scheduled_tokens[new.req_id] < new.num_prompt_tokens:
+            return True
+    cached = so.scheduled_cached_reqs
+    for req_id, num_before in zip(cached.req_ids, cached.num_computed_tokens):
+        if num_before + so.num_scheduled_tokens[req_id] < runner.reqs[req_id].num_prompt:
+            return True
+    return False
+
+
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("seed", range(6))
 def test_s8_randomized_arrivals_preemption_chunking_aborts(depth, seed):
     rng = random.Random(seed)
+    num_blocks, max_num_seqs = rng.choice([10, 16, 40]), rng.choice([2, 4, 8])
+    max_num_batched_tokens = rng.choice([5, 16, 64])
     sched = make_scheduler(
-        num_blocks=rng.choice([10, 16, 40]),
+        num_blocks=num_blocks,
         block_size=4,
-        max_num_seqs=rng.choice([2, 4, 8]),
-        max_num_batched_tokens=rng.choice([5, 16, 64]),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=40,
         async_scheduling=depth > 1,
         prefix_caching=rng.random() < 0.7,
@@ -175,7 +189,18 @@ def test_s8_randomized_arrivals_preemption_chunking_aborts(depth, seed):
             rng, rng.randint(1, 14)
         )
         pending.append(make_request(f"r{i}", prompt, max_tokens=rng.randint(1, 12)))
+    specs = {r.request_id: (list(r.prompt_token_ids), r.max_tokens) for r in pending}
     aborted = set()
+    chunked_steps = []
+    execute = driver.runner.execute
+
+    def spy(so):
+        ro = execute(so)
+        if _cuts_a_prompt(so, driver.runner):
+            chunked_steps.append(so.step_id)
+        return ro
+
+    driver.runner.execute = spy
 
     def on_step(i, drv):
         if pending and rng.random() < 0.5:
@@ -192,11 +217,21 @@ def test_s8_randomized_arrivals_preemption_chunking_aborts(depth, seed):
         driver.add(pending.pop(0))
         driver.run()
     assert not driver.emitted_after_finish
-    for req_id, tokens in driver.outputs.items():
+    assert sorted(driver.outputs) == sorted(specs)
+    for req_id, (prompt, max_tokens) in specs.items():
+        expected = expected_tokens(prompt, max_tokens, max_model_len=40)
+        tokens = driver.outputs[req_id]
         if req_id in aborted:
-            continue
-        assert req_id in driver.finish
+            assert tokens == expected[: len(tokens)], req_id
+        else:
+            assert tokens == expected, req_id
+            assert req_id in driver.finish
     assert sched.kv.pool.num_used_blocks == 0
+    # 10 blocks hold one 40-token request; 4 or 8 sequences outgrow them at every seed here
+    if num_blocks == 10 and max_num_seqs >= 4:
+        assert sched.num_preemptions > 0
+    if max_num_batched_tokens == 5:  # prompts run to 26 tokens
+        assert chunked_steps
 
 
 @pytest.mark.parametrize("depth", DEPTHS)
@@ -259,15 +294,41 @@ def test_s15_prefix_cache_same_step_dedupe_and_follow_up():
 
 
 def test_prefix_cache_only_caches_settled_tokens():
-    sched = make_scheduler(block_size=4, async_scheduling=True)
-    driver = Driver(sched, depth=2)
-    driver.add(make_request("a", [1, 2, 3], max_tokens=10))
-    for _ in range(6):
+    """Settled (kv_cache_manager): positions sent to a step whose ids are known -- the prompt
+    and the outputs the driver has received. A step in flight has a placeholder at the
+    position after its input, which must never reach a cached block."""
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=6, async_scheduling=True)
+    runner = FakeRunner()
+    driver = Driver(sched, runner, depth=2)
+    prompt = random_prompt(random.Random(14), 20)
+    driver.add(make_request("a", prompt, max_tokens=12))
+    num_sent, clamped = 0, []
+
+    def check_cached_blocks():
+        num_known = len(prompt) + len(driver.outputs["a"])
+        settled = min(num_sent, num_known)
+        assert sched.kv.num_cached_blocks.get("a", 0) == settled // 4, (num_sent, num_known)
+        clamped.append(settled // 4 < num_sent // 4)
+
+    execute = runner.execute
+
+    def spy(so):  # after each schedule, before any commit of the driver's step
+        nonlocal num_sent
+        if "a" in so.num_scheduled_tokens:
+            num_sent += so.num_scheduled_tokens["a"]
+            check_cached_blocks()
+        return execute(so)
+
+    runner.execute = spy
+    while "a" in sched.requests:
         driver.step()
-        req = sched.requests["a"]
-        settled = min(req.num_computed_tokens, req.num_tokens)
-        assert sched.kv.num_cached_blocks.get("a", 0) <= settled // 4
+        if "a" in sched.requests:
+            check_cached_blocks()
+    chunks = [so.num_scheduled_tokens["a"] for so in runner.steps[:4]]
+    assert chunks == [6, 6, 6, 2]  # prefill in chunks, the next sent before one returns
+    assert any(clamped)  # counting sent positions would have cached a placeholder's block
     driver.run()
+    assert driver.outputs["a"] == expected_tokens(prompt, 12)
 
 
 def test_n_siblings_share_prompt_blocks_without_prefix_caching():

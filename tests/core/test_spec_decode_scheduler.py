@@ -139,8 +139,10 @@ def test_invariants_under_preemption_and_abort_with_drafts(seed):
     )
     driver = Driver(sched, FakeRunner(period=PERIOD), depth=rng.choice([1, 2, 3]))
     prompts = {f"r{i}": random_prompt(rng, PERIOD) * rng.randint(1, 3) for i in range(8)}
+    max_tokens = {}
     for k, p in prompts.items():
-        driver.add(make_request(k, p, max_tokens=rng.randint(4, 20)))
+        max_tokens[k] = rng.randint(4, 20)
+        driver.add(make_request(k, p, max_tokens=max_tokens[k]))
     aborted = set()
 
     def on_step(i, drv):
@@ -151,17 +153,13 @@ def test_invariants_under_preemption_and_abort_with_drafts(seed):
             sched.check_invariants()
 
     driver.run(on_step=on_step)
-    assert sched.num_preemptions > 0 or seed % 2  # most seeds preempt
+    assert sched.num_preemptions > 0  # 14 blocks: every seed preempts
     for k, p in prompts.items():
-        if k not in aborted:
-            n = sched_max(driver, k)
-            assert driver.outputs[k] == expected_tokens(p, n, period=PERIOD, max_model_len=48)
+        expected = expected_tokens(p, max_tokens[k], period=PERIOD, max_model_len=48)
+        tokens = driver.outputs[k]
+        assert tokens == (expected[: len(tokens)] if k in aborted else expected), k
     assert not driver.emitted_after_finish
     assert sched.kv.pool.num_used_blocks == 0
-
-
-def sched_max(driver, req_id):
-    return len(driver.outputs[req_id]) if driver.finish.get(req_id) == "length" else 10**6
 
 
 class _RejectingGrammar:

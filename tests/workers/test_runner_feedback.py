@@ -36,14 +36,24 @@ def test_poisoned_host_tokens_do_not_change_outputs(tiny_model_dir, reference, a
     assert runner.feedback_stats["rows"] > 0
 
 
-def test_poison_is_not_vacuous(tiny_model_dir, reference, monkeypatch):
-    """Without the device scatter the poisoned host tokens reach the model."""
-    llm = make_llm(tiny_model_dir("llama"), max_model_len=256)
+@pytest.fixture(scope="module")
+def cpu_reference(tiny_model_dir, reference):
+    """`reference` on the CPU; where CUDA is available the default device is cuda."""
+    if not torch.cuda.is_available():
+        return reference
+    llm = make_llm(tiny_model_dir("llama"), max_model_len=256, async_scheduling=False, device="cpu")
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_poison_is_not_vacuous(tiny_model_dir, cpu_reference, monkeypatch):
+    """Without the device scatter the poisoned host tokens reach the model. On the CPU, with
+    a CPU reference: `device` defaults to cuda where there is one."""
+    llm = make_llm(tiny_model_dir("llama"), max_model_len=256, device="cpu")
     runner = _runner(llm)
     runner.poison_feedback_slots = True
     monkeypatch.setattr(torch.Tensor, "__setitem__", _no_scatter(torch.Tensor.__setitem__))
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert got != reference
+    assert got != cpu_reference
 
 
 def _no_scatter(setitem):
