@@ -90,9 +90,9 @@ def _stop_string(text: str) -> str | None:
 
 def _add_stop_request(engine: LLMEngine, g3_text: str) -> bool:
     """Adds "stop" (g3's prompt, greedy, stopped by a piece of g3's text) once there is one.
-    It ends in the front end, which then aborts it in the engine core; an in-process core
-    applies that abort at its next step, so a run must not end on it (it would stay in the core
-    while idle, holding its KV blocks and batch row)."""
+    It ends in the front end, which then aborts it in the engine core. A run must not end on
+    it: the core frees it then (an in-process core at once), but the last stats the front end
+    holds are those of the step before, which the stats check below reads."""
     stop = _stop_string(g3_text)
     if stop is not None:
         sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])

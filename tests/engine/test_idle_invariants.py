@@ -54,3 +54,26 @@ def test_the_check_is_off_without_the_flag(monkeypatch):
     _drain(core)  # no check: the leak goes unnoticed, as in production
     with pytest.raises(RuntimeError, match="in use at idle"):
         core.check_idle_invariants()
+
+
+@pytest.mark.parametrize("async_on", [False, True])
+def test_a_stop_string_on_the_last_request_frees_it_at_once(tiny_model_dir, async_on):
+    """A stop string ends a request in the front end, which aborts it in the core. In process
+    the abort applies at once: when that request was the last, `generate` returns with no
+    request left in the scheduler and no KV block held (it used to wait for a next step)."""
+    from tests.support.engines import make_llm
+    from tests.support.hf_reference import PROMPTS
+    from vserve import SamplingParams
+
+    llm = make_llm(tiny_model_dir("qwen3"), max_model_len=128, async_scheduling=async_on)
+    try:
+        base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        text = llm.generate(PROMPTS[3], base, use_tqdm=False)[0].outputs[0].text
+        stop = text[5:8]
+        out = llm.generate(PROMPTS[3], base.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+        core = llm.engine.client.core
+        assert not core.scheduler.requests
+        assert core.scheduler.kv.pool.num_used_blocks == 0
+    finally:
+        llm.shutdown()

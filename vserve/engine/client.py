@@ -89,6 +89,9 @@ class InprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.core.abort_requests(request_ids, self.num_adds)
+            # at once (this thread runs the steps): a request the front end ended (a stop
+            # string) frees its KV blocks even when no later step comes to apply the abort
+            self.core.apply_aborts()
 
     def get_output(self) -> EngineCoreOutputs:
         """Step until a step commits (or nothing is left to do)."""

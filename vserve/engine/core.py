@@ -118,7 +118,8 @@ class EngineCore:
         that reuses an aborted id)."""
         self._aborts.put((list(request_ids), num_adds))
 
-    def _apply_aborts(self) -> None:
+    def apply_aborts(self) -> None:
+        """The queued aborts, now: between steps, on the thread that runs them."""
         while True:
             try:
                 ids, num_adds = self._aborts.get_nowait()
@@ -213,7 +214,7 @@ class EngineCore:
 
     # -- the step loops ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        self._apply_aborts()
+        self.apply_aborts()
         if not self.scheduler.has_requests():
             return []
         so = self._schedule()
@@ -225,7 +226,7 @@ class EngineCore:
         A step whose grammar requests still have tokens in flight is *deferred*: its forward
         is launched now, but its sampling (with the grammar bitmask) only after every older
         step that carries one of them has committed and advanced its grammar."""
-        self._apply_aborts()
+        self.apply_aborts()
         deferred = None
         if self.scheduler.has_requests() and len(self.batch_queue) < self.depth:
             so = self._schedule()
@@ -296,7 +297,7 @@ class EngineCore:
         return "nothing could be scheduled ahead of the previous step"
 
     def _commit(self, so, runner_output) -> list[EngineCoreOutput]:
-        self._apply_aborts()
+        self.apply_aborts()
         start = time.perf_counter()
         outputs = self.scheduler.update_from_output(so, runner_output)
         self.recorder.committed(so, runner_output, start, time.perf_counter())
