@@ -7,8 +7,8 @@ the engine core's schedule and commit time per step.
 
 import pytest
 
-from vserve.bench.overlap import Coverage, overlap_report
-from vserve.engine.recorder import StepRecord
+from vserve.bench.overlap import overlap_report
+from vserve.engine.recorder import Coverage, StepRecord
 
 F, S, C = 0.004, 0.001, 0.001
 N = 40  # steps per synthetic run

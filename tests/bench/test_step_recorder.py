@@ -1,14 +1,14 @@
 """The step recorder keeps recording after `max_records` steps (a long-running server's step
-metrics must not freeze): both its stores hold the newest records, bounded. `exposed_time`
-(behind `scheduler_exposed_time_seconds`) subtracts the union of the forward spans, so
-overlapping pipeline-parallel spans count once."""
+metrics must not freeze): both its stores hold the newest records, bounded. A schedule's
+exposed time (`Coverage.exposed`, behind `scheduler_exposed_time_seconds`) subtracts the union
+of the forward spans, so overlapping pipeline-parallel spans count once."""
 
 from types import SimpleNamespace
 
 from tests.support.fakes import FakeExecutor, core_request, fake_engine_config
 from vserve.core.sched_output import StepTiming
 from vserve.engine.core import EngineCore
-from vserve.engine.recorder import StepRecorder, exposed_time
+from vserve.engine.recorder import Coverage, StepRecorder
 
 
 def _record_steps(rec: StepRecorder, step_ids) -> None:
@@ -57,21 +57,23 @@ def test_a_server_holds_a_bounded_ring_of_small_records():
     assert sys.getsizeof(rec.records[MAX_RECORDS]) < 300
 
 
-def test_exposed_time_subtracts_a_forward_inside_the_window():
-    assert exposed_time(0.0, 10.0, [(2.0, 5.0)]) == 7.0
+def test_exposed_subtracts_a_forward_inside_the_window():
+    assert Coverage([(2.0, 5.0)]).exposed(0.0, 10.0) == 7.0
 
 
-def test_exposed_time_counts_overlapping_forwards_once():
+def test_exposed_counts_overlapping_forwards_once():
     # PP stages overlap: the union of (1, 5) and (3, 6) covers 1..6, not 4 + 3
-    assert exposed_time(0.0, 10.0, [(1.0, 5.0), (3.0, 6.0)]) == 5.0
-    assert exposed_time(0.0, 10.0, [(3.0, 6.0), (1.0, 5.0), (2.0, 4.0)]) == 5.0  # unsorted, nested
+    assert Coverage([(1.0, 5.0), (3.0, 6.0)]).exposed(0.0, 10.0) == 5.0
+    assert (
+        Coverage([(3.0, 6.0), (1.0, 5.0), (2.0, 4.0)]).exposed(0.0, 10.0) == 5.0
+    )  # unsorted, nested
 
 
-def test_exposed_time_clips_forwards_to_the_window():
-    assert exposed_time(2.0, 8.0, [(0.0, 3.0), (7.0, 12.0)]) == 4.0
-    assert exposed_time(2.0, 8.0, [(0.0, 1.0), (9.0, 12.0)]) == 6.0  # wholly outside
-    assert exposed_time(2.0, 8.0, [(0.0, 12.0), (3.0, 4.0)]) == 0.0  # all covered
+def test_exposed_clips_forwards_to_the_window():
+    assert Coverage([(0.0, 3.0), (7.0, 12.0)]).exposed(2.0, 8.0) == 4.0
+    assert Coverage([(0.0, 1.0), (9.0, 12.0)]).exposed(2.0, 8.0) == 6.0  # wholly outside
+    assert Coverage([(0.0, 12.0), (3.0, 4.0)]).exposed(2.0, 8.0) == 0.0  # all covered
 
 
-def test_exposed_time_without_forwards_is_the_whole_window():
-    assert exposed_time(1.0, 4.0, []) == 3.0
+def test_exposed_without_forwards_is_the_whole_window():
+    assert Coverage([]).exposed(1.0, 4.0) == 3.0

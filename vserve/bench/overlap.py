@@ -46,17 +46,15 @@ in the queue hides such a step from the engine's count). The timeline of the sam
 
 from __future__ import annotations
 
-import bisect
 import statistics
 from dataclasses import asdict, dataclass, field
 
 from vserve.bench.stats import percentile, request_tpots
 from vserve.bench.trace import busy_steps, is_busy
-from vserve.engine.recorder import StepRecord
+from vserve.engine.recorder import Coverage, Span, StepRecord
 
 QUIET_SHARE = 0.02  # host work may stretch a quiet forward by at most this share
 FASTER_THAN_CALIBRATION = 0.9  # a slowdown below this: the calibration is not to be trusted
-Span = tuple[float, float]
 ShapeKey = tuple[int, int, int]  # (PP stage, num tokens, num seqs)
 
 
@@ -169,29 +167,6 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 # -- spans -----------------------------------------------------------------------------------------
-class Coverage:
-    """The union of a set of spans, asked how much of an interval it covers."""
-
-    def __init__(self, spans: list[Span]) -> None:
-        merged: list[list[float]] = []
-        for start, end in sorted(s for s in spans if s[1] > s[0]):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        self.spans = merged
-        self.starts = [s for s, _ in merged]
-
-    def covered(self, start: float, end: float) -> float:
-        i = max(0, bisect.bisect_right(self.starts, start) - 1)
-        total = 0.0
-        while i < len(self.spans) and self.spans[i][0] < end:
-            lo, hi = max(start, self.spans[i][0]), min(end, self.spans[i][1])
-            total += max(0.0, hi - lo)
-            i += 1
-        return total
-
-
 def stage_spans(r: StepRecord) -> list[Span]:
     return [tuple(s) for s in r.stage_forwards] or [(r.forward_start, r.forward_end)]
 

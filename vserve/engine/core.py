@@ -21,7 +21,7 @@ from vserve.core.kv_cache_manager import KVCacheManager
 from vserve.core.request import Request, RequestStatus
 from vserve.core.scheduler import Scheduler
 from vserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from vserve.engine.recorder import StepRecorder, exposed_time
+from vserve.engine.recorder import Coverage, StepRecorder
 from vserve.engine.structured_output import StructuredOutputManager
 from vserve.envs import read_env
 from vserve.executor import make_executor
@@ -308,12 +308,12 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         recent = self.recorder.drain_recent()
         if recent:
-            forwards = [(r.forward_start, r.forward_end) for r in recent if r.forward_end]
+            forwards = Coverage([(r.forward_start, r.forward_end) for r in recent if r.forward_end])
             stats.forward_times = [r.forward_end - r.forward_start for r in recent]
             stats.launch_intervals = [r.launch_interval for r in recent if r.launch_interval]
             stats.schedule_times = [r.schedule_end - r.schedule_start for r in recent]
             stats.schedule_exposed = [
-                exposed_time(r.schedule_start, r.schedule_end, forwards) for r in recent
+                forwards.exposed(r.schedule_start, r.schedule_end) for r in recent
             ]
             for r in recent:
                 if r.no_overlap and r.num_tokens:

@@ -12,6 +12,7 @@ MB; an overlap report covers at most the newest 16384 steps.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -99,17 +100,32 @@ class StepRecorder:
         return records
 
 
-def exposed_time(start: float, end: float, forwards: list[tuple[float, float]]) -> float:
-    """Length of [start, end] not covered by any of the forward intervals.
+Span = tuple[float, float]
 
-    Forwards may overlap (PP stages run steps side by side), so they are clipped to the window
-    and merged into their union before subtracting: an overlap counted twice would under-report.
-    """
-    covered = 0.0
-    reach = start  # end of the union so far
-    for f_start, f_end in sorted(forwards):
-        lo, hi = max(reach, f_start), min(end, f_end)
-        if hi > lo:
-            covered += hi - lo
-            reach = hi
-    return max(0.0, (end - start) - covered)
+
+class Coverage:
+    """The union of a set of spans, asked how much of an interval it covers."""
+
+    def __init__(self, spans: list[Span]) -> None:
+        merged: list[list[float]] = []
+        for start, end in sorted(s for s in spans if s[1] > s[0]):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self.spans = merged
+        self.starts = [s for s, _ in merged]
+
+    def covered(self, start: float, end: float) -> float:
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        total = 0.0
+        while i < len(self.spans) and self.spans[i][0] < end:
+            lo, hi = max(start, self.spans[i][0]), min(end, self.spans[i][1])
+            total += max(0.0, hi - lo)
+            i += 1
+        return total
+
+    def exposed(self, start: float, end: float) -> float:
+        """Length of [start, end] outside the union: spans that overlap (PP stages run steps
+        side by side) count once."""
+        return max(0.0, (end - start) - self.covered(start, end))
