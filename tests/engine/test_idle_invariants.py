@@ -3,7 +3,10 @@ last request finishes, every block is free; a leaked block is reported loudly.""
 
 import pytest
 
+from tests.support.engines import make_llm
 from tests.support.fakes import FakeExecutor, core_request, fake_engine_config
+from tests.support.hf_reference import PROMPTS
+from vserve import SamplingParams
 from vserve.engine.core import EngineCore
 
 
@@ -61,10 +64,6 @@ def test_a_stop_string_on_the_last_request_frees_it_at_once(tiny_model_dir, asyn
     """A stop string ends a request in the front end, which aborts it in the core. In process
     the abort applies at once: when that request was the last, `generate` returns with no
     request left in the scheduler and no KV block held (it used to wait for a next step)."""
-    from tests.support.engines import make_llm
-    from tests.support.hf_reference import PROMPTS
-    from vserve import SamplingParams
-
     llm = make_llm(tiny_model_dir("qwen3"), max_model_len=128, async_scheduling=async_on)
     try:
         base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
