@@ -1,6 +1,8 @@
 """Load on the embedded model (`vserve serve` with no model argument): 64 concurrent streaming
 clients over two rounds, greedy, distinct prompts. No request fails, every stream is well
-formed, and a handful of greedy outputs equal the same requests run alone."""
+formed, a handful of greedy outputs equal the same requests run alone, and every greedy
+output equals the same prompt's in the other round, where it arrived at another place in the
+batch (round 1 sends round 0's prompts rotated by 16)."""
 
 from __future__ import annotations
 
@@ -111,3 +113,9 @@ def test_concurrent_streams_equal_alone(server):
         for i in range(NUM_ALONE):
             assert rounds[r][i] == alone[r * NUM_ALONE + i], (r, i)
     assert all(text for texts in rounds for text in texts)
+    # all 128 streams: each prompt's output in round 1 equals its output in round 0, where it
+    # arrived 16 places later among different neighbours
+    first = dict(zip((_prompt(0, i) for i in range(NUM_CLIENTS)), rounds[0]))
+    assert set(first) == {_prompt(1, i) for i in range(NUM_CLIENTS)}
+    for i in range(NUM_CLIENTS):
+        assert rounds[1][i] == first[_prompt(1, i)], i
