@@ -25,18 +25,42 @@ def llm(tiny_model_dir):
     engine.shutdown()
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in clock ticks
 
 
-def test_idle_engine_core_blocks_instead_of_spinning(llm):
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int(_stat(int(entry.name))[1]) == pid:  # (field 4: the parent's pid)
+                    kids.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return kids
+
+
+def test_idle_engine_blocks_instead_of_spinning(llm):
+    """Every process of an idle engine blocks: the engine core, its worker processes (whose
+    OpenMP threads spin only for libgomp's spin count after a step) and the front end's
+    threads (this process, asleep here)."""
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    pid = llm.engine.client.engine.proc.pid
+    core = llm.engine.client.engine.proc.pid
+    workers = _children(core)
+    assert workers, "the engine core has no worker process to measure"
     time.sleep(0.5)
-    before = _cpu_seconds(pid)
+    before = {pid: _cpu_seconds(pid) for pid in [core, *workers]}
+    front_before = time.process_time()
     time.sleep(2.0)
-    assert _cpu_seconds(pid) - before < 0.3  # a spinning loop would burn ~2 s
+    for pid, seconds in before.items():
+        assert _cpu_seconds(pid) - seconds < 0.3, pid  # a spinning loop would burn ~2 s
+    assert time.process_time() - front_before < 0.3
 
 
 def test_stop_string_spanning_two_steps(llm):
