@@ -90,9 +90,8 @@ def _stop_string(text: str) -> str | None:
 
 def _add_stop_request(engine: LLMEngine, g3_text: str) -> bool:
     """Adds "stop" (g3's prompt, greedy, stopped by a piece of g3's text) once there is one.
-    It ends in the front end, which then aborts it in the engine core. A run must not end on
-    it: the core frees it then (an in-process core at once), but the last stats the front end
-    holds are those of the step before, which the stats check below reads."""
+    It ends in the front end, which then aborts it in the engine core; a run may end on it
+    (`_settled_stats` then waits for the core's stats after the abort)."""
     stop = _stop_string(g3_text)
     if stop is not None:
         sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
@@ -127,7 +126,20 @@ def _run(engine: LLMEngine):
                     (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs
                 ]
         steps += 1
-    return results, engine.last_stats
+    return results, _settled_stats(engine)
+
+
+def _settled_stats(engine: LLMEngine):
+    """The core's stats once it has applied the front end's last aborts. A request the front
+    end ends (a stop string) is aborted in the core after the output the loop read last, so
+    those stats may still count it; the core publishes its stats once more on going idle."""
+    stats = engine.last_stats
+    for _ in range(8):
+        if stats is None or stats.num_running_reqs == 0:
+            break
+        engine.step()
+        stats = engine.last_stats
+    return stats
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +212,30 @@ def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatc
     assert stats.num_preemptions > 0  # the small KV cache forced recomputation
     assert stats.prefix_cache_hits > 0
     assert stats.kv_cache_usage == 0.0 and stats.num_running_reqs == 0
+
+
+def test_stats_settle_after_a_run_that_ends_on_a_stop_string(tiny_model_dir):
+    """The last output of a run stopped by a stop string carries stats from before the front
+    end's abort (one request running); the stats the check above reads are the core's after it
+    (CI saw kv_cache_usage 0.375 with the stale ones, async-mp)."""
+    engine = _engine(tiny_model_dir("qwen3"), MODES["async-mp"])
+    try:
+        first = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        engine.add_request("probe", PROMPTS[3], first)
+        text = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+        stop = _stop_string(text)
+        assert stop is not None, text
+        sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+        engine.add_request("stop", PROMPTS[3], sp)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o.outputs[0].stop_reason for o in engine.step() if o.finished]
+        assert finished == [stop]
+        assert engine.last_stats.num_running_reqs == 1  # (stale: before the abort)
+        stats = _settled_stats(engine)
+    finally:
+        engine.shutdown()
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
