@@ -12,6 +12,7 @@ import pytest
 from tests.support.hf_reference import PROMPTS
 from vserve import LLM, SamplingParams, StructuredOutputsParams
 from vserve.engine.messages import EngineCoreRequest, RequestType
+from vserve.proc_tree import children
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
@@ -25,25 +26,9 @@ def llm(tiny_model_dir):
     engine.shutdown()
 
 
-def _stat(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
 def _cpu_seconds(pid: int) -> float:
-    fields = _stat(pid)
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in clock ticks
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int(_stat(int(entry.name))[1]) == pid:  # (field 4: the parent's pid)
-                    kids.append(int(entry.name))
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                pass
-    return kids
 
 
 def test_idle_engine_blocks_instead_of_spinning(llm):
@@ -52,7 +37,7 @@ def test_idle_engine_blocks_instead_of_spinning(llm):
     threads (this process, asleep here)."""
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     core = llm.engine.client.engine.proc.pid
-    workers = _children(core)
+    workers = children(core)
     assert workers, "the engine core has no worker process to measure"
     time.sleep(0.5)
     before = {pid: _cpu_seconds(pid) for pid in [core, *workers]}
