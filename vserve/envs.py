@@ -31,6 +31,8 @@ class Env:
     # parallel setup; CURVE keys of the head's TCP sockets derive from it
     weight_cache: bool = True  # VSERVE_WEIGHT_CACHE=0: load CPU weights from the checkpoint
     # every time, without the memory-mapped copy on disk
+    cpu_park: bool = True  # VSERVE_CPU_PARK=0: a CPU worker's other threads spin between
+    # forwards instead of sleeping while the host works (workers/host_gap.py)
 
 
 def read_env() -> Env:
@@ -46,6 +48,7 @@ def read_env() -> Env:
         debug_invariants=os.environ.get("VSERVE_DEBUG_INVARIANTS", "0") not in ("", "0"),
         dp_secret=os.environ.get("VSERVE_DP_SECRET") or None,
         weight_cache=os.environ.get("VSERVE_WEIGHT_CACHE", "1") not in ("0", "false", "off"),
+        cpu_park=os.environ.get("VSERVE_CPU_PARK", "1") not in ("0", "false", "off"),
     )
 
 

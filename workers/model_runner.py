@@ -105,6 +105,13 @@ class AsyncStepOutput:
         return out
 
 
+@dataclass
+class _Prepared:
+    so: SchedulerOutput
+    timing: StepTiming
+    inputs: StepInputs
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig, hf_config, pp_comm=None) -> None:
         self.config = config
@@ -136,6 +143,7 @@ class ModelRunner:
         self.feedback = FeedbackQueue(config.pp_size if self.stage.is_first else 1)
         self.step_sampler.feedback = self.feedback
         self._deferred = None  # a step whose sampling waits for its grammar bitmask
+        self._prepared: _Prepared | None = None  # the next step's inputs, made ahead (`prepare`)
         self.model = None
         self.kv_caches: list[torch.Tensor | None] = []
         self.poison_feedback_slots = False  # tests: garbage in the host copy of fed-back ids
@@ -245,14 +253,19 @@ class ModelRunner:
         """Run one step. With `defer_sampling`, stop after the logits: `sample_tokens` takes
         over once the grammar bitmask is known (structured output under async scheduling).
         `hidden_in`: a later stage's input, its receive already posted (else posted here)."""
-        timing = StepTiming(recv=time.perf_counter())
-        self._update_states(so)
-        if so.is_empty:
-            return self._empty_output(so, timing)
-        # a later stage posts the receive of its input first: gloo moves it only then
-        if hidden_in is None and not self.stage.is_first:
-            hidden_in = self.pp.post_recv_hidden(so)
-        inputs = self._prepare_inputs(so)
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            assert prepared.so is so, (prepared.so.step_id, so.step_id)
+            timing, inputs = prepared.timing, prepared.inputs
+        else:
+            timing = StepTiming(recv=time.perf_counter())
+            self._update_states(so)
+            if so.is_empty:
+                return self._empty_output(so, timing)
+            # a later stage posts the receive of its input first: gloo moves it only then
+            if hidden_in is None and not self.stage.is_first:
+                hidden_in = self.pp.post_recv_hidden(so)
+            inputs = self._prepare_inputs(so)
         first, spans = (
             (inputs.input_ids, []) if hidden_in is None else hidden_in()
         )  # (with the earlier stages' forward spans)
@@ -273,6 +286,18 @@ class ModelRunner:
             self._deferred = (so, inputs, logits, timing)
             return None
         return self._sample(so, inputs, logits, timing, so.grammar_bitmask)
+
+    @torch.inference_mode()
+    def prepare(self, so: SchedulerOutput) -> None:
+        """The host half of `execute_model(so)` ahead of it, in the gap whose other threads
+        sleep (workers/host_gap.py): the batch's update and the step's inputs. A single stage
+        only (a later stage posts its input's receive first); the next `execute_model` call
+        with this very `so` takes them."""
+        if not (self.stage.is_first and self.stage.is_last) or so.is_empty:
+            return
+        timing = StepTiming(recv=time.perf_counter(), parked=True)
+        self._update_states(so)
+        self._prepared = _Prepared(so, timing, self._prepare_inputs(so))
 
     @torch.inference_mode()
     def sample_tokens(self, step_id: int, grammar_bitmask) -> AsyncStepOutput | None:

@@ -70,6 +70,10 @@ class Worker:
             self._use_threads(self.threads[1] if _prompt_heavy(so) else self.threads[0])
         return self.runner.execute_model(so, defer_sampling, hidden_in)
 
+    def prepare(self, so: SchedulerOutput) -> None:
+        """`execute_model(so)`'s host half ahead of it (ModelRunner.prepare)."""
+        self.runner.prepare(so)
+
     def set_threads(self, num_threads: int, prefill_threads: int) -> None:
         """torch threads for decode steps and for prompt-heavy ones (vserve.executor.placement:
         a PP stage prefills on its share of the host's cores)."""

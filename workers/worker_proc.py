@@ -76,6 +76,7 @@ class _RankLoop:
         import torch
 
         from vserve.distributed.grid import GridRank, tp_group_on_one_host
+        from vserve.workers.host_gap import HostGap
         from vserve.workers.pp_comm import PPComm
         from vserve.workers.worker import Worker
 
@@ -120,6 +121,9 @@ class _RankLoop:
         # On CPU the ids are on the host when a step returns: one stage replies at once instead
         # of waking its reply thread (which waits for the GIL while the next step runs)
         self.inline_replies = grid.pp_size == 1 and self.rank == 0 and runner_config.device == "cpu"
+        self.held_reply = None  # the step's output, sent first thing in the next gap
+        self.gap = HostGap(runner_config.device, enabled=None if self.world == 1 else False)
+        self.gap.pinned = bool(setup.cpus)
         self.replies: queue.Queue = queue.Queue()
         self.reply_thread = threading.Thread(
             target=self._reply_loop, daemon=True, name="vserve-reply"
@@ -130,15 +134,12 @@ class _RankLoop:
     def run(self) -> int:
         while True:
             try:
-                data, hidden = self._next_request()
+                msg, hidden = self.gap.run(self._between_steps, self._next_ready())
             except (EOFError, OSError, RuntimeError):
                 return 0 if self.rank else 1  # engine core or rank 0 went away
             try:
-                msg = data.message if isinstance(data, Prefetched) else None
-                if msg is None:
-                    if isinstance(data, Prefetched):
-                        raise data.request_error or RuntimeError("no request")
-                    msg = wire.decode_request(data)  # typed: another host may have sent it
+                if isinstance(msg, BaseException):
+                    raise msg
                 if isinstance(msg, wire.Shutdown):
                     self._close()
                     return 0
@@ -151,6 +152,30 @@ class _RankLoop:
                 self.replies.put(None)
                 self.reply_thread.join(timeout=10)
                 return 1
+
+    def _between_steps(self, parked: bool) -> tuple[wire.WorkerRequest | BaseException, object]:
+        """The reply held back from the last step, the next request, and (`parked`: the other
+        threads asleep, workers/host_gap.py) a step's inputs. A request that does not decode,
+        or whose inputs fail, comes back as its exception for the loop to report."""
+        if self.held_reply is not None:
+            out, self.held_reply = self.held_reply, None
+            self._send(wire.encode(wire.Out(out.get())))
+        data, hidden = self._next_request()
+        try:
+            msg = data.message if isinstance(data, Prefetched) else None
+            if msg is None:
+                if isinstance(data, Prefetched):
+                    raise data.request_error or RuntimeError("no request")
+                msg = wire.decode_request(data)  # typed: another host may have sent it
+            if parked and isinstance(msg, wire.Execute):
+                self.worker.prepare(msg.so)
+        except BaseException as e:
+            return e, hidden
+        return msg, hidden
+
+    def _next_ready(self) -> bool:
+        """The engine core's next request is already here (a single rank only)."""
+        return self.world == 1 and self.req_conn is not None and self.req_conn.poll(0)
 
     def _next_request(self) -> tuple[bytes | Prefetched, object]:
         """The next request's bytes (or, on a later CPU stage, its prefetched form), and the
@@ -200,10 +225,11 @@ class _RankLoop:
         num_threads, prefill_threads, cpus = per_rank[self.rank]
         self.worker.set_threads(num_threads, prefill_threads)
         pin_process(os.getpid(), cpus or self.all_cpus)
+        self.gap.pinned = bool(cpus)
 
     def _expect_reply(self, out) -> None:
-        if self.inline_replies:
-            self._send(wire.encode(wire.Out(out.get())))
+        if self.inline_replies:  # sent first thing in the gap, parked with it
+            self.held_reply = out
         elif self.is_sampler:
             self.replies.put(("local", out))
         elif self.rank == 0:

@@ -346,6 +346,16 @@ def test_serialized_steps_by_the_timestamps():
     assert overlap_report(pp_run()).serialized_steps == 0
 
 
+def test_parked_steps_are_counted_and_shown():
+    records = async_run()
+    for r in records[::2]:
+        r.parked = True
+    rep = overlap_report(records)
+    assert rep.parked_steps == N // 2 and overlap_report(sync_run()).parked_steps == 0
+    line = next(x for x in rep.format().splitlines() if x.startswith("Steps prepared in a"))
+    assert line.split()[-1] == f"{N // 2}/{N}"
+
+
 def test_trace_has_a_lane_per_pp_stage():
     from vserve.bench.trace import chrome_trace
 

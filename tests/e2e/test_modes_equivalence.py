@@ -163,6 +163,27 @@ def _worker_in_process(mode: dict) -> bool:
     return not mode["multiprocess"] and mode.get("distributed_executor_backend") == "uni"
 
 
+def _parks(mode: dict) -> bool:
+    """The worker's gaps run parked (workers/host_gap.py): async, one worker process whose
+    threads share the cores with this process and the engine core."""
+    return (
+        mode.get("async_scheduling", True)
+        and mode.get("distributed_executor_backend", "mp") == "mp"
+        and mode.get("pipeline_parallel_size", 1) == 1
+        and len(os.sched_getaffinity(0)) >= 2
+    )
+
+
+def _check_parked_gaps(records, mode: dict) -> None:
+    """Under async scheduling the next step waits at the worker when a forward ends: most gaps
+    ran parked (140 of 144 steps here, 2 cores). Nothing else parks."""
+    parked = sum(r.parked for r in records)
+    if _parks(mode):
+        assert parked > len(records) // 2, (parked, len(records))
+    else:
+        assert parked == 0
+
+
 def _check_stage_forwards(records, pp: int) -> None:
     """With PP every step with tokens reports each stage's own forward, in pipeline order:
     a stage starts after the stage before it ended (it waited for its hidden states)."""
@@ -205,6 +226,7 @@ def test_mode_matches_sync_reference(tiny_model_dir, reference, mode, monkeypatc
         engine.shutdown()
     assert results == reference
     _check_stage_forwards(records, MODES[mode].get("pipeline_parallel_size", 1))
+    _check_parked_gaps(records, MODES[mode])
     # an engine core in this process (async-inproc-mpexec) leaves its scheduling policy alone
     assert {os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")} == {
         os.SCHED_OTHER

@@ -91,6 +91,9 @@ class OverlapReport:
     stages: list[dict] = field(default_factory=list)
     steps_without_overlap: dict[str, int] = field(default_factory=dict)
     serialized_steps: int = 0  # by the timestamps: nothing in flight beside them
+    # inputs made in a gap whose other worker threads slept, the host work beside them
+    # (workers/host_gap.py)
+    parked_steps: int = 0
     warning: str | None = None
 
     def to_dict(self) -> dict:
@@ -139,6 +142,7 @@ class OverlapReport:
             (f"  {reason}", str(n)) for reason, n in sorted(self.steps_without_overlap.items())
         ]
         rows.append(("  by the timestamps (no step in flight):", str(self.serialized_steps)))
+        rows.append(("Steps prepared in a parked gap:", f"{self.parked_steps}/{self.num_steps}"))
         lines = ["{s:{c}^64}".format(s=" Overlap report ", c="=")]
         lines += [
             f"{label:<50}{value:>14}" if len(label) <= 50 else f"{label}  {value}"
@@ -238,6 +242,7 @@ def overlap_report(
         stages=[asdict(s) for s in stages],
         steps_without_overlap=_no_overlap_reasons(steps),
         serialized_steps=serialized_steps(steps),
+        parked_steps=sum(r.parked for r in steps),
         warning=_warning(slowdown),
     )
 

@@ -73,6 +73,9 @@ class StepTiming:
     # PP: (start, end) of each stage's own forward, first to last (the overlap report's
     # per-stage figures); empty when the stages do not report them
     stage_forwards: list[tuple[float, float]] = field(default_factory=list)
+    # the step's inputs were made in the gap before it, the worker's other threads asleep
+    # (workers/host_gap.py)
+    parked: bool = False
 
 
 @dataclass

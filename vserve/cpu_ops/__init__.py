@@ -27,6 +27,10 @@ weight, a batched matmul over dequantized tiles, and the embedding lookup of qua
 `decoder_layer_q` runs a whole decode layer on them (on one tensor-parallel rank's shard too,
 calling the all-reduce it is given back as `decoder_layer` does).
 
+`park.h` (bound in decode.cpp as `parked(fn)`) runs fn with the other threads of torch's
+OpenMP pool asleep instead of spinning: a CPU worker's gap between two forwards
+(workers/host_gap.py).
+
 `stack.cpp` builds into it too: `DecodeStack` runs every layer of a decode step (up to 8 rows)
 on GGUF blocks in one call, with one parallel region for the step instead of a fork and join
 per gemv (vserve/models/fused_decode.py).

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "layer_rows.h"
+#include "park.h"
 #include "quant.h"
 #include "sample.h"
 #include "vec16.h"
@@ -612,6 +613,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv);
   m.def("linear", &linear);
   m.def("decoder_layer_q", decoder_layer_q);
+  m.def(
+      "parked",
+      [](const py::function& fn) {
+        py::object out;  // the GIL stays with this thread: the parked ones never take it
+        vserve_park::run_parked(at::get_num_threads(), [&] { out = fn(); });
+        return out;
+      },
+      "fn() with the other threads of torch's OpenMP pool asleep (park.h)");
   using vserve_layer::DecodeStackApi;
   py::class_<DecodeStackApi>(m, "DecodeStack")
       .def(py::init(&vserve_layer::make_decode_stack))

@@ -37,6 +37,7 @@ class StepRecord:
     # forward is forward_start..forward_end
     stage_forwards: tuple[tuple[float, float], ...] = ()
     launch_interval: float = 0.0  # since the previous launch (0 for the first after idle)
+    parked: bool = False  # inputs made in the gap before, the worker's other threads asleep
     no_overlap: str | None = None  # why the device waited for the host: no other step with
     #                                tokens in flight at launch, or its sampling waited for older
     #                                steps (a grammar)
@@ -87,6 +88,7 @@ class StepRecorder:
             rec.recv, rec.forward_start = timing.recv, timing.forward_start
             rec.stage_forwards = tuple(timing.stage_forwards)
             rec.forward_end, rec.ready = timing.forward_end, timing.ready
+            rec.parked = timing.parked
         self.recent.append(rec)
 
     def drain_recent(self) -> list[StepRecord]:

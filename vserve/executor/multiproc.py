@@ -37,7 +37,9 @@ logger = logging.getLogger("vserve.executor")
 # asleep inside a step, between one op's region and the next: measured on two cores, the async
 # forward took 12-18% longer at batch 32 (tiny model, 262k vocabulary) and the batch-1 steps
 # were no faster (embedded model) or slower (tiny). libgomp's own 300k is pinned here so a
-# runtime with another default does not change it; a value the user sets wins.
+# runtime with another default does not change it; a value the user sets wins. Between two
+# steps a worker that shares its cores with the host work parks the team instead, so that
+# the spin does not hold a core the engine core needs then (workers/host_gap.py).
 WORKER_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "300000"}
 
 

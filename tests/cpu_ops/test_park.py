@@ -1,0 +1,110 @@
+"""cpu_ops.parked (vserve/cpu_ops/park.h): fn() on the calling thread while the other threads of
+torch's OpenMP pool sleep. Its value and its exceptions come back as they are, torch ops inside
+run on this thread alone, and the parked threads use no CPU: with OpenMP threads that would
+otherwise spin without end, a sleep outside the park burns a core and a sleep in it does not."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vserve import cpu_ops
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the kernels cannot be built",
+)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the CPU kernels failed to build (see the log)"
+    return module
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_returns_the_value_of_one_call(ops, two_threads):
+    calls = []
+    assert ops.parked(lambda: calls.append(1) or ("value", 7)) == ("value", 7)
+    assert calls == [1]
+
+
+def test_an_exception_comes_back_with_its_type(ops, two_threads):
+    class Marked(Exception):
+        pass
+
+    def fail():
+        raise Marked("from inside")
+
+    with pytest.raises(Marked, match="from inside"):
+        ops.parked(fail)
+    with pytest.raises(EOFError):  # what the worker loop catches for a closed pipe
+        ops.parked(lambda: (_ for _ in ()).throw(EOFError()))
+    assert ops.parked(lambda: 3) == 3  # the pool still works after
+
+
+def test_torch_ops_inside_match_outside(ops, two_threads):
+    x, w = torch.randn(64, 256), torch.randn(512, 256)
+    expected = torch.nn.functional.linear(x, w)
+    got = ops.parked(lambda: torch.nn.functional.linear(x, w))
+    torch.testing.assert_close(got, expected)
+
+
+def test_nested_and_single_thread_calls_just_run(ops, two_threads):
+    assert ops.parked(lambda: ops.parked(lambda: 5)) == 5
+    torch.set_num_threads(1)
+    assert ops.parked(lambda: 6) == 6
+
+
+SPIN = textwrap.dedent(
+    """
+    import os, time, sys
+    import torch
+    from vserve import cpu_ops
+    torch.set_num_threads(2)
+    ops = cpu_ops.load()
+    x = torch.randn(256, 256)
+
+    def idle():  # one parallel region, then 0.4 s of this thread asleep
+        torch.mm(x, x)
+        start = time.process_time()
+        time.sleep(0.4)
+        return time.process_time() - start
+
+    if sys.argv[1] == "parked":
+        torch.mm(x, x)
+        print(ops.parked(lambda: (time.process_time(), time.sleep(0.4), time.process_time())))
+    else:
+        print(idle())
+    """
+)
+
+
+def _cpu_while_asleep(how: str) -> float:
+    env = dict(os.environ, OMP_WAIT_POLICY="active", GOMP_SPINCOUNT="infinite")
+    out = subprocess.run(
+        [sys.executable, "-c", SPIN, how], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    value = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 -- our own child's print
+    return value if how == "spin" else value[2] - value[0]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 threads")
+def test_parked_threads_use_no_cpu(ops):
+    spinning = _cpu_while_asleep("spin")
+    parked = _cpu_while_asleep("parked")
+    assert spinning > 0.25, spinning  # the other thread spun through the whole sleep
+    assert parked < 0.1, parked
