@@ -59,6 +59,11 @@ def model_kwargs(name: str) -> dict:
     if name == "tiny":  # as overlap_matrix.py's: fp32, the embedded vocabulary
         path = build_llama(Path(tempfile.gettempdir()) / "vserve-tiny-llama", 262144, 64, 2)
         return dict(model=path, dtype="float32")
+    if name == "host-bound":  # overlap_matrix.py's: fp32, 4096 tokens, hidden 64
+        path = build_llama(
+            Path(tempfile.gettempdir()) / "vserve-host-bound-llama", 4096, 64, 2, "bpe"
+        )
+        return dict(model=path, dtype="float32")
     return dict(model=name)
 
 
@@ -70,7 +75,7 @@ def start(config: str, model: dict, max_len: int):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return LLM(max_model_len=max_len, **model, **MODES[mode])
+        return LLM(max_model_len=max_len, max_num_seqs=256, **model, **MODES[mode])
     finally:
         for k, v in saved.items():
             if v is None:

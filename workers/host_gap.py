@@ -36,15 +36,18 @@ def should_park(enabled: bool, threads: int, pinned: bool, next_ready: bool) -> 
 
 class HostGap:
     def __init__(self, device: str, enabled: bool | None = None) -> None:
-        self.enabled = ENV.cpu_park if enabled is None else enabled
-        module = cpu_ops.load() if device == "cpu" and self.enabled else None
-        self._parked: Callable | None = None if module is None else module.parked
+        self.enabled = (ENV.cpu_park if enabled is None else enabled) and device == "cpu"
         self.pinned = False  # the placement keeps this worker's threads on their own cores
 
     def run(self, work: Callable[[bool], T], next_ready: bool) -> T:
         """work(parked), parked when it pays."""
-        if self._parked is not None and should_park(
-            self.enabled, torch.get_num_threads(), self.pinned, next_ready
-        ):
-            return self._parked(lambda: work(True))
+        if should_park(self.enabled, torch.get_num_threads(), self.pinned, next_ready):
+            parked = self._parked()
+            if parked is not None:
+                return parked(lambda: work(True))
         return work(False)
+
+    def _parked(self) -> Callable | None:
+        """cpu_ops.parked, loaded on first use (by then the model's kernels are built)."""
+        module = cpu_ops.load()
+        return None if module is None else module.parked

@@ -255,7 +255,8 @@ class ModelRunner:
         `hidden_in`: a later stage's input, its receive already posted (else posted here)."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None:
-            assert prepared.so is so, (prepared.so.step_id, so.step_id)
+            if prepared.so is not so:  # the batch moved on for another step: never run it
+                raise RuntimeError(f"step {so.step_id}: inputs prepared for {prepared.so.step_id}")
             timing, inputs = prepared.timing, prepared.inputs
         else:
             timing = StepTiming(recv=time.perf_counter())

@@ -5,7 +5,8 @@ Only rank 0 talks to the engine core (two pipes); every request travels on from 
 over torch.distributed (`PPComm.pass_request`), so ranks may live on other hosts. Each step's
 result comes from the sampling rank (TP rank 0 of the last stage): with PP or CUDA a reply
 thread waits for the host copy of the sampled ids and sends it, so the main loop takes the
-next request at once (a single CPU stage replies inline). A rank that fails reports its error
+next request at once (a single CPU stage replies from its main loop, first thing in the gap
+before the next step, which workers/host_gap.py may run parked). A rank that fails reports its error
 (rank 0 and the sampling rank carry the message to the engine) and exits non-zero.
 """
 
@@ -122,7 +123,7 @@ class _RankLoop:
         # of waking its reply thread (which waits for the GIL while the next step runs)
         self.inline_replies = grid.pp_size == 1 and self.rank == 0 and runner_config.device == "cpu"
         self.held_reply = None  # the step's output, sent first thing in the next gap
-        self.gap = HostGap(runner_config.device, enabled=None if self.world == 1 else False)
+        self.gap = HostGap(runner_config.device, enabled=ENV.cpu_park and self.world == 1)
         self.gap.pinned = bool(setup.cpus)
         self.replies: queue.Queue = queue.Queue()
         self.reply_thread = threading.Thread(
@@ -155,11 +156,17 @@ class _RankLoop:
 
     def _between_steps(self, parked: bool) -> tuple[wire.WorkerRequest | BaseException, object]:
         """The reply held back from the last step, the next request, and (`parked`: the other
-        threads asleep, workers/host_gap.py) a step's inputs. A request that does not decode,
-        or whose inputs fail, comes back as its exception for the loop to report."""
+        threads asleep, workers/host_gap.py) a step's inputs. A reply that cannot be made, a
+        request that does not decode or inputs that fail come back as the exception (not
+        raised: the loop reports it as a failed step, where a raise would end the loop as if
+        the engine core had gone)."""
         if self.held_reply is not None:
             out, self.held_reply = self.held_reply, None
-            self._send(wire.encode(wire.Out(out.get())))
+            try:
+                reply = wire.encode(wire.Out(out.get()))
+            except BaseException as e:  # the step's failure, reported as before
+                return e, None
+            self._send(reply)  # (an OSError: the engine core is gone)
         data, hidden = self._next_request()
         try:
             msg = data.message if isinstance(data, Prefetched) else None

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from vserve import cpu_ops
 from vserve.workers.host_gap import HostGap, should_park
 
 
@@ -34,7 +35,8 @@ def two_threads():
 
 
 needs_compiler = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler"
+    shutil.which("c++") is None and shutil.which("g++") is None or not cpu_ops.enabled_by_env(),
+    reason="no C++ compiler, or VSERVE_CPU_OPS=0",
 )
 
 
@@ -48,8 +50,6 @@ def test_cpu_gap_parks_when_it_pays(two_threads):
 
 
 def test_off_and_cuda_gaps_never_park(two_threads, monkeypatch):
-    from vserve import cpu_ops
-
     monkeypatch.setattr(cpu_ops, "load", lambda: pytest.fail("the kernels are not needed"))
     for gap in (HostGap("cpu", enabled=False), HostGap("cuda", enabled=True)):
         assert gap.run(lambda parked: parked, next_ready=True) is False
