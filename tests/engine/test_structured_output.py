@@ -303,16 +303,38 @@ def test_regex_choice_grammar_json_object(engines, kind, value, check):
         assert check(out.outputs[0].text), out.outputs[0].text
 
 
+def _json_matcher(llm):
+    """A fresh matcher of xgrammar's own JSON grammar (not the engine's) over llm's vocabulary."""
+    import xgrammar as xgr
+
+    from vserve.tokenizer import load_tokenizer
+
+    m = llm.engine.config.model
+    info = xgr.TokenizerInfo.from_huggingface(
+        load_tokenizer(m.tokenizer), vocab_size=m.vocab_size, stop_token_ids=m.eos_token_ids
+    )
+    compiled = xgr.GrammarCompiler(info).compile_builtin_json_grammar()
+    return lambda: xgr.GrammarMatcher(compiled)
+
+
 def test_json_object(engines):
-    """Any JSON object: a random model may write endless keys, so only finished outputs are
-    checked, and some must finish."""
+    """Any JSON object, every output: a random model may write endless keys, so one cut at
+    max_tokens must be a prefix of JSON (each token accepted by xgrammar's JSON grammar) that
+    opens an object; one that finished must parse as an object. Some must finish."""
     params = SamplingParams(
         temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json_object=True)
     )
     outs = engines["async"].generate(PROMPTS, params, use_tqdm=False)
-    done = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
-    assert done
-    assert all(isinstance(json.loads(c.text), dict) for c in done)
+    matcher = _json_matcher(engines["async"])
+    for c in (o.outputs[0] for o in outs):
+        m = matcher()
+        assert all(m.accept_token(t) for t in c.token_ids), c.text
+        assert c.text.lstrip().startswith("{"), c.text
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.text), dict)
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 200
+    assert any(o.outputs[0].finish_reason == "stop" for o in outs)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@
 
 #include "layer_rows.h"
 #include "park.h"
+#include "row_shares.h"
 #include "quant.h"
 #include "sample.h"
 #include "vec16.h"
@@ -481,6 +482,39 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 
 }  // namespace
 
+// x [M, K] times the rows of w [N, K] (no bias): F.linear's product, each tile of ~1 MB of
+// weight rows multiplied on one thread by ATen's own kernel (inside a parallel region ATen
+// runs it single-threaded) into its columns of the output, the tiles claimed in shares
+// (row_shares.h). For an fp32 lm_head, where F.linear's one static split made a thread that
+// the OS preempted (the engine's host work beside the forward) hold up the whole product:
+// measured, 262k x 64 at M = 32, 28.4 -> 25.8 ms alone and 37.2 -> 26.7 ms beside a process
+// busy 1 ms in 6. Each tile is one thread's product whoever claims it: the result does not
+// depend on the thread count (tests/models/test_shared_head.py).
+at::Tensor shared_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() &&
+                  x.scalar_type() == w.scalar_type(),
+              "shared_linear: x [M, K] and a contiguous w [N, K] of one dtype");
+  const auto xc = x.contiguous();
+  const int64_t m = xc.size(0), n = w.size(0), k = w.size(1), row_bytes = k * w.element_size();
+  auto out = at::empty({m, n}, xc.options());
+  if (m == 0 || n == 0) return out;
+  const int64_t tile = std::clamp<int64_t>((1 << 20) / row_bytes / 16 * 16, 16, 8192);
+  const bool inference = c10::InferenceMode::is_enabled();
+  // the pool's threads do not inherit the caller's inference mode (mm_out writes into out)
+  vserve_rows::stream_rows(
+      (n + tile - 1) / tile, tile * row_bytes,
+      [&](int64_t lo, int64_t hi) {
+        c10::InferenceMode mode(inference);
+        for (int64_t t = lo; t < hi; ++t) {
+          const int64_t r0 = t * tile, rows = std::min(tile, n - r0);
+          auto cols = out.narrow(1, r0, rows);
+          at::mm_out(cols, xc, w.narrow(0, r0, rows).t());
+        }
+      },
+      tile * row_bytes);
+  return out;
+}
+
 // PackedLinear.forward with the kernels attached: gemv for one row, oneDNN otherwise
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& plain,
                   const std::optional<at::Tensor>& bias) {
@@ -612,6 +646,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", decoder_layer);
   m.def("gemv", &gemv);
   m.def("linear", &linear);
+  m.def("shared_linear", &shared_linear);
   m.def("decoder_layer_q", decoder_layer_q);
   m.def(
       "parked",

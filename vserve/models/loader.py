@@ -21,6 +21,7 @@ from vserve.models.gguf_source import gguf_file, iter_gguf_weights
 from vserve.models.packed_linear import can_pack, pack_linears, share_tied_head
 from vserve.models.quant_linear import install, park_int8
 from vserve.models.registry import model_class
+from vserve.models.shared_head import share_head
 from vserve.models.stage import StageInfo
 
 logger = logging.getLogger("vserve")
@@ -69,6 +70,10 @@ def load_model(
         if kernel is not None:
             share_tied_head(model)
             attach_kernel(model, kernel)
+    elif device.type == "cpu" and dtype == torch.float32 and qkernel is None:
+        kernel = cpu_ops.load()  # (fp32 models' attention loads it too)
+        if kernel is not None:
+            share_head(model, kernel)
     return model
 
 
