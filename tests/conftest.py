@@ -12,7 +12,7 @@ if not __import__("torch").cuda.is_available():
 
 from tests.support.tiny_models import build_model  # noqa: E402
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "tests.support.cpu_kernels"]  # (its fixtures: ops, two_threads)
 
 # skip reasons of tests/cpu_ops, tests/workers/test_cpu_ops.py, test_sampler_kernel.py and
 # tests/models/test_quant_linear.py when the C++ kernels cannot be built; CPU features (AVX2,

@@ -4,7 +4,6 @@ run on this thread alone, and the parked threads use no CPU: with OpenMP threads
 otherwise spin without end, a sleep outside the park burns a core and a sleep in it does not."""
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,27 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from vserve import cpu_ops
+from tests.support.cpu_kernels import needs_kernels
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler: the kernels cannot be built",
-)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops.load()
-    assert module is not None, "the CPU kernels failed to build (see the log)"
-    return module
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = needs_kernels
 
 
 def test_returns_the_value_of_one_call(ops, two_threads):

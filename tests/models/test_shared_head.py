@@ -4,27 +4,15 @@ to a prefill's worth, hidden sizes of tiny and real models, a vocabulary that is
 of a tile) and bitwise it on the tiny models' heads; an fp32 model loads with it, a bf16 one
 keeps its packed head."""
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vserve import cpu_ops
+from tests.support.cpu_kernels import needs_kernels
 from vserve.models.shared_head import SharedHead, share_head
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None or not cpu_ops.enabled_by_env(),
-    reason="no C++ compiler, or VSERVE_CPU_OPS=0",
-)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops.load()
-    assert module is not None, "the CPU kernels failed to build (see the log)"
-    return module
+pytestmark = needs_kernels
 
 
 SHAPES = [(1, 50021, 64), (32, 40000, 64), (5, 30011, 640), (130, 9000, 896), (3, 7, 64)]

@@ -2,11 +2,9 @@
 request already there, more than one thread, and threads not pinned apart from the host work;
 never on CUDA or with VSERVE_CPU_PARK=0. The parking itself: tests/cpu_ops/test_park.py."""
 
-import shutil
-
 import pytest
-import torch
 
+from tests.support.cpu_kernels import needs_kernels
 from vserve import cpu_ops
 from vserve.workers.host_gap import HostGap, should_park
 
@@ -26,21 +24,7 @@ def test_should_park(enabled, threads, pinned, ready, parks):
     assert should_park(enabled, threads, pinned, ready) is parks
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-needs_compiler = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None or not cpu_ops.enabled_by_env(),
-    reason="no C++ compiler, or VSERVE_CPU_OPS=0",
-)
-
-
-@needs_compiler
+@needs_kernels
 def test_cpu_gap_parks_when_it_pays(two_threads):
     gap = HostGap("cpu", enabled=True)
     assert gap.run(lambda parked: parked, next_ready=True) is True
