@@ -5,6 +5,8 @@ stop strings, and the service routes (/v1/models, /tokenize, /detokenize, /versi
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -232,6 +234,59 @@ def test_service_routes(server):
         assert f"vserve:{name}{{" in text, name
     labels = f'engine="0",finished_reason="length",model_name="{MODEL}"'
     assert f"vserve:request_success_total{{{labels}}}" in text
+
+
+def _sum(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_count_by_value(server, client):
+    """The counters move by exactly what the requests did (test audit: names alone were
+    checked): prompt and generated tokens as the usage says, one success per request with its
+    finish reason, one TTFT and one end-to-end latency observation each, none left running."""
+    names = {
+        "prompt": ("vserve:prompt_tokens_total", {}),
+        "generated": ("vserve:generation_tokens_total", {}),
+        "length": ("vserve:request_success_total", {"finished_reason": "length"}),
+        "stop": ("vserve:request_success_total", {"finished_reason": "stop"}),
+        "ttft": ("vserve:time_to_first_token_seconds_count", {}),
+        "e2e": ("vserve:e2e_request_latency_seconds_count", {}),
+    }
+
+    def read() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics").text
+        return {k: _sum(text, n, **labels) for k, (n, labels) in names.items()}
+
+    before = read()
+    prompts, usage = ["one two three", "a much longer prompt of several words", "x"], []
+    for i, p in enumerate(prompts):
+        out = client.completions.create(model=MODEL, prompt=p, max_tokens=3 + i, temperature=0)
+        assert out.choices[0].finish_reason == "length"
+        usage.append(out.usage)
+    want = {
+        "prompt": sum(u.prompt_tokens for u in usage),
+        "generated": sum(u.completion_tokens for u in usage),
+        "length": 3,
+        "stop": 0,
+        "ttft": 3,
+        "e2e": 3,
+    }
+    assert want["generated"] == 3 + 4 + 5
+    deadline, got = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:  # the engine's stats reach the front end each step
+        after = read()
+        got = {k: after[k] - before[k] for k in names}
+        if got == want:
+            break
+        time.sleep(0.1)
+    assert got == want
+    text = httpx.get(server.url + "/metrics").text
+    assert _sum(text, "vserve:num_requests_running") == 0
 
 
 def test_request_id_echoed(server):
