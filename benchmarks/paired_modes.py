@@ -23,12 +23,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from overlap_matrix import build_llama  # noqa: E402
+from overlap_matrix import model_args  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MODES = {
@@ -54,17 +53,11 @@ def parse_config(text: str) -> tuple[str, dict[str, str]]:
 
 
 def model_kwargs(name: str) -> dict:
-    if name == "embedded":
-        return {}
-    if name == "tiny":  # as overlap_matrix.py's: fp32, the embedded vocabulary
-        path = build_llama(Path(tempfile.gettempdir()) / "vserve-tiny-llama", 262144, 64, 2)
-        return dict(model=path, dtype="float32")
-    if name == "host-bound":  # overlap_matrix.py's: fp32, 4096 tokens, hidden 64
-        path = build_llama(
-            Path(tempfile.gettempdir()) / "vserve-host-bound-llama", 4096, 64, 2, "bpe"
-        )
-        return dict(model=path, dtype="float32")
-    return dict(model=name)
+    """LLM arguments of a model named as overlap_matrix.py names them, or of a path."""
+    if name not in ("embedded", "tiny", "host-bound"):
+        return dict(model=name)
+    args = model_args(name)  # the same models as the matrix: ["--model", PATH, "--dtype", ...]
+    return {flag.lstrip("-"): value for flag, value in zip(args[::2], args[1::2])}
 
 
 def start(config: str, model: dict, max_len: int):

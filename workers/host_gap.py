@@ -25,7 +25,6 @@ from typing import TypeVar
 import torch
 
 from vserve import cpu_ops
-from vserve.envs import ENV
 
 T = TypeVar("T")
 
@@ -35,8 +34,9 @@ def should_park(enabled: bool, threads: int, pinned: bool, next_ready: bool) -> 
 
 
 class HostGap:
-    def __init__(self, device: str, enabled: bool | None = None) -> None:
-        self.enabled = (ENV.cpu_park if enabled is None else enabled) and device == "cpu"
+    def __init__(self, device: str, enabled: bool) -> None:
+        """enabled: VSERVE_CPU_PARK, and a single rank (workers/worker_proc.py)."""
+        self.enabled = enabled and device == "cpu"
         self.pinned = False  # the placement keeps this worker's threads on their own cores
 
     def run(self, work: Callable[[bool], T], next_ready: bool) -> T:
