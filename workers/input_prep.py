@@ -11,6 +11,7 @@ into `DeviceInputs`. Two strategies share that contract and are chosen once from
 | `FusedInputPrep` | CUDA   | one Triton launch computes | merged by the same launch          |
 
 The fused path copies two packed host buffers (int32, int64) instead of one tensor per field.
+A sliding-window KV group's slots (`local_*`) are computed on the host by both.
 """
 
 from __future__ import annotations
@@ -132,12 +133,17 @@ class FusedInputPrep:
     def build(
         self, host: HostInputs, plan: FeedbackPlan, prev: torch.Tensor | None
     ) -> DeviceInputs:
-        assert host.local_block_tables is None, "the Triton path has one KV group"
         num_reqs, num_tokens = host.num_reqs, len(host.host_tokens)
         prev_index = np.full(num_reqs, -1, dtype=np.int32)
         offsets = np.zeros(num_reqs, dtype=np.int32)
         prev_index[plan.rows] = plan.src
         offsets[plan.rows] = plan.offsets
+        # a sliding-window KV group (Gemma 3, Mistral): its tables and slots travel in the same
+        # two copies; its slots come from the host's positions (the kernel computes the first
+        # group's)
+        local = host.local_block_tables
+        local_tables = [] if local is None else [local.reshape(-1)]
+        local_slots = [] if local is None else [_local_slots(host)]
         ints = self.shim.to_device(
             np.concatenate(
                 [
@@ -146,15 +152,21 @@ class FusedInputPrep:
                     prev_index,
                     offsets,
                     host.block_tables.reshape(-1),
+                    *local_tables,
                 ]
             )
         )
-        longs = self.shim.to_device(np.concatenate([host.host_tokens, host.num_computed]))
-        qsl, seq_lens, prev_index_d, offsets_d, table = ints.split(
+        longs = self.shim.to_device(
+            np.concatenate([host.host_tokens, host.num_computed, *local_slots])
+        )
+        qsl, seq_lens, prev_index_d, offsets_d, table, *local_table = ints.split(
             [num_reqs + 1, num_reqs, num_reqs, num_reqs, host.block_tables.size]
+            + [t.size for t in local_tables]
         )
         block_tables = table.view(host.block_tables.shape)
-        host_tokens, num_computed = longs.split([num_tokens, num_reqs])
+        host_tokens, num_computed, *local_slot = longs.split(
+            [num_tokens, num_reqs] + [num_tokens for _ in local_slots]
+        )
         input_ids, positions, slots = self._kernel(
             qsl,
             num_computed,
@@ -168,7 +180,22 @@ class FusedInputPrep:
         if plan.rows:
             self.stats["fused"] += 1
             self.stats["rows"] += len(plan.rows)
-        return DeviceInputs(input_ids, positions, slots, qsl, seq_lens, block_tables)
+        return DeviceInputs(
+            input_ids,
+            positions,
+            slots,
+            qsl,
+            seq_lens,
+            block_tables,
+            local_slot[0] if local_slot else None,
+            local_table[0].view(local.shape) if local_table else None,
+        )
+
+
+def _local_slots(host: HostInputs) -> np.ndarray:
+    """The sliding-window group's flat KV slot of each token."""
+    req_of = np.repeat(np.arange(host.num_reqs), np.diff(host.query_start_loc))
+    return _slots(host.local_block_tables, req_of, host.positions, host.block_size)
 
 
 def _slots(

@@ -72,8 +72,9 @@ def test_async_equals_sync_on_cuda(tiny_model_dir):
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_fused_prep_equals_torch_prep_on_cuda(seed, decode_only):
-    host, plan, prev = random_case(seed, decode_only, num_reqs=40, block_size=16)
+@pytest.mark.parametrize("local", [False, True], ids=["one-group", "sliding-group"])
+def test_fused_prep_equals_torch_prep_on_cuda(seed, decode_only, local):
+    host, plan, prev = random_case(seed, decode_only, num_reqs=40, block_size=16, local=local)
     (torch_out, _), (fused_out, _) = build_both(host, plan, prev, "cuda")
     assert fused_out.input_ids.is_cuda
     assert_same_inputs(torch_out, fused_out, host, plan, prev)

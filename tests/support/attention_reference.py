@@ -35,7 +35,15 @@ class PagedCase:
     key: torch.Tensor
     value: torch.Tensor
     kv_cache: torch.Tensor
-    contexts: list[tuple[torch.Tensor, torch.Tensor]]  # full K, V per request
+    contexts: list[tuple[torch.Tensor, torch.Tensor]]  # full K, V per request (host)
+
+    def to(self, device) -> PagedCase:
+        """The same case with the kernels' inputs on `device` (the reference stays on the host)."""
+        meta = self.meta
+        for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            setattr(meta, name, getattr(meta, name).to(device))
+        on = [t.to(device) for t in (self.query, self.key, self.value, self.kv_cache)]
+        return PagedCase(meta, *on, self.contexts)
 
 
 def make_case(
@@ -98,7 +106,7 @@ def reference_output(case: PagedCase, spec: AttentionLayerSpec) -> torch.Tensor:
     outs = []
     qsl = case.meta.query_start_loc_cpu
     for i, (k, v) in enumerate(case.contexts):
-        q = case.query[qsl[i] : qsl[i + 1]]
+        q = case.query[qsl[i] : qsl[i + 1]].to(k.device)
         ctx = k.shape[0]
         q_pos = torch.arange(ctx - q.shape[0], ctx)
         outs.append(dense_attention(q, k, v, q_pos, spec))

@@ -11,12 +11,24 @@ import torch
 from vserve.workers.device import DeviceShim
 from vserve.workers.input_prep import FeedbackPlan, FusedInputPrep, HostInputs, TorchInputPrep
 
-FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "query_start_loc",
+    "seq_lens",
+    "block_tables",
+    "local_slot_mapping",
+    "local_block_tables",
+)
 
 
-def random_case(seed: int, decode_only: bool, num_reqs: int = 6, block_size: int = 4):
+def random_case(
+    seed: int, decode_only: bool, num_reqs: int = 6, block_size: int = 4, local: bool = False
+):
     """(HostInputs, FeedbackPlan, prev ids as numpy). Decode-only cases feed rows 0..n-1 from
-    prev 0..n-1 (the unchanged-batch slice); mixed cases feed a shuffled subset of rows."""
+    prev 0..n-1 (the unchanged-batch slice); mixed cases feed a shuffled subset of rows.
+    `local`: a second (sliding-window) KV group with tables of its own."""
     rng = np.random.default_rng(seed)
     q_lens = np.ones(num_reqs, dtype=np.int64) if decode_only else rng.integers(1, 9, num_reqs)
     computed = rng.integers(0, 20, num_reqs)
@@ -41,6 +53,9 @@ def random_case(seed: int, decode_only: bool, num_reqs: int = 6, block_size: int
         plan.add(row, src, offset, int(qsl[row] + offset))
     host_tokens[plan.dest] = -1  # the host does not know the fed-back ids
     host = HostInputs(qsl, computed, positions, seq_lens, block_tables, host_tokens, block_size)
+    if local:
+        local_ids = rng.permutation(num_reqs * max_blocks + 9)[: num_reqs * max_blocks]
+        host.local_block_tables = local_ids.reshape(num_reqs, max_blocks).astype(np.int32)
     return host, plan, prev
 
 
@@ -61,6 +76,13 @@ def assert_same_inputs(
 ) -> None:
     for name in FIELDS:
         got, want = getattr(fused_out, name), getattr(torch_out, name)
+        assert (
+            (got is None)
+            == (want is None)
+            == (name.startswith("local") and host.local_block_tables is None)
+        ), name
+        if got is None:
+            continue
         assert got.dtype == want.dtype, name
         assert torch.equal(got.cpu(), want.cpu()), name
     ids = torch_out.input_ids.cpu()

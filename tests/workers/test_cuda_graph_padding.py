@@ -50,9 +50,9 @@ def test_only_one_token_rows_are_decode_batches():
     assert not is_decode_batch(make_case([1, 0, 1], [5, 3, 9], 2, 2, 8, 4).meta)
 
 
-def _decode_case(num_reqs, seed):
+def _decode_case(num_reqs, seed, device="cpu"):
     ctx = [5 + 3 * i for i in range(num_reqs)]
-    return make_case([1] * num_reqs, ctx, 4, 2, 16, 4, seed=seed)
+    return make_case([1] * num_reqs, ctx, 4, 2, 16, 4, seed=seed).to(device)
 
 
 def test_load_fills_real_rows_and_resets_the_rows_a_larger_batch_left():
@@ -78,19 +78,22 @@ def test_padded_decode_batch_equals_unpadded_through_triton_backend():
     pytest.importorskip("triton")
     from vserve.attention import get_attention_backend
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs native or interpreted
     backend = get_attention_backend("triton", block_size=4)
     spec = AttentionLayerSpec(4, 2, 16, 16**-0.5, None, 20.0)
-    plain, padded = _decode_case(3, seed=3), _decode_case(3, seed=3)
+    plain, padded = _decode_case(3, seed=3, device=dev), _decode_case(3, seed=3, device=dev)
     out = backend.forward(spec, plain.query, plain.key, plain.value, plain.kv_cache, plain.meta)
 
-    bufs = DecodeBuffers(max_size=8, max_blocks=8, device=torch.device("cpu"))
-    bufs.load(torch.zeros(6, dtype=torch.int64), _decode_case(6, seed=4).meta)  # dirty rows
-    bufs.load(torch.zeros(3, dtype=torch.int64), padded.meta)
+    bufs = DecodeBuffers(max_size=8, max_blocks=8, device=torch.device(dev))
+    zeros = torch.zeros(6, dtype=torch.int64, device=dev)
+    bufs.load(zeros, _decode_case(6, seed=4, device=dev).meta)  # dirty rows
+    bufs.load(zeros[:3], padded.meta)
     meta = bufs.meta(4, max_seq_len=64)
     gen = torch.Generator().manual_seed(5)
-    query = torch.cat([padded.query, torch.randn(1, 4, 16, generator=gen)])  # padding: any
-    key = torch.cat([padded.key, torch.randn(1, 2, 16, generator=gen)])
-    value = torch.cat([padded.value, torch.randn(1, 2, 16, generator=gen)])
+    pad = [torch.randn(1, h, 16, generator=gen).to(dev) for h in (4, 2, 2)]  # padding: any
+    query = torch.cat([padded.query, pad[0]])
+    key = torch.cat([padded.key, pad[1]])
+    value = torch.cat([padded.value, pad[2]])
     got = backend.forward(spec, query, key, value, padded.kv_cache, meta)
     assert torch.equal(got[:3], out)
     assert torch.isfinite(got[3:]).all()
