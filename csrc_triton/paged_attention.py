@@ -56,7 +56,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-@triton.jit
+# the batch's size and block-table width change every step, the window from layer to layer:
+# one compiled variant serves them all (csrc_triton/variants.py)
+@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "window"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -227,7 +229,7 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_q * group_pad,
         BLOCK_N=32,
-        BLOCK_R=min(128, triton.next_power_of_2(num_reqs)),
+        BLOCK_R=min(128, max(16, triton.next_power_of_2(num_reqs))),  # 4 variants at most
         HEAD_DIM=head_dim,
         HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,

@@ -74,7 +74,9 @@ def _fill_padding(first, num_tokens, ids_ptr, pos_ptr, slot_ptr, BLOCK: tl.const
         tl.store(slot_ptr + t, zero - 1, mask=pad)
 
 
-@triton.jit
+# the batch's sizes change every step: one compiled variant serves them all
+# (csrc_triton/variants.py)
+@triton.jit(do_not_specialize=["stride_bt", "max_blocks", "num_reqs", "num_tokens"])
 def _prepare_inputs_kernel(
     qsl_ptr,
     num_computed_ptr,

@@ -144,28 +144,20 @@ class FusedInputPrep:
         local = host.local_block_tables
         local_tables = [] if local is None else [local.reshape(-1)]
         local_slots = [] if local is None else [_local_slots(host)]
-        ints = self.shim.to_device(
-            np.concatenate(
-                [
-                    host.query_start_loc.astype(np.int32),
-                    host.seq_lens.astype(np.int32),
-                    prev_index,
-                    offsets,
-                    host.block_tables.reshape(-1),
-                    *local_tables,
-                ]
-            )
-        )
-        longs = self.shim.to_device(
-            np.concatenate([host.host_tokens, host.num_computed, *local_slots])
-        )
-        qsl, seq_lens, prev_index_d, offsets_d, table, *local_table = ints.split(
-            [num_reqs + 1, num_reqs, num_reqs, num_reqs, host.block_tables.size]
-            + [t.size for t in local_tables]
+        qsl, seq_lens, prev_index_d, offsets_d, table, *local_table = self._packed(
+            [
+                host.query_start_loc.astype(np.int32),
+                host.seq_lens.astype(np.int32),
+                prev_index,
+                offsets,
+                host.block_tables.reshape(-1),
+                *local_tables,
+            ],
+            np.int32,
         )
         block_tables = table.view(host.block_tables.shape)
-        host_tokens, num_computed, *local_slot = longs.split(
-            [num_tokens, num_reqs] + [num_tokens for _ in local_slots]
+        host_tokens, num_computed, *local_slot = self._packed(
+            [host.host_tokens, host.num_computed, *local_slots], np.int64
         )
         input_ids, positions, slots = self._kernel(
             qsl,
@@ -190,6 +182,24 @@ class FusedInputPrep:
             local_slot[0] if local_slot else None,
             local_table[0].view(local.shape) if local_table else None,
         )
+
+    def _packed(self, parts: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        """`parts` on the device through one copy, each starting on a 16-byte boundary: the
+        kernels are compiled for aligned pointers, and a part at an offset that moves with
+        the batch would compile another variant (csrc_triton/variants.py)."""
+        per = _ALIGN // np.dtype(dtype).itemsize
+        starts, end = [], 0
+        for part in parts:
+            starts.append(end)
+            end += -(-len(part) // per) * per
+        buf = np.zeros(end, dtype=dtype)
+        for start, part in zip(starts, parts):
+            buf[start : start + len(part)] = part
+        dev = self.shim.to_device(buf)
+        return [dev[start : start + len(part)] for start, part in zip(starts, parts)]
+
+
+_ALIGN = 16  # bytes
 
 
 def _local_slots(host: HostInputs) -> np.ndarray:
