@@ -133,7 +133,7 @@ class FusedInputPrep:
     def build(
         self, host: HostInputs, plan: FeedbackPlan, prev: torch.Tensor | None
     ) -> DeviceInputs:
-        num_reqs, num_tokens = host.num_reqs, len(host.host_tokens)
+        num_reqs = host.num_reqs
         prev_index = np.full(num_reqs, -1, dtype=np.int32)
         offsets = np.zeros(num_reqs, dtype=np.int32)
         prev_index[plan.rows] = plan.src
