@@ -200,6 +200,15 @@ def test_argmax_is_torchs_first_maximum(kernel, dtype, vocab):
             kernel.argmax(logits.t())
 
 
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40])
+def test_argmax_rows_in_claimed_groups(kernel, two_threads, rows):
+    """Rows go to the threads in groups of ~64k logits (16 rows of 4096 here), claimed one at
+    a time: every row of a last, partial group and of a single group is computed."""
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 4096, generator=g)
+    assert torch.equal(kernel.argmax(logits), logits.argmax(dim=-1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_minus_infinity_entries(kernel, dtype):
     """Masked tokens (-inf in the logits themselves, or from grammar / min_tokens / logit bias

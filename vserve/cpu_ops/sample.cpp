@@ -23,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -429,11 +430,17 @@ at::Tensor argmax(const at::Tensor& logits) {
   int64_t* op = out.data_ptr<int64_t>();
   auto run = [&](auto* base) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(base)>>;
-    // a grain of ~64k logits per task: one long row or many short ones
-    int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / vocab);
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        op[r] = row_argmax(Row<T>{base + r * stride, vocab}).second;
+    // groups of ~64k logits (one long row or many short ones), claimed one at a time: a
+    // thread that the host work preempts (the engine core, the front end) holds up none of
+    // the others, which take the groups it has not reached
+    const int64_t group = std::max<int64_t>(1, (int64_t{1} << 16) / vocab);
+    const int64_t groups = (rows + group - 1) / group;
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(groups, at::get_num_threads());
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      for (int64_t g; (g = next.fetch_add(1, std::memory_order_relaxed)) < groups;)
+        for (int64_t r = g * group; r < std::min(rows, (g + 1) * group); ++r)
+          op[r] = row_argmax(Row<T>{base + r * stride, vocab}).second;
     });
   };
   if (logits.scalar_type() == at::kBFloat16)
