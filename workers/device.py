@@ -41,6 +41,14 @@ class HostCopy:
         return self._host
 
 
+def device_seconds(start: torch.cuda.Event | None, end: torch.cuda.Event | None) -> float:
+    """Device time between two marks, in seconds; 0.0 without marks or before the end has run
+    (never waits)."""
+    if start is None or end is None or not end.query():
+        return 0.0
+    return start.elapsed_time(end) / 1e3
+
+
 def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Host values (a list, an ndarray or a CPU tensor) as a tensor on `device`, without a host
     synchronisation: on CUDA they are staged in pinned memory and copied with `non_blocking`
@@ -75,6 +83,15 @@ class DeviceShim:
 
     def host_copy(self, tensors: list[torch.Tensor]) -> HostCopy:
         return HostCopy(tensors, self._copy_stream)
+
+    def mark(self) -> torch.cuda.Event | None:
+        """A point in the device's stream (CUDA; None elsewhere): two of them time the device
+        work between them, read with `device_seconds` once the later one has run."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def to_device(self, array) -> torch.Tensor:
         tensor = torch.from_numpy(array)

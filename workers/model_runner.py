@@ -28,7 +28,7 @@ from vserve.distributed.tp_comm import TPShard
 from vserve.models.loader import load_model
 from vserve.models.stage import StageInfo
 from vserve.workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
-from vserve.workers.device import DeviceShim, HostCopy, fix_blas_thread_count
+from vserve.workers.device import DeviceShim, HostCopy, device_seconds, fix_blas_thread_count
 from vserve.workers.feedback import FeedbackQueue
 from vserve.workers.input_batch import InputBatch
 from vserve.workers.input_prep import DeviceInputs, FeedbackPlan, HostInputs, make_input_prep
@@ -58,6 +58,7 @@ class StepInputs:
     layout: SampleLayout  # which requests sample, where their logits are
     prompt_lp: list[PromptSlice] = field(default_factory=list)  # last stage, when asked
     prompt_lp_out: dict | None = None  # their results (RunnerOutput.prompt_logprobs)
+    start_mark: torch.cuda.Event | None = None  # CUDA: the forward's start on the device
 
 
 class AsyncStepOutput:
@@ -76,11 +77,13 @@ class AsyncStepOutput:
         timing,
         pending=None,
         prompt_logprobs: dict | None = None,
+        marks: tuple = (None, None),
     ) -> None:
         self.step_id, self.layout, self.host = step_id, layout, host
         self.spec_ids, self.logprobs, self.timing = spec_ids or {}, logprobs or {}, timing
         self.pending = pending
         self.prompt_logprobs = prompt_logprobs or {}
+        self.marks = marks  # CUDA: the forward's start and the sampling's end on the device
 
     def get(self) -> RunnerOutput:
         out = RunnerOutput(self.step_id, timing=self.timing, prompt_logprobs=self.prompt_logprobs)
@@ -101,6 +104,7 @@ class AsyncStepOutput:
                 )
             if self.logprobs:
                 out.logprobs = [self.logprobs.get(r) for r in out.req_ids]
+        self.timing.device_forward = device_seconds(*self.marks)  # (the ids came after it)
         self.timing.ready = time.perf_counter()
         return out
 
@@ -272,6 +276,7 @@ class ModelRunner:
         )  # (with the earlier stages' forward spans)
         timing.forward_start = time.perf_counter()  # (a later stage's wait for its input is
         # not its forward: the report compares the bottleneck stage's work with the interval)
+        inputs.start_mark = self.shim.mark()
         hidden = self._forward(first, inputs.meta)
         timing.stage_forwards = spans
         if not self.stage.is_last:
@@ -358,6 +363,7 @@ class ModelRunner:
             timing,
             pending,
             inputs.prompt_lp_out,
+            (inputs.start_mark, self.shim.mark()),
         )
 
     # -- batch state -----------------------------------------------------------------------------

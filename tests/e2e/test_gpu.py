@@ -66,8 +66,12 @@ def test_async_equals_sync_on_cuda(tiny_model_dir):
     )
     runner = _runner(llm)
     runner.poison_feedback_slots = True  # fed-back ids must come from the device
+    llm.engine.take_step_records()
     assert _greedy(llm) == want
     assert runner.feedback_stats["fused"] > 0 and runner.feedback_stats["rows"] > 0
+    # every step's forward timed on the device too (events), for the overlap report
+    steps = [r for r in llm.engine.take_step_records() if r.num_tokens]
+    assert steps and all(0 < r.device_forward < 1 for r in steps)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

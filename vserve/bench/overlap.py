@@ -94,6 +94,11 @@ class OverlapReport:
     # inputs made in a gap whose other worker threads slept, the host work beside them
     # (workers/host_gap.py)
     parked_steps: int = 0
+    # CUDA: the forward and sampling timed on the device (events), and that over the launch
+    # interval, i.e. how busy the device was; None where steps carry no device times (CPU:
+    # the forward above is already the device's)
+    mean_device_forward_ms: float | None = None
+    device_busy_share: float | None = None
     warning: str | None = None
 
     def to_dict(self) -> dict:
@@ -143,6 +148,11 @@ class OverlapReport:
         ]
         rows.append(("  by the timestamps (no step in flight):", str(self.serialized_steps)))
         rows.append(("Steps prepared in a parked gap:", f"{self.parked_steps}/{self.num_steps}"))
+        if self.mean_device_forward_ms is not None:
+            rows.append(("Mean device forward time (ms):", f"{self.mean_device_forward_ms:.2f}"))
+            rows.append(
+                ("Device busy (device forward / interval):", _fmt(self.device_busy_share, 3))
+            )
         lines = ["{s:{c}^64}".format(s=" Overlap report ", c="=")]
         lines += [
             f"{label:<50}{value:>14}" if len(label) <= 50 else f"{label}  {value}"
@@ -220,6 +230,8 @@ def overlap_report(
     mean_fwd = statistics.fmean(forwards) if forwards else 0.0
     mean_int = statistics.fmean(intervals) if intervals else 0.0
     tpots = request_tpots(request_outputs)
+    device = [r.device_forward for r in steps if r.device_forward > 0]
+    mean_device = statistics.fmean(device) if device else None
     return OverlapReport(
         num_steps=len(steps),
         mean_forward_ms=mean_fwd * 1e3,
@@ -243,6 +255,10 @@ def overlap_report(
         steps_without_overlap=_no_overlap_reasons(steps),
         serialized_steps=serialized_steps(steps),
         parked_steps=sum(r.parked for r in steps),
+        mean_device_forward_ms=None if mean_device is None else mean_device * 1e3,
+        device_busy_share=(mean_device / mean_int)
+        if mean_device is not None and mean_int
+        else None,
         warning=_warning(slowdown),
     )
 

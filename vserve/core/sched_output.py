@@ -76,6 +76,9 @@ class StepTiming:
     # the step's inputs were made in the gap before it, the worker's other threads asleep
     # (workers/host_gap.py)
     parked: bool = False
+    # CUDA: the step's forward and sampling on the device, seconds between two events (the
+    # timestamps above are the host's, which launches ahead); 0.0 elsewhere
+    device_forward: float = 0.0
 
 
 @dataclass

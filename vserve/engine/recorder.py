@@ -38,6 +38,7 @@ class StepRecord:
     stage_forwards: tuple[tuple[float, float], ...] = ()
     launch_interval: float = 0.0  # since the previous launch (0 for the first after idle)
     parked: bool = False  # inputs made in the gap before, the worker's other threads asleep
+    device_forward: float = 0.0  # CUDA: the forward and sampling on the device (events)
     no_overlap: str | None = None  # why the device waited for the host: no other step with
     #                                tokens in flight at launch, or its sampling waited for older
     #                                steps (a grammar)
@@ -89,6 +90,7 @@ class StepRecorder:
             rec.stage_forwards = tuple(timing.stage_forwards)
             rec.forward_end, rec.ready = timing.forward_end, timing.ready
             rec.parked = timing.parked
+            rec.device_forward = timing.device_forward
         self.recent.append(rec)
 
     def drain_recent(self) -> list[StepRecord]:
