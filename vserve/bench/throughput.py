@@ -100,10 +100,13 @@ def _warm_up(llm, prompts: list, params: list) -> int:
     """An untimed first batch (up to max_num_seqs prompts, 2 tokens each) before a compared
     run, so that the first engine of the process does not pay its one-time costs alone (on
     CUDA, Triton compiles a kernel per new shape specialization: measured on an H200, the
-    sync run, first in the process, had a mean forward of 22 ms against async's 12.5)."""
+    sync run, first in the process, had a mean forward of 22 ms against async's 12.5). The
+    prefix cache is reset after it, so the timed run computes every prompt."""
     n = min(len(prompts), llm.config.scheduler.max_num_seqs)
     short = [msgspec.structs.replace(p, n=1, max_tokens=2, min_tokens=0) for p in params[:n]]
     llm.generate(prompts[:n], short, use_tqdm=False)
+    if not llm.reset_prefix_cache():  # the timed run must compute its prompts as before
+        raise RuntimeError("warm-up: the prefix cache could not be reset")
     return n
 
 

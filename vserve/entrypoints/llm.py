@@ -37,6 +37,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (the KV blocks stay allocated to nothing); False while a
+        request still holds blocks, as in vLLM."""
+        return bool(self.engine.client.call_utility("reset_prefix_cache"))
+
     # -- generate --------------------------------------------------------------------------------
     def generate(
         self,
