@@ -18,7 +18,7 @@ def f(value, digits=1) -> str:
 def bench_rows(results: dict) -> list[str]:
     rows = [
         "| run | output tok/s | async / sync | avg latency (s) | forward (ms) | "
-        "device forward (ms) | launch interval (ms) | device busy | overlap eff. |",
+        "device span (ms) | launch interval (ms) | span / interval | overlap eff. |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():

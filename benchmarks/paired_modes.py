@@ -78,6 +78,10 @@ def start(config: str, model: dict, max_len: int):
 
 
 def one_run(llm, prompts, params, batch: int) -> dict:
+    """One timed generate of the same prompts, which the previous round left in the prefix
+    cache: it is reset first, so every round computes its prompts."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset")
     start_t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start_t
@@ -91,6 +95,7 @@ def one_run(llm, prompts, params, batch: int) -> dict:
         else None,
         "interval_ms": statistics.median(intervals) * 1e3 if intervals else None,
         "parked": sum(r.parked for r in records) / max(1, len(records)),
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
     }
 
 

@@ -40,6 +40,7 @@ def main() -> None:
     for r in range(R):
         order = list(engines) if r % 2 == 0 else list(engines)[::-1]
         for k in order:
+            assert engines[k].reset_prefix_cache()  # every round computes its prompts
             t0 = time.perf_counter()
             engines[k].generate(prompts, p, use_tqdm=False)
             dt = time.perf_counter() - t0

@@ -64,4 +64,6 @@ def _class(param, value, no_int: bool, no_align: bool):
         return type(value).__name__
     if no_int:
         return "int"
-    return 1 if value == 1 else ("D" if value % 16 == 0 else "int")
+    if value == 1:
+        return 1
+    return "D" if value % 16 == 0 and not no_align else "int"  # (alignment: an int's too)

@@ -173,7 +173,13 @@ class DecodeGraphs:
         )
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return is_decode_batch(meta) and meta.num_reqs <= self.sizes[-1]
+        """A decode batch that fits, with one KV group (the buffers hold one set of tables; a
+        sliding-window group comes with the torch backend only, which graphs never use)."""
+        return (
+            is_decode_batch(meta)
+            and meta.num_reqs <= self.sizes[-1]
+            and meta.local_block_tables is None
+        )
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [n] -> hidden states [n, hidden], a view of the graph's static output

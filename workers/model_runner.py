@@ -83,7 +83,9 @@ class AsyncStepOutput:
         self.spec_ids, self.logprobs, self.timing = spec_ids or {}, logprobs or {}, timing
         self.pending = pending
         self.prompt_logprobs = prompt_logprobs or {}
-        self.marks = marks  # CUDA: the forward's start and the sampling's end on the device
+        # CUDA: the forward's start and the sampling's end on the device, read in get() once the
+        # ids have come (a step without plain ids does not wait: its span may read 0)
+        self.marks = marks
 
     def get(self) -> RunnerOutput:
         out = RunnerOutput(self.step_id, timing=self.timing, prompt_logprobs=self.prompt_logprobs)
@@ -333,6 +335,8 @@ class ModelRunner:
             return None
         layout = inputs.layout
         result = self.step_sampler.sample(layout, logits, so.grammar_req_ids, bitmask)
+        # before the host copies: the ids' copy waits for it, so it has run when they arrive
+        end_mark = self.shim.mark()
         host = pending = None
         if result.pending_logprobs is not None:  # copied beside the ids, read in get()
             pending = (
@@ -363,7 +367,7 @@ class ModelRunner:
             timing,
             pending,
             inputs.prompt_lp_out,
-            (inputs.start_mark, self.shim.mark()),
+            (inputs.start_mark, end_mark),
         )
 
     # -- batch state -----------------------------------------------------------------------------

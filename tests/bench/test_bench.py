@@ -173,6 +173,8 @@ def test_throughput_compare_sync(model, tmp_path):
     assert sync["total_num_output_tokens"] == r["total_num_output_tokens"] == NUM_PROMPTS * OUT_LEN
     # each engine took an untimed first batch before its timed run (not counted above)
     assert sync["warmup_requests"] == r["warmup_requests"] == NUM_PROMPTS
+    # ... with the same prompts, after which the prefix cache was reset: none comes from it
+    assert sync["cached_prompt_tokens"] == r["cached_prompt_tokens"] == 0
     assert c["metric"] == "output_throughput"
     assert c["sync"] == sync["output_throughput"] and c["async"] == r["output_throughput"]
     assert c["async_speedup"] == pytest.approx(r["output_throughput"] / sync["output_throughput"])

@@ -362,7 +362,7 @@ def test_device_forward_times_are_reported_where_steps_carry_them():
     stay out."""
     cpu = overlap_report(async_run())
     assert cpu.mean_device_forward_ms is None and cpu.device_busy_share is None
-    assert "Mean device forward" not in cpu.format()
+    assert "Mean device span" not in cpu.format()
     records = async_run()
     for r in records:
         r.device_forward = 0.003  # of a 4 ms interval
@@ -370,7 +370,7 @@ def test_device_forward_times_are_reported_where_steps_carry_them():
     assert rep.mean_device_forward_ms == pytest.approx(3.0)
     assert rep.device_busy_share == pytest.approx(0.75)
     lines = {x[:50].strip(): x.split()[-1] for x in rep.format().splitlines()}
-    assert lines["Mean device forward time (ms):"] == "3.00"
+    assert lines["Mean device span of a forward (ms):"] == "3.00"
 
 
 def test_trace_has_a_lane_per_pp_stage():

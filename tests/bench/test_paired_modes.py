@@ -43,11 +43,13 @@ def test_ratios_are_taken_within_each_round():
 def test_a_short_run_of_two_engines(tiny_model_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "paired.json"
     argv = ["paired_modes.py", "--model", tiny_model_dir("llama"), "--batch", "2"]
-    argv += ["--rounds", "2", "--input-len", "8", "--output-len", "6", "--json", str(out)]
+    argv += ["--rounds", "2", "--input-len", "40", "--output-len", "6", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv + ["sync-uni", "async:VSERVE_CPU_PARK=0"])
     main()
     data = json.loads(out.read_text())
     assert [r["config"] for r in data["rows"]] == ["sync-uni", "async:VSERVE_CPU_PARK=0"]
     assert all(len(v) == 2 for v in data["runs"].values())
     assert all(r["parked"] == 0 for v in data["runs"].values() for r in v)  # sync; park off
+    # the same prompts every round, each computed again (the prefix cache reset before it)
+    assert all(r["cached_prompt_tokens"] == 0 for v in data["runs"].values() for r in v)
     assert "| async:VSERVE_CPU_PARK=0 |" in capsys.readouterr().out

@@ -3,6 +3,7 @@ of prefill chunks and decode rows laid out in a paged KV cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -39,9 +40,10 @@ class PagedCase:
 
     def to(self, device) -> PagedCase:
         """The same case with the kernels' inputs on `device` (the reference stays on the host)."""
-        meta = self.meta
-        for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-            setattr(meta, name, getattr(meta, name).to(device))
+        names = ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+        meta = dataclasses.replace(
+            self.meta, **{n: getattr(self.meta, n).to(device) for n in names}
+        )
         on = [t.to(device) for t in (self.query, self.key, self.value, self.kv_cache)]
         return PagedCase(meta, *on, self.contexts)
 

@@ -94,9 +94,10 @@ class OverlapReport:
     # inputs made in a gap whose other worker threads slept, the host work beside them
     # (workers/host_gap.py)
     parked_steps: int = 0
-    # CUDA: the forward and sampling timed on the device (events), and that over the launch
-    # interval, i.e. how busy the device was; None where steps carry no device times (CPU:
-    # the forward above is already the device's)
+    # CUDA: the device span of the forward and sampling (events before and after them), and
+    # that over the launch interval, an upper bound of how busy the device was (the span
+    # includes the device's idle time inside the step); None where steps carry no device
+    # times (CPU: the forward above is already the device's)
     mean_device_forward_ms: float | None = None
     device_busy_share: float | None = None
     warning: str | None = None
@@ -149,9 +150,11 @@ class OverlapReport:
         rows.append(("  by the timestamps (no step in flight):", str(self.serialized_steps)))
         rows.append(("Steps prepared in a parked gap:", f"{self.parked_steps}/{self.num_steps}"))
         if self.mean_device_forward_ms is not None:
-            rows.append(("Mean device forward time (ms):", f"{self.mean_device_forward_ms:.2f}"))
             rows.append(
-                ("Device busy (device forward / interval):", _fmt(self.device_busy_share, 3))
+                ("Mean device span of a forward (ms):", f"{self.mean_device_forward_ms:.2f}")
+            )
+            rows.append(
+                ("Device span / interval (busy, at most):", _fmt(self.device_busy_share, 3))
             )
         lines = ["{s:{c}^64}".format(s=" Overlap report ", c="=")]
         lines += [

@@ -76,8 +76,10 @@ class StepTiming:
     # the step's inputs were made in the gap before it, the worker's other threads asleep
     # (workers/host_gap.py)
     parked: bool = False
-    # CUDA: the step's forward and sampling on the device, seconds between two events (the
-    # timestamps above are the host's, which launches ahead); 0.0 elsewhere
+    # CUDA: the device span of the step's forward and sampling, seconds between an event before
+    # the forward and one after the sampling (the timestamps above are the host's, which
+    # launches ahead); it includes the device's idle time between them (kernels launched slower
+    # than they run; a deferred sampling's wait for the grammar bitmask); 0.0 elsewhere
     device_forward: float = 0.0
 
 
