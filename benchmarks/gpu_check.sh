@@ -139,7 +139,7 @@ step imports 60 "$PY" -c "import fastapi, msgspec, pydantic, uvicorn, xgrammar, 
 import vserve.entrypoints.openai.server, vserve.engine.mp_client, vserve.engine.core_proc; \
 print('server, engine and structured-output imports ok')"
 GPU_TESTS=(tests/e2e/test_gpu.py tests/models/test_triton_kernels.py
-           tests/workers/test_cuda_graph_padding.py)
+           tests/workers/test_cuda_graph_padding.py tests/models/test_triton_variants.py)
 step gpu_tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" -k "not never_sync"
 
 # -- 2. models built on the device ---------------------------------------------------------------
