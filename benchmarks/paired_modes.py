@@ -77,6 +77,15 @@ def start(config: str, model: dict, max_len: int):
                 os.environ[k] = v
 
 
+def make_prompts(llm, batch: int, input_len: int) -> list[dict]:
+    """`batch` distinct prompts of `input_len` token ids, inside the model's vocabulary."""
+    ids = min(30000, llm.engine.config.model.vocab_size - 10)
+    return [
+        {"prompt_token_ids": [(1000 + 7 * i + j) % ids + 10 for j in range(input_len)]}
+        for i in range(batch)
+    ]
+
+
 def one_run(llm, prompts, params, batch: int) -> dict:
     """One timed generate of the same prompts, which the previous round left in the prefix
     cache: it is reset first, so every round computes its prompts."""
@@ -161,11 +170,7 @@ def main() -> None:
     model = model_kwargs(args.model)
     max_len = args.input_len + args.output_len + 16
     llms = {c: start(c, model, max_len) for c in args.configs}
-    ids = min(30000, next(iter(llms.values())).engine.config.model.vocab_size - 10)
-    prompts = [
-        {"prompt_token_ids": [(1000 + 7 * i + j) % ids + 10 for j in range(args.input_len)]}
-        for i in range(args.batch)
-    ]
+    prompts = make_prompts(next(iter(llms.values())), args.batch, args.input_len)
     params = SamplingParams(
         temperature=args.temperature,
         max_tokens=args.output_len,

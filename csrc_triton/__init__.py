@@ -5,6 +5,8 @@
 - `kv_write`: scatter this step's keys/values into the paged KV cache at their slots.
 - `prepare_inputs`: fused per-step input preparation for async scheduling (token ids with
   on-device feedback of the previous step's samples, positions, slot mapping).
+- `variants`: counts the compiled variants a run of the kernels needs, by Triton's
+  specialization rules (tests keep that count bounded).
 
 Importing a submodule imports `triton`; nothing in `vserve` imports this package except the
 Triton attention backend, so vserve still imports where triton is missing.

@@ -86,7 +86,7 @@ class TorchInputPrep:
         self, host: HostInputs, plan: FeedbackPlan, prev: torch.Tensor | None
     ) -> DeviceInputs:
         to = self.shim.to_device
-        req_of = np.repeat(np.arange(host.num_reqs), np.diff(host.query_start_loc))
+        req_of = _req_of(host)
         local = host.local_block_tables
         return DeviceInputs(
             self._input_ids(host.host_tokens, plan, prev),
@@ -143,7 +143,9 @@ class FusedInputPrep:
         # group's)
         local = host.local_block_tables
         local_tables = [] if local is None else [local.reshape(-1)]
-        local_slots = [] if local is None else [_local_slots(host)]
+        local_slots = (
+            [] if local is None else [_slots(local, _req_of(host), host.positions, host.block_size)]
+        )
         qsl, seq_lens, prev_index_d, offsets_d, table, *local_table = self._packed(
             [
                 host.query_start_loc.astype(np.int32),
@@ -202,10 +204,9 @@ class FusedInputPrep:
 _ALIGN = 16  # bytes
 
 
-def _local_slots(host: HostInputs) -> np.ndarray:
-    """The sliding-window group's flat KV slot of each token."""
-    req_of = np.repeat(np.arange(host.num_reqs), np.diff(host.query_start_loc))
-    return _slots(host.local_block_tables, req_of, host.positions, host.block_size)
+def _req_of(host: HostInputs) -> np.ndarray:
+    """The request row of each token."""
+    return np.repeat(np.arange(host.num_reqs), np.diff(host.query_start_loc))
 
 
 def _slots(

@@ -89,7 +89,7 @@ def _run_vserve(args, engine_args, calibration=None) -> tuple[dict, list, list]:
     result = summary(elapsed, len(outs), num_in, num_out, "vserve", engine_args)
     result.update(mode_fields(config))
     result["warmup_requests"] = warmup
-    result["cached_prompt_tokens"] = sum(o.num_cached_tokens or 0 for o in outs)
+    result["cached_prompt_tokens"] = sum(o.num_cached_tokens for o in outs)
     result["overlap"] = report.to_dict()
     result.update(spec_figures(stats))
     print_summary(result)
