@@ -175,6 +175,9 @@ class _RankLoop:
                     raise data.request_error or RuntimeError("no request")
                 msg = wire.decode_request(data)  # typed: another host may have sent it
             if parked and isinstance(msg, wire.Execute):
+                # the team wakes under the preparation (the engine core has had the reply
+                # the gap began with): it is spinning again when the forward starts
+                self.gap.wake()
                 self.worker.prepare(msg.so)
         except BaseException as e:
             return e, hidden

@@ -89,3 +89,44 @@ def test_parked_threads_use_no_cpu(ops):
     parked = _cpu_while_asleep("parked")
     assert spinning > 0.25, spinning  # the other thread spun through the whole sleep
     assert parked < 0.1, parked
+
+
+def test_unpark_outside_a_park_does_nothing(ops, two_threads):
+    ops.unpark()
+    assert ops.parked(lambda: (ops.unpark(), ops.unpark(), 4)[2]) == 4  # twice: once counts
+    assert ops.parked(lambda: 5) == 5  # the next park sleeps again (its own state)
+
+
+UNPARK = textwrap.dedent(
+    """
+    import time
+    import torch
+    from vserve import cpu_ops
+    torch.set_num_threads(2)
+    ops = cpu_ops.load()
+    torch.empty(1 << 22).exp_()
+
+    def host_work():  # asleep 0.3 s, unparked, asleep 0.3 s more: CPU time of each half
+        a = time.process_time()
+        time.sleep(0.3)
+        b = time.process_time()
+        ops.unpark()
+        time.sleep(0.3)
+        return b - a, time.process_time() - b
+
+    print(ops.parked(host_work))
+    """
+)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 threads")
+def test_unpark_wakes_the_team_before_the_work_ends():
+    """After `unpark` the other thread spins (ready for the forward) while fn still runs;
+    before it, it sleeps."""
+    out = subprocess.run(
+        [sys.executable, "-c", UNPARK], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    asleep, woken = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 -- our own child
+    assert asleep < 0.1, asleep
+    assert woken > 0.2, woken  # the woken thread spun through the second sleep

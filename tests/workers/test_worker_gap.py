@@ -35,9 +35,19 @@ def _loop(requests: list[bytes]):
     loop = object.__new__(worker_proc._RankLoop)
     loop.rank, loop.world, loop.pp, loop.prefetch, loop.busy = 0, 1, None, None, True
     loop.req_conn = _Conn(requests)
-    loop.sent, loop.prepared = [], []
-    loop._send = loop.sent.append
-    loop.worker = type("W", (), {"prepare": lambda self, so: loop.prepared.append(so.step_id)})()
+    loop.sent, loop.prepared, loop.events = [], [], []
+
+    def send(reply: bytes) -> None:
+        loop.sent.append(reply)
+        loop.events.append("reply")
+
+    def prepare(so) -> None:
+        loop.prepared.append(so.step_id)
+        loop.events.append("prepare")
+
+    loop._send = send
+    loop.worker = type("W", (), {"prepare": lambda self, so: prepare(so)})()
+    loop.gap = type("G", (), {"wake": lambda self: loop.events.append("wake")})()
     loop.held_reply = None
     return loop
 
@@ -56,6 +66,18 @@ def test_held_reply_goes_out_before_the_next_request_is_taken():
     loop.req_conn.requests.append(_execute(9))
     loop._between_steps(parked=False)  # not parked: its inputs are made by the step itself
     assert loop.prepared == [8] and len(loop.sent) == 1
+
+
+def test_a_parked_team_wakes_when_the_preparation_begins():
+    """The team is woken after the reply went out and before the inputs are made, so its
+    wake-up runs under the preparation instead of delaying the forward (host_gap.py)."""
+    loop = _loop([_execute(8), _execute(9)])
+    loop.held_reply = _Out(RunnerOutput(step_id=7))
+    loop._between_steps(parked=True)
+    assert loop.events == ["reply", "wake", "prepare"]
+    loop.events.clear()
+    loop._between_steps(parked=False)  # not parked: no team to wake, nothing prepared
+    assert loop.events == []
 
 
 def test_a_reply_that_fails_is_the_steps_failure():

@@ -656,6 +656,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       },
       "fn() with the other threads of torch's OpenMP pool asleep (park.h)");
+  m.def("unpark", &vserve_park::unpark,
+        "from inside parked(fn): the parked threads wake now and spin until fn returns");
   using vserve_layer::DecodeStackApi;
   py::class_<DecodeStackApi>(m, "DecodeStack")
       .def(py::init(&vserve_layer::make_decode_stack))
