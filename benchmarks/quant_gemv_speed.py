@@ -7,7 +7,7 @@ Q6_K) is multiplied with M bf16 activation rows by `quant.gemv` on 1 and
 call), "dram" a 256 MB one (read once per call). Reports GB/s of weight bytes (best of the
 repeats).
 
-    python benchmarks/quant_gemv_speed.py [--formats Q5_0,Q4_K] [--m 1,8] [--threads 1,2]
+    python benchmarks/quant_gemv_speed.py [--formats Q5_0,Q5_0R,Q4_K] [--m 1,8] [--threads 1,2]
     python benchmarks/quant_gemv_speed.py --compare /work/main /work/wt-x [--pairs 2]
 
 `--compare A B` runs the measurement in subprocesses with PYTHONPATH=A, B, A, B, ... (each
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 FORMATS = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+Q5_0R = 1006  # Q5_0 repacked at load for the quad gemv (quant.cpp): made from random Q5_0
 # block size, block bytes, fp16 fields
 LAYOUT = {
     2: (32, 18, [0]),
@@ -61,12 +62,15 @@ def measure(formats: list[str], ms: list[int], threads: list[int], repeats: int)
     assert quant is not None, "the quantized kernels failed to build"
     results = {}
     for name in formats:
-        qtype = FORMATS[name]
-        block, size, _ = LAYOUT[qtype]
-        k = K[qtype]
+        source = FORMATS["Q5_0" if name == "Q5_0R" else name]
+        qtype = Q5_0R if name == "Q5_0R" else source
+        block, size, _ = LAYOUT[source]
+        k = K[source]
         row_bytes = k // block * size
         for where, total in (("cache", 4 << 20), ("dram", 256 << 20)):
-            w = random_weight(qtype, total // row_bytes, k)
+            w = random_weight(source, total // row_bytes, k)
+            if qtype == Q5_0R:  # (the same bytes per row)
+                w.copy_(quant.repack_q5_0(w.contiguous(), k))
             for m in ms:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 for t in threads:

@@ -33,6 +33,8 @@ class Env:
     # every time, without the memory-mapped copy on disk
     cpu_park: bool = True  # VSERVE_CPU_PARK=0: a CPU worker's other threads spin between
     # forwards instead of sleeping while the host works (workers/host_gap.py)
+    quant_repack: bool = True  # VSERVE_QUANT_REPACK=0: Q5_0 weights stay in their GGUF
+    # bytes instead of the quad gemv's layout (vserve/models/quant_linear.py)
 
 
 def read_env() -> Env:
@@ -49,6 +51,7 @@ def read_env() -> Env:
         dp_secret=os.environ.get("VSERVE_DP_SECRET") or None,
         weight_cache=os.environ.get("VSERVE_WEIGHT_CACHE", "1") not in ("0", "false", "off"),
         cpu_park=os.environ.get("VSERVE_CPU_PARK", "1") not in ("0", "false", "off"),
+        quant_repack=os.environ.get("VSERVE_QUANT_REPACK", "1") not in ("0", "false", "off"),
     )
 
 

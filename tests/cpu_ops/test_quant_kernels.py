@@ -662,3 +662,57 @@ def test_bf16_matmul_multiplies_in_fp32_without_bf16_instructions(quant, monkeyp
     x = activations(33, 512, BF)
     y = quant.matmul(x, data, int(Q.Q4_K), 512)
     assert torch.equal(y, quant.matmul(x.float(), data, int(Q.Q4_K), 512).to(BF))
+
+
+# ---- Q5_0R: Q5_0 repacked at load for the quad gemv (quant.cpp) ----
+Q5_0R = 1006
+
+
+@pytest.fixture
+def q5_0r(quant):
+    if not quant.q5_0r_supported():
+        pytest.skip("this CPU's gemv does not take four blocks a step (AVX512 VBMI / BITALG)")
+    return quant
+
+
+def assert_same_as_q5_0(quant, data: torch.Tensor, k: int) -> None:
+    """Repacked, the rows hold the same weights in as many bytes, and every path gives
+    bitwise Q5_0's result: dequantize, embedding, gemv (1-8 rows: the quad gemv),
+    matmul over 8 rows (the int8 GEMM, or the exact path)."""
+    r = quant.repack_q5_0(data, k)
+    assert r.shape == data.shape and r.dtype == torch.uint8
+    ref = reference(data.numpy(), Q.Q5_0)
+    assert_bitwise(quant.dequantize(r, Q5_0R, k), ref)
+    assert_bitwise(quant.dequantize(r, Q5_0R, k, BF), ref.to(BF))
+    ids = torch.tensor([0, data.shape[0] - 1, 3, 3])
+    assert_bitwise(quant.embedding(r, Q5_0R, k, ids, BF), ref[ids].to(BF))
+    torch.manual_seed(2)
+    for dtype in (BF, torch.float32):
+        for m in (1, 2, 5, 8, 9, 33):
+            x = activations(m, k, dtype)
+            assert_bitwise(quant.matmul(x, r, Q5_0R, k), quant.matmul(x, data, int(Q.Q5_0), k))
+
+
+@pytest.mark.parametrize("k", [128, 640, 1024])
+def test_q5_0r_is_q5_0_on_every_path(q5_0r, exact, k):
+    assert_same_as_q5_0(q5_0r, torch.from_numpy(random_weight(Q.Q5_0, 37, k)), k)
+
+
+def test_q5_0r_of_a_real_gguf_tensor(q5_0r, gguf_slices):
+    data, qtype, k = gguf_slices["blk.0.attn_q.weight"]
+    assert qtype == Q.Q5_0
+    assert_same_as_q5_0(q5_0r, torch.from_numpy(data), k)
+
+
+def test_q5_0r_rows_stay_rows_and_bad_inputs_are_refused(q5_0r):
+    data = torch.from_numpy(random_weight(Q.Q5_0, 6, 256))
+    r = q5_0r.repack_q5_0(data, 256)
+    assert torch.equal(q5_0r.repack_q5_0(data[2:5].contiguous(), 256), r[2:5])
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        q5_0r.repack_q5_0(torch.from_numpy(random_weight(Q.Q5_0, 4, 96)), 96)
+    with pytest.raises(RuntimeError, match="row_bytes"):
+        q5_0r.repack_q5_0(torch.from_numpy(random_weight(Q.Q8_0, 4, 128)), 128)
+    with pytest.raises(RuntimeError, match="multiple of 128"):  # whole quads only
+        q5_0r.gemv(torch.randn(1, 96, dtype=BF), r[:, :66].contiguous(), Q5_0R, 96)
+    with pytest.raises(RuntimeError, match="row_bytes"):
+        q5_0r.gemv(torch.randn(1, 128, dtype=BF), r, Q5_0R, 128)

@@ -5,6 +5,7 @@ Tensor parallel's slices of blocks (rows, whole blocks of inputs, padded vocabul
 dequantize to exactly the slices of the whole weight's dequantization."""
 
 import mmap
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 from tests.cpu_ops.test_quant_kernels import FORMATS, random_weight
 from vserve import cpu_ops
+from vserve.models import quant_linear
 from vserve.models.gguf_source import QuantBlocks
 from vserve.models.parallel_layers import _vocab_blocks
 from vserve.models.quant_linear import (
@@ -247,6 +249,36 @@ def test_install_moves_streamed_blocks_into_one_arena(kernel):
     assert model.embed.blocks.data.data_ptr() == head_data.data_ptr()
     x = torch.randn(3, 64)
     torch.testing.assert_close(model.o(x), x @ wo.T)
+    torch.testing.assert_close(model.lm_head(x), x @ w_head.T)
+    torch.testing.assert_close(model.embed(torch.tensor([5])), w_head[5:6])
+
+
+@pytest.mark.parametrize("repack", [True, False])
+def test_install_repacks_streamed_q5_0_for_the_quad_gemv(kernel, monkeypatch, repack):
+    """Where the gemv reads Q5_0R, a linear's Q5_0 rows of whole quads (K % 128 == 0) are
+    repacked into it; rows of K % 128 != 0 and an embedding's blocks (a tied head's too: the
+    lookup reads GGUF blocks) stay Q5_0; VSERVE_QUANT_REPACK=0 keeps them all. The outputs
+    are the dense layers' either way."""
+    monkeypatch.setattr(quant_linear, "ENV", replace(quant_linear.ENV, quant_repack=repack))
+    model = nn.Module()
+    model.embed = nn.Embedding(96, 128)
+    model.up = nn.Linear(128, 64, bias=False)
+    model.down = nn.Linear(64, 128, bias=False)
+    model.lm_head = nn.Linear(128, 96, bias=False)
+    up, w_up = _blocks(Q.Q5_0, 64, 128, 9)
+    down, w_down = _blocks(Q.Q5_0, 128, 64, 10)
+    head, w_head = _blocks(Q.Q5_0, 96, 128, 11)
+    model.up.quant_weight, model.down.quant_weight = up, down
+    model.lm_head.quant_weight = model.embed.quant_weight = head  # tied
+    assert install(model, kernel, torch.float32) == 4
+    repacked = repack and kernel.q5_0r_supported()
+    assert model.up.parts[0].name == ("Q5_0R" if repacked else "Q5_0")
+    assert model.up.parts[0].data.shape == up.data.shape  # the same bytes, reordered
+    assert model.down.parts[0].name == "Q5_0" and model.lm_head.parts[0].name == "Q5_0"
+    assert model.embed.blocks.data.data_ptr() == model.lm_head.parts[0].data.data_ptr()
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(model.up(x), x @ w_up.T)
+    torch.testing.assert_close(model.down(x[:, :64]), x[:, :64] @ w_down.T)
     torch.testing.assert_close(model.lm_head(x), x @ w_head.T)
     torch.testing.assert_close(model.embed(torch.tensor([5])), w_head[5:6])
 

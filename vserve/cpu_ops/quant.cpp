@@ -10,6 +10,10 @@
 //             w = d * (q - 8)
 //   Q5_0 (6)  32 per 22 bytes: fp16 d, uint32 of fifth bits (bit j: weight j), nibbles as
 //             Q4_0; w = d * (q - 16)
+//   Q5_0R (1006, vserve's own) Q5_0 repacked at load (`repack_q5_0`, rows of K % 128 == 0, on a
+//             CPU with the quad gemv): four blocks per 88 bytes, their 64 nibble bytes in
+//             order, 8 bytes of the fifth bits of weights 0-15 (bit 16i + j: weight j of block
+//             i), 8 of weights 16-31, the four fp16 d; the same weights as the Q5_0 bytes
 //   Q8_0 (8)  32 per 34 bytes: fp16 d, int8 q[32]; w = d * q
 //   Q4_K (12) 256 per 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min)
 //             pairs, 128 bytes of nibbles (32-byte group g: sub-block 2g low, 2g+1 high);
@@ -169,22 +173,47 @@ struct Q4_0 {
 
 struct Q5_0 {
   static constexpr int kBlock = 32, kBytes = 22;
-  template <class Emit>
-  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit) {
-    vf d = bcast(half_at(b));
-    uint32_t high;
-    std::memcpy(&high, b + 2, sizeof(high));
-    vi q = bytes16(b + 6);
+  // chunks c0, c0 + 1: the block of scale d, fifth bits `high` and nibble bytes qs
+  template <int c0, class Emit>
+  static QUANT_INLINE void chunks(float scale, uint32_t high, const uint8_t* qs, Emit&& emit) {
+    vf d = bcast(scale);
+    vi q = bytes16(qs);
 #ifdef __AVX512F__
     vf lo = (iota() - 16) * d, hi = iota() * d;  // fifth bit clear / set
-    emit(C<0>{}, lookup(lo, hi, q, static_cast<__mmask16>(high)));
-    emit(C<1>{}, lookup(lo, hi, q >> 4, static_cast<__mmask16>(high >> 16)));
+    emit(C<c0>{}, lookup(lo, hi, q, static_cast<__mmask16>(high)));
+    emit(C<c0 + 1>{}, lookup(lo, hi, q >> 4, static_cast<__mmask16>(high >> 16)));
 #else
     vi h_lo = ((vi{} + static_cast<int32_t>(high & 0xFFFF)) >> lane_index()) & 1;
     vi h_hi = ((vi{} + static_cast<int32_t>(high >> 16)) >> lane_index()) & 1;
-    emit(C<0>{}, fl(((q & 15) | (h_lo << 4)) - 16) * d);
-    emit(C<1>{}, fl(((q >> 4) | (h_hi << 4)) - 16) * d);
+    emit(C<c0>{}, fl(((q & 15) | (h_lo << 4)) - 16) * d);
+    emit(C<c0 + 1>{}, fl(((q >> 4) | (h_hi << 4)) - 16) * d);
 #endif
+  }
+  template <class Emit>
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit) {
+    uint32_t high;
+    std::memcpy(&high, b + 2, sizeof(high));
+    chunks<0>(half_at(b), high, b + 6, emit);
+  }
+};
+
+// Q5_0R: four Q5_0 blocks as the quad gemv reads them (the header's table)
+struct Q5_0R {
+  static constexpr int kBlock = 128, kBytes = 88;
+  static constexpr int kLowBits = 64, kHighBits = 72, kScales = 80;  // byte offsets
+  // block i's fifth bits as Q5_0 stores them (bit j: weight j)
+  static QUANT_INLINE uint32_t fifth_bits(const uint8_t* b, int i) {
+    uint16_t lo, hi;
+    std::memcpy(&lo, b + kLowBits + 2 * i, sizeof(lo));
+    std::memcpy(&hi, b + kHighBits + 2 * i, sizeof(hi));
+    return lo | static_cast<uint32_t>(hi) << 16;
+  }
+  template <class Emit>
+  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit) {
+    unroll<4>([&](auto blk) QUANT_FLATTEN {
+      constexpr int i = decltype(blk)::value;
+      Q5_0::chunks<2 * i>(half_at(b + kScales + 2 * i), fifth_bits(b, i), b + 16 * i, emit);
+    });
   }
 };
 
@@ -271,6 +300,7 @@ struct Q6_K {
 // calls fn(Format{}) for the format of GGML type id qtype
 template <class Fn>
 decltype(auto) with_format(int64_t qtype, Fn&& fn) {
+  if (qtype == kQ5_0R) return fn(Q5_0R{});
   return with_format_of<Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K>(qtype, fn);
 }
 
@@ -455,7 +485,9 @@ bool exact_forced() {
 // weights in L3, 2026-12-01): Q4_0 22.5 GB/s, Q5_0 20.7, Q4_K 22.1, Q5_K 21.7 (before the
 // quads and the spread K-quant chunks: 15.4, 15.6, 19.2, 19.3), Q8_0 35.8, Q6_K 29.3; on two
 // threads from DRAM Q4_0 / Q5_0 ~40, Q4_K / Q5_K ~43, Q8_0 / Q6_K ~52 (README, "Quantized
-// weights against llama.cpp").
+// weights against llama.cpp"). Q5_0 repacked at load (Q5_0R: the nibbles one load, the fifth
+// bits two mask loads, no byte permutes: 11 ops a quad) measured 19.2 -> 27.8 GB/s on one
+// thread from cache, 33 -> 54 on two (2026-12-04, quant_gemv_speed.py --formats Q5_0,Q5_0R).
 
 // 64 quantized activations of a row (two blocks of 32) and what a chunk of weights needs with
 // them, in the order the weights' quants unpack (`XLayout`)
@@ -680,7 +712,8 @@ struct Vnni32<Q8_0> {
 
 template <class F>
 constexpr bool quad_format() {
-  return std::is_same_v<F, Q4_0> || std::is_same_v<F, Q5_0> || std::is_same_v<F, Q8_0>;
+  return std::is_same_v<F, Q4_0> || std::is_same_v<F, Q5_0> || std::is_same_v<F, Q8_0> ||
+         std::is_same_v<F, Q5_0R>;
 }
 
 template <class F>
@@ -761,6 +794,25 @@ QUANT_INLINE void quad_unpack<Q8_0>(const uint8_t* p, __m512i& lo, __m512i& hi, 
   hi = _mm512_xor_si512(_mm512_permutex2var_epi8(c, load64(t.hi), d), flip);
   dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi8(a, load64(t.scale), b)));
 }
+
+// Q5_0R, repacked for this step at load: the nibbles are one load, the fifth bits two masks
+// as they are, the scales one word permute. Per 128 weights 11 ops against Q5_0's 15 (no
+// byte permutes of the nibbles and fifth-bit words, no vpshufbitqmb).
+template <>
+QUANT_INLINE void quad_unpack<Q5_0R>(const uint8_t* p, __m512i& lo, __m512i& hi, __m512& dw) {
+  const __m512i nib = _mm512_loadu_si512(p), sixteen = _mm512_set1_epi8(16);
+  lo = _mm512_and_si512(nib, _mm512_set1_epi8(15));
+  hi = high_nibbles(nib);
+  uint64_t low_bits, high_bits;
+  std::memcpy(&low_bits, p + Q5_0R::kLowBits, 8);
+  std::memcpy(&high_bits, p + Q5_0R::kHighBits, 8);
+  lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(low_bits), lo, sixteen);
+  hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(high_bits), hi, sixteen);
+  const __m256i d4 = _mm256_castsi128_si256(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + Q5_0R::kScales)));
+  const __m256i spread = _mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  dw = _mm512_cvtph_ps(_mm256_permutexvar_epi16(spread, d4));  // lane l: block l / 4
+}
 #else
 template <class F>
 constexpr bool quad_format() {
@@ -805,6 +857,12 @@ QUANT_INLINE __m512i dot_lanes(__m512i wq, const XChunk& x) {
   return _mm512_dpbusd_epi32(start, wq, _mm512_load_si512(x.q));
 }
 
+// the bytes of four blocks (Q5_0R: of one of its blocks)
+template <class F>
+constexpr int64_t quad_bytes() {
+  return std::is_same_v<F, Q5_0R> ? F::kBytes : 4 * F::kBytes;
+}
+
 template <class F, int M>
 void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSums*, int64_t k,
                void* y, bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
@@ -824,7 +882,7 @@ void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSum
       auto quad = [&](int64_t q, auto u) QUANT_FLATTEN {
         __m512i lo, hi;
         __m512 dw;
-        quad_unpack<F>(row + 4 * q * F::kBytes, lo, hi, dw);
+        quad_unpack<F>(row + q * quad_bytes<F>(), lo, hi, dw);
         const XQuad* x = xq + q * M;
         unroll<M>([&](auto m) QUANT_FLATTEN {
           constexpr int mi = decltype(m)::value;
@@ -843,33 +901,35 @@ void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSum
       for (; q < quads; ++q) quad(q, C<0>{});
     }
 #endif
-    const uint8_t* row = w + r * row_bytes + 4 * quads * F::kBytes;  // the blocks after them
-    auto step = [&](const uint8_t* a, const uint8_t* b, const XChunk* x, auto u) QUANT_FLATTEN {
-      __m512i wq = T::unpack(a, b);
-      __m512 dw = pair_scales(a, b);
-      unroll<M>([&](auto m) QUANT_FLATTEN {
-        constexpr int mi = decltype(m)::value;
-        __m512 s = _mm512_mul_ps(dw, _mm512_load_ps(x[mi].dx));
-        __m512 p = _mm512_cvtepi32_ps(dot_lanes<true>(wq, x[mi]));
-        if constexpr (decltype(u)::value == 0)
-          acc[mi] = _mm512_fmadd_ps(p, s, acc[mi]);
-        else
-          acc2[mi] = _mm512_fmadd_ps(p, s, acc2[mi]);
-      });
-    };
-    int64_t p = 0;
-    for (; p + A <= pairs; p += A)
-      unroll<A>([&](auto u) QUANT_FLATTEN {
-        const uint8_t* a = row + 2 * (p + u) * F::kBytes;
-        step(a, a + F::kBytes, tc + (p + u) * M, u);
-      });
-    for (; p < pairs; ++p) {
-      const uint8_t* a = row + 2 * p * F::kBytes;
-      step(a, a + F::kBytes, tc + p * M, C<0>{});
-    }
-    if (blocks & 1) {  // a lone last block: paired with itself against zero activations
-      const uint8_t* a = row + 2 * pairs * F::kBytes;
-      step(a, a, tc + pairs * M, C<0>{});
+    if constexpr (!std::is_same_v<F, Q5_0R>) {  // (Q5_0R rows are whole quads)
+      const uint8_t* row = w + r * row_bytes + 4 * quads * F::kBytes;  // the blocks after them
+      auto step = [&](const uint8_t* a, const uint8_t* b, const XChunk* x, auto u) QUANT_FLATTEN {
+        __m512i wq = T::unpack(a, b);
+        __m512 dw = pair_scales(a, b);
+        unroll<M>([&](auto m) QUANT_FLATTEN {
+          constexpr int mi = decltype(m)::value;
+          __m512 s = _mm512_mul_ps(dw, _mm512_load_ps(x[mi].dx));
+          __m512 p = _mm512_cvtepi32_ps(dot_lanes<true>(wq, x[mi]));
+          if constexpr (decltype(u)::value == 0)
+            acc[mi] = _mm512_fmadd_ps(p, s, acc[mi]);
+          else
+            acc2[mi] = _mm512_fmadd_ps(p, s, acc2[mi]);
+        });
+      };
+      int64_t p = 0;
+      for (; p + A <= pairs; p += A)
+        unroll<A>([&](auto u) QUANT_FLATTEN {
+          const uint8_t* a = row + 2 * (p + u) * F::kBytes;
+          step(a, a + F::kBytes, tc + (p + u) * M, u);
+        });
+      for (; p < pairs; ++p) {
+        const uint8_t* a = row + 2 * p * F::kBytes;
+        step(a, a + F::kBytes, tc + p * M, C<0>{});
+      }
+      if (blocks & 1) {  // a lone last block: paired with itself against zero activations
+        const uint8_t* a = row + 2 * pairs * F::kBytes;
+        step(a, a, tc + pairs * M, C<0>{});
+      }
     }
     if constexpr (A > 1)
       unroll<M>([&](auto m) QUANT_FLATTEN {
@@ -1164,7 +1224,7 @@ void vnni_dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const XChunk*
 template <class F>
 constexpr int x_offset() {
   if constexpr (std::is_same_v<F, Q4_0>) return 8;
-  else if constexpr (std::is_same_v<F, Q5_0>) return 16;
+  else if constexpr (std::is_same_v<F, Q5_0> || std::is_same_v<F, Q5_0R>) return 16;
   else if constexpr (std::is_same_v<F, Q8_0>) return 128;
   else if constexpr (std::is_same_v<F, Q6_K>) return 32;
   else return 0;
@@ -1249,6 +1309,21 @@ struct GemmFormat {  // Q4_0 / Q5_0 / Q8_0: chunk c = blocks 2c and 2c + 1
   }
   static void scales(const uint8_t* row, int64_t k, float* s, float*, int64_t stride) {
     for (int64_t b = 0; b < k / 32; ++b) s[b * stride] = half_at(row + b * F::kBytes);
+  }
+};
+
+template <>
+struct GemmFormat<Q5_0R> : GemmFormat<Q5_0> {  // chunk c = blocks 2c, 2c + 1: half of a quad
+  static QUANT_INLINE __m512i chunk(const uint8_t* row, int64_t, int64_t c) {
+    const uint8_t* q = row + c / 2 * Q5_0R::kBytes;
+    const int i = 2 * static_cast<int>(c % 2);  // the first of its two blocks in the quad
+    const __m512i u = nibbles_pair(q + 16 * i, q + 16 * i + 16);
+    const uint64_t bits = Q5_0R::fifth_bits(q, i) | uint64_t{Q5_0R::fifth_bits(q, i + 1)} << 32;
+    return _mm512_mask_add_epi8(u, _cvtu64_mask64(bits), u, _mm512_set1_epi8(16));
+  }
+  static void scales(const uint8_t* row, int64_t k, float* s, float*, int64_t stride) {
+    for (int64_t b = 0; b < k / 32; ++b)
+      s[b * stride] = half_at(row + b / 4 * Q5_0R::kBytes + Q5_0R::kScales + 2 * (b % 4));
   }
 };
 
@@ -1880,6 +1955,36 @@ at::Tensor embedding(const at::Tensor& data, int64_t qtype, int64_t k, const at:
   return out;
 }
 
+bool q5_0r_supported() {
+#if defined(QUANT_VNNI) && defined(QUANT_QUADS)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor repack_q5_0(const at::Tensor& data, int64_t k) {
+  check_weight(data, kQ5_0, k);
+  TORCH_CHECK(k % Q5_0R::kBlock == 0, "repack_q5_0: K = ", k, " is not a multiple of 128");
+  const int64_t n = data.size(0), quads = n * (k / Q5_0R::kBlock);
+  auto out = at::empty({n, k / Q5_0R::kBlock * Q5_0R::kBytes}, data.options());
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, quads, 4096, [&](int64_t lo, int64_t hi) {
+    for (int64_t q = lo; q < hi; ++q) {
+      const uint8_t* b = src + q * 4 * Q5_0::kBytes;  // (rows are whole quads)
+      uint8_t* o = dst + q * Q5_0R::kBytes;
+      for (int i = 0; i < 4; ++i, b += Q5_0::kBytes) {
+        std::memcpy(o + 16 * i, b + 6, 16);                   // nibbles
+        std::memcpy(o + Q5_0R::kLowBits + 2 * i, b + 2, 2);   // fifth bits of weights 0-15
+        std::memcpy(o + Q5_0R::kHighBits + 2 * i, b + 4, 2);  // of weights 16-31
+        std::memcpy(o + Q5_0R::kScales + 2 * i, b, 2);        // d
+      }
+    }
+  });
+  return out;
+}
+
 const char* int8_gemv() {
 #ifdef QUANT_VNNI
   return "vnni";
@@ -1925,6 +2030,7 @@ bool amx_gemm() {
 bool supported_qtype(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    case kQ5_0R: return q5_0r_supported();
   }
   return false;
 }

@@ -44,5 +44,9 @@ bool int8_activations(at::ScalarType dtype);
 at::Tensor gemv_avx2_checked(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                              int64_t k);
 int64_t row_bytes_of(int64_t qtype, int64_t k);  // -1 when k is not a whole number of blocks
+// whether this build's gemv reads Q5_0R (the quad gemv: AVX512-VNNI, VBMI and BITALG)
+bool q5_0r_supported();
+// Q5_0 blocks [N, K / 32 * 22] as Q5_0R [N, K / 128 * 88] (K % 128 == 0), a new tensor
+at::Tensor repack_q5_0(const at::Tensor& data, int64_t k);
 
 }  // namespace vserve_quant

@@ -23,6 +23,8 @@
 namespace vserve_qblock {
 
 constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+// not a GGML type: Q5_0 repacked at load into quads (quant.cpp's Q5_0R, `repack_q5_0`)
+constexpr int64_t kQ5_0R = 1006;
 
 // calls fn(F{}) with F the decoder, among a kernel file's six, of GGML type id qtype
 template <class Q4_0, class Q5_0, class Q8_0, class Q4_K, class Q5_K, class Q6_K, class Fn>

@@ -14,6 +14,10 @@ vocab-parallel embedding) that received `QuantBlocks` (`stage.load_weights` park
 module; under tensor parallel, each layer of `parallel_layers` its slice): a fused projection
 whose parts have different formats (Gemma's q/k in Q5_0, v in Q8_0) keeps one part per run of
 equal formats and concatenates their outputs. A tied lm_head shares the embedding's blocks.
+Where the gemv reads four Q5_0 blocks a step (AVX512 VBMI / BITALG), a linear's Q5_0 rows of
+K % 128 == 0 are repacked once into its layout (`Q5_0R`, the same bytes in another order: the
+same weights, bitwise the same outputs; the embedded model's q, k, gate and up: 1.36x the
+gemv's speed from cache on one Zen 4 thread); VSERVE_QUANT_REPACK=0 keeps the GGUF bytes.
 
 `quantize_q8_0` makes Q8_0 blocks from a dense weight (`quantization="int8"`): per 32 inputs
 one fp16 scale amax / 127 and 32 int8 values, ggml's own Q8_0 (tested against `gguf`).
@@ -25,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vserve.models.gguf_source import QuantBlocks
+from vserve.envs import ENV
+from vserve.models.gguf_source import Q5_0, Q5_0R, QuantBlocks
 from vserve.models.parallel_layers import VocabParallelEmbedding, vocab_lookup
 from vserve.models.stage import FusedLinear
 from vserve.models.weight_arena import arena_copy
@@ -116,16 +121,20 @@ def install(model: nn.Module, kernel, dtype: torch.dtype) -> int:
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
         replaced += 1
-    _into_arena(model)
+    _into_arena(model, kernel if ENV.quant_repack else None)
     return replaced
 
 
-def _into_arena(model: nn.Module) -> None:
+def _into_arena(model: nn.Module, repack_with=None) -> None:
     """Every QuantLinear's blocks, in module order (the order a step streams them), copied
-    into one arena; an embedding that shares a head's blocks (tied) follows them."""
+    into one arena, Q5_0 repacked where `repack_with` (the kernel) reads Q5_0R; an embedding
+    that shares a head's blocks (tied) follows them, as they are (its lookup reads GGUF
+    blocks)."""
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    looked_up = {_key(m.blocks) for m in model.modules() if isinstance(m, QuantEmbedding)}
     blocks = {_key(p): p for m in linears for p in m.parts if isinstance(p, QuantBlocks)}
-    copies = dict(zip(blocks, arena_copy([p.data for p in blocks.values()]), strict=True))
+    final = {key: p if key in looked_up else repacked(p, repack_with) for key, p in blocks.items()}
+    copies = dict(zip(blocks, arena_copy([p.data for p in final.values()]), strict=True))
 
     done: dict[int, QuantBlocks] = {}  # one moved object per object: sharing stays sharing
 
@@ -133,13 +142,21 @@ def _into_arena(model: nn.Module) -> None:
         data = copies.get(_key(p))
         if data is None:
             return p
-        return done.setdefault(id(p), QuantBlocks(p.qtype, data, p.shape))
+        return done.setdefault(id(p), QuantBlocks(final[_key(p)].qtype, data, p.shape))
 
     for m in linears:
         m.parts = [moved(p) if isinstance(p, QuantBlocks) else p for p in m.parts]
     for m in model.modules():
         if isinstance(m, QuantEmbedding):
             m.blocks = moved(m.blocks)
+
+
+def repacked(blocks: QuantBlocks, kernel) -> QuantBlocks:
+    """Q5_0 rows in the quad gemv's layout (Q5_0R) where `kernel` reads it, else as they are."""
+    k = blocks.shape[1]
+    if kernel is None or blocks.qtype != Q5_0 or k % 128 or not kernel.q5_0r_supported():
+        return blocks
+    return QuantBlocks(Q5_0R, kernel.repack_q5_0(blocks.data, k), blocks.shape)
 
 
 def _quantized(module: nn.Module, kernel, dtype: torch.dtype) -> nn.Module | None:
