@@ -62,6 +62,9 @@ def measure(formats: list[str], ms: list[int], threads: list[int], repeats: int)
     assert quant is not None, "the quantized kernels failed to build"
     results = {}
     for name in formats:
+        if name == "Q5_0R" and not quant.q5_0r_supported():
+            print("Q5_0R: this CPU's gemv does not read it (no AVX512 VBMI / BITALG); skipped")
+            continue
         source = FORMATS["Q5_0" if name == "Q5_0R" else name]
         qtype = Q5_0R if name == "Q5_0R" else source
         block, size, _ = LAYOUT[source]

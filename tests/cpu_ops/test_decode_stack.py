@@ -96,6 +96,38 @@ def _check_bitwise(ops, layers, rows):
     assert torch.equal(h, _inputs(rows)[0])  # its input stays as it was
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_stack_on_repacked_q5_0_is_bitwise_the_q5_0_stack(ops, rows):
+    """The decode stack on Q5_0R parts (Q5_0 repacked at load) gives bitwise what it gives on
+    the GGUF bytes: output and KV cache."""
+    if not ops.quant.q5_0r_supported():
+        pytest.skip("this CPU's gemv does not take four blocks a step (AVX512 VBMI / BITALG)")
+    layers = [_layer(s, 1, -1) for s in range(2)]
+    repacked = []
+    for parts, qtypes, biases, norms, consts in layers:
+        parts = [list(p) for p in parts]
+        qtypes = [list(q) for q in qtypes]
+        assert qtypes[0][0] == int(Q.Q5_0)
+        parts[0][0], qtypes[0][0] = ops.quant.repack_q5_0(parts[0][0], HIDDEN), 1006
+        repacked.append((parts, qtypes, biases, norms, consts))
+    h, lens, tables, slots, cos, sin = _inputs(rows)
+    outs = []
+    for ls in (layers, repacked):
+        stack = ops.DecodeStack()
+        for parts, qtypes, biases, norms, consts in ls:
+            stack.add_layer(parts, qtypes, biases, norms, *consts, 0)
+        g = torch.Generator().manual_seed(1)
+        caches = [
+            torch.randn(2, rows * 8, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(BF) for _ in ls
+        ]
+        outs.append(
+            (stack.run(h, [cos], [sin], caches, slots, tables, slots, tables, lens), caches)
+        )
+    (a, ca), (b, cb) = outs
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(ca, cb))
+
+
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("style", [1, 0])

@@ -256,9 +256,9 @@ def test_install_moves_streamed_blocks_into_one_arena(kernel):
 @pytest.mark.parametrize("repack", [True, False])
 def test_install_repacks_streamed_q5_0_for_the_quad_gemv(kernel, monkeypatch, repack):
     """Where the gemv reads Q5_0R, a linear's Q5_0 rows of whole quads (K % 128 == 0) are
-    repacked into it; rows of K % 128 != 0 and an embedding's blocks (a tied head's too: the
-    lookup reads GGUF blocks) stay Q5_0; VSERVE_QUANT_REPACK=0 keeps them all. The outputs
-    are the dense layers' either way."""
+    repacked into it on their way into the arena, a tied head's too (the embedding then
+    looks its rows up in them); rows of K % 128 != 0 stay Q5_0; VSERVE_QUANT_REPACK=0 keeps
+    them all. The outputs are the dense layers' either way."""
     monkeypatch.setattr(quant_linear, "ENV", replace(quant_linear.ENV, quant_repack=repack))
     model = nn.Module()
     model.embed = nn.Embedding(96, 128)
@@ -271,16 +271,33 @@ def test_install_repacks_streamed_q5_0_for_the_quad_gemv(kernel, monkeypatch, re
     model.up.quant_weight, model.down.quant_weight = up, down
     model.lm_head.quant_weight = model.embed.quant_weight = head  # tied
     assert install(model, kernel, torch.float32) == 4
-    repacked = repack and kernel.q5_0r_supported()
-    assert model.up.parts[0].name == ("Q5_0R" if repacked else "Q5_0")
-    assert model.up.parts[0].data.shape == up.data.shape  # the same bytes, reordered
-    assert model.down.parts[0].name == "Q5_0" and model.lm_head.parts[0].name == "Q5_0"
-    assert model.embed.blocks.data.data_ptr() == model.lm_head.parts[0].data.data_ptr()
+    name = "Q5_0R" if repack and kernel.q5_0r_supported() else "Q5_0"
+    assert model.up.parts[0].name == name and model.lm_head.parts[0].name == name
+    assert model.up.parts[0].data.shape == up.data.shape  # as many bytes, reordered
+    assert model.down.parts[0].name == "Q5_0"
+    assert model.embed.blocks is model.lm_head.parts[0]
     x = torch.randn(3, 128)
-    torch.testing.assert_close(model.up(x), x @ w_up.T)
-    torch.testing.assert_close(model.down(x[:, :64]), x[:, :64] @ w_down.T)
-    torch.testing.assert_close(model.lm_head(x), x @ w_head.T)
+    for dtype in (torch.float32, torch.bfloat16):  # (bf16 outside the exact path: int8 gemv)
+        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1" if dtype == torch.float32 else "0")
+        xd, tol = x.to(dtype), {} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.05}
+        torch.testing.assert_close(model.up(xd).float(), xd.float() @ w_up.T, **tol)
+        torch.testing.assert_close(
+            model.down(xd[:, :64]).float(), xd[:, :64].float() @ w_down.T, **tol
+        )
+        torch.testing.assert_close(model.lm_head(xd).float(), xd.float() @ w_head.T, **tol)
     torch.testing.assert_close(model.embed(torch.tensor([5])), w_head[5:6])
+
+
+def test_arena_copy_transforms_one_tensor_at_a_time():
+    seen = []
+
+    def double(t):
+        seen.append(t.numel())
+        return t * 2
+
+    a, b = torch.arange(8, dtype=torch.uint8).reshape(2, 4), torch.arange(3, dtype=torch.uint8)
+    copies = arena_copy([a, b], [double, None])
+    assert torch.equal(copies[0], a * 2) and torch.equal(copies[1], b) and seen == [8]
 
 
 def test_arena_copy_aligns_each_tensor():

@@ -424,6 +424,8 @@ int64_t block_bytes(int64_t qtype) {
 void check_weight(const at::Tensor& data, int64_t qtype, int64_t k) {
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 &&
               data.is_contiguous(), "weight data must be a contiguous CPU uint8 [N, row_bytes]");
+  TORCH_CHECK(qtype != kQ5_0R || vserve_quant::q5_0r_supported(),
+              "Q5_0R weights need the quad gemv (AVX512-VNNI, VBMI and BITALG)");
   int64_t block = block_size(qtype);
   TORCH_CHECK(k > 0 && k % block == 0, "k = ", k, " must be a positive multiple of ", block);
   TORCH_CHECK(data.size(1) == k / block * block_bytes(qtype), "row_bytes ", data.size(1),
@@ -1965,6 +1967,7 @@ bool q5_0r_supported() {
 
 at::Tensor repack_q5_0(const at::Tensor& data, int64_t k) {
   check_weight(data, kQ5_0, k);
+  TORCH_CHECK(q5_0r_supported(), "repack_q5_0: this build's gemv does not read Q5_0R");
   TORCH_CHECK(k % Q5_0R::kBlock == 0, "repack_q5_0: K = ", k, " is not a multiple of 128");
   const int64_t n = data.size(0), quads = n * (k / Q5_0R::kBlock);
   auto out = at::empty({n, k / Q5_0R::kBlock * Q5_0R::kBytes}, data.options());

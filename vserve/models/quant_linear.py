@@ -15,9 +15,10 @@ module; under tensor parallel, each layer of `parallel_layers` its slice): a fus
 whose parts have different formats (Gemma's q/k in Q5_0, v in Q8_0) keeps one part per run of
 equal formats and concatenates their outputs. A tied lm_head shares the embedding's blocks.
 Where the gemv reads four Q5_0 blocks a step (AVX512 VBMI / BITALG), a linear's Q5_0 rows of
-K % 128 == 0 are repacked once into its layout (`Q5_0R`, the same bytes in another order: the
-same weights, bitwise the same outputs; the embedded model's q, k, gate and up: 1.36x the
-gemv's speed from cache on one Zen 4 thread); VSERVE_QUANT_REPACK=0 keeps the GGUF bytes.
+K % 128 == 0 are repacked once, on their way into the arena, into its layout (`Q5_0R`: as many
+bytes, reordered; the same weights, bitwise the same outputs; the embedded model's q, k, gate
+and up: the M = 1 gemv 19.2 -> 27.8 GB/s from cache on one Zen 4 thread);
+VSERVE_QUANT_REPACK=0 keeps the GGUF bytes.
 
 `quantize_q8_0` makes Q8_0 blocks from a dense weight (`quantization="int8"`): per 32 inputs
 one fp16 scale amax / 127 and 32 int8 values, ggml's own Q8_0 (tested against `gguf`).
@@ -127,22 +128,22 @@ def install(model: nn.Module, kernel, dtype: torch.dtype) -> int:
 
 def _into_arena(model: nn.Module, repack_with=None) -> None:
     """Every QuantLinear's blocks, in module order (the order a step streams them), copied
-    into one arena, Q5_0 repacked where `repack_with` (the kernel) reads Q5_0R; an embedding
-    that shares a head's blocks (tied) follows them, as they are (its lookup reads GGUF
-    blocks)."""
+    into one arena, Q5_0 repacked on the way where `repack_with` (the kernel) reads Q5_0R;
+    an embedding that shares a head's blocks (tied) follows them (its lookup reads either)."""
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    looked_up = {_key(m.blocks) for m in model.modules() if isinstance(m, QuantEmbedding)}
     blocks = {_key(p): p for m in linears for p in m.parts if isinstance(p, QuantBlocks)}
-    final = {key: p if key in looked_up else repacked(p, repack_with) for key, p in blocks.items()}
-    copies = dict(zip(blocks, arena_copy([p.data for p in final.values()]), strict=True))
+    repack = {key: _repacker(p, repack_with) for key, p in blocks.items()}
+    data = arena_copy([p.data for p in blocks.values()], list(repack.values()))
+    copies = dict(zip(blocks, data, strict=True))
 
     done: dict[int, QuantBlocks] = {}  # one moved object per object: sharing stays sharing
 
     def moved(p: QuantBlocks) -> QuantBlocks:
-        data = copies.get(_key(p))
-        if data is None:
+        key = _key(p)
+        if key not in copies:
             return p
-        return done.setdefault(id(p), QuantBlocks(final[_key(p)].qtype, data, p.shape))
+        qtype = Q5_0R if repack[key] is not None else p.qtype
+        return done.setdefault(id(p), QuantBlocks(qtype, copies[key], p.shape))
 
     for m in linears:
         m.parts = [moved(p) if isinstance(p, QuantBlocks) else p for p in m.parts]
@@ -151,12 +152,13 @@ def _into_arena(model: nn.Module, repack_with=None) -> None:
             m.blocks = moved(m.blocks)
 
 
-def repacked(blocks: QuantBlocks, kernel) -> QuantBlocks:
-    """Q5_0 rows in the quad gemv's layout (Q5_0R) where `kernel` reads it, else as they are."""
+def _repacker(blocks: QuantBlocks, kernel):
+    """What makes Q5_0 rows Q5_0R (the quad gemv's layout) where `kernel` reads it, else
+    None: the blocks stay as they are."""
     k = blocks.shape[1]
     if kernel is None or blocks.qtype != Q5_0 or k % 128 or not kernel.q5_0r_supported():
-        return blocks
-    return QuantBlocks(Q5_0R, kernel.repack_q5_0(blocks.data, k), blocks.shape)
+        return None
+    return lambda data: kernel.repack_q5_0(data, k)
 
 
 def _quantized(module: nn.Module, kernel, dtype: torch.dtype) -> nn.Module | None:

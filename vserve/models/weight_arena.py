@@ -23,8 +23,10 @@ HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor starts on a cache line
 
 
-def arena_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """uint8 copies of `tensors` (each contiguous, same shapes) in one huge-page mapping."""
+def arena_copy(tensors: list[torch.Tensor], transforms: list | None = None) -> list[torch.Tensor]:
+    """uint8 copies of `tensors` (each contiguous, same shapes) in one huge-page mapping;
+    `transforms[i]`, when given and not None, makes what is copied for tensor i (a tensor of
+    its shape), one at a time: a load holds at most one transformed tensor besides the arena."""
     if not tensors:
         return []
     offsets, size = [], 0
@@ -33,9 +35,10 @@ def arena_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         size += -(-t.numel() // ALIGN) * ALIGN
     base = huge_page_buffer(size)
     out = []
-    for t, offset in zip(tensors, offsets, strict=True):
+    for i, (t, offset) in enumerate(zip(tensors, offsets, strict=True)):
         dst = base[offset : offset + t.numel()].view(t.shape)
-        dst.copy_(t)
+        fn = transforms[i] if transforms is not None else None
+        dst.copy_(t if fn is None else fn(t))
         out.append(dst)
     return out
 
