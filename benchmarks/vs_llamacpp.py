@@ -4,7 +4,7 @@
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python llama-cpp-python
     python benchmarks/vs_llamacpp.py [--gguf PATH] [--threads 2] [--llama-python PYTHON]
         [--input-len 128] [--output-len 128] [--num-prompts 64] [--output-json PATH]
-        [--llama-no-repack]
+        [--llama-no-repack] [--batch1-rounds N]
 
 `--llama-python` is an interpreter that has `llama_cpp` (default: this one); the llama.cpp side
 runs in its own process. Rows:
@@ -22,6 +22,11 @@ runs in its own process. Rows:
   one-pass sum over 1 GiB on the same threads).
 
 Prints a markdown table and writes benchmarks/results/vs_llamacpp.json.
+
+`--batch1-rounds N` instead runs batch 1 alone, llama.cpp and vserve (GGUF blocks) in turn N
+times, and prints each round's ratio with their median and range: where one engine is bound
+by the memory and the other by arithmetic (a shared VM whose bandwidth moves by a third
+within the hour), the ratio moves with the machine and one run says little.
 """
 
 from __future__ import annotations
@@ -171,6 +176,7 @@ def main() -> int:
         help="llama.cpp without its repacked weight buffers (llama-cli's --no-repack): its AMX "
         "buffer crashed in the first llama_decode on an AMX Xeon (llama-cpp-python 0.3.36)",
     )
+    p.add_argument("--batch1-rounds", type=int, default=0, help="batch 1 only, N rounds")
     p.add_argument("--llama-side", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.llama_side:
@@ -190,13 +196,10 @@ def main() -> int:
         "parallel": [16, 32, 64],
         "no_repack": args.llama_no_repack,
     }
-    llama = subprocess.run(
-        [args.llama_python, __file__, "--llama-side", json.dumps(cfg)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    result = {"config": cfg, "llama.cpp": json.loads(llama.stdout.strip().splitlines()[-1])}
+    if args.batch1_rounds:
+        batch1_rounds(dict(cfg, parallel=[]), args)
+        return 0
+    result = {"config": cfg, "llama.cpp": llama_run(cfg, args)}
     for q in ("none", "gguf", "int8"):
         result[q] = {"batch1": vserve_bench("latency", q, args)}
         result[q]["batched"] = vserve_bench("throughput", q, args)
@@ -219,6 +222,40 @@ def main() -> int:
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def llama_run(cfg: dict, args) -> dict:
+    out = subprocess.run(
+        [args.llama_python, __file__, "--llama-side", json.dumps(cfg)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def batch1_rounds(cfg: dict, args) -> None:
+    """llama.cpp and vserve's GGUF blocks at batch 1 in turn, args.batch1_rounds times."""
+    import statistics
+
+    ratios = []
+    print("| round | llama.cpp out tok/s | step ms | vserve out tok/s | step ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    for r in range(args.batch1_rounds):
+        llama = llama_run(cfg, args)["batch1"]
+        mine = vserve_bench("latency", "gguf", args)
+        tok_s = args.output_len / mine["avg_latency"]
+        step = mine.get("overlap", {}).get("tpot_p50_ms", float("nan"))
+        ratios.append(tok_s / llama["output_tok_s"])
+        print(
+            f"| {r} | {llama['output_tok_s']:.1f} | {llama['step_ms']:.2f} | {tok_s:.1f} | "
+            f"{step:.2f} | {ratios[-1]:.3f} |",
+            flush=True,
+        )
+    print(
+        f"vs llama.cpp: median {statistics.median(ratios):.3f}, "
+        f"{min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} rounds"
+    )
 
 
 def print_table(r: dict, args) -> None:
