@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 FORMATS = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-Q5_0R = 1006  # Q5_0 repacked at load for the quad gemv (quant.cpp): made from random Q5_0
 # block size, block bytes, fp16 fields
 LAYOUT = {
     2: (32, 18, [0]),
@@ -57,6 +56,7 @@ def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def measure(formats: list[str], ms: list[int], threads: list[int], repeats: int) -> dict:
     from vserve import cpu_ops
+    from vserve.models.gguf_source import Q5_0R  # Q5_0 repacked at load (quant.cpp)
 
     quant = cpu_ops.load_quant()
     assert quant is not None, "the quantized kernels failed to build"

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.cpu_ops.test_quant_kernels import random_weight
 from vserve import cpu_ops
+from vserve.models.gguf_source import Q5_0R
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -108,7 +109,7 @@ def test_stack_on_repacked_q5_0_is_bitwise_the_q5_0_stack(ops, rows):
         parts = [list(p) for p in parts]
         qtypes = [list(q) for q in qtypes]
         assert qtypes[0][0] == int(Q.Q5_0)
-        parts[0][0], qtypes[0][0] = ops.quant.repack_q5_0(parts[0][0], HIDDEN), 1006
+        parts[0][0], qtypes[0][0] = ops.quant.repack_q5_0(parts[0][0], HIDDEN), Q5_0R
         repacked.append((parts, qtypes, biases, norms, consts))
     h, lens, tables, slots, cos, sin = _inputs(rows)
     outs = []

@@ -32,6 +32,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from vserve import cpu_ops
 from vserve.config import cpu_flags, cpu_has_bf16
+from vserve.models.gguf_source import Q5_0R
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -665,7 +666,6 @@ def test_bf16_matmul_multiplies_in_fp32_without_bf16_instructions(quant, monkeyp
 
 
 # ---- Q5_0R: Q5_0 repacked at load for the quad gemv (quant.cpp) ----
-Q5_0R = 1006
 
 
 @pytest.fixture

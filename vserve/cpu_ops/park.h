@@ -19,6 +19,8 @@
 #include <exception>
 #include <mutex>
 
+#include "row_shares.h"  // cpu_relax
+
 namespace vserve_park {
 
 // what the parked threads wait on; `unpark` wakes them before fn has returned
@@ -53,12 +55,6 @@ inline void unpark() {
   if (ParkState* s = current_park()) wake(*s);
 }
 
-inline void cpu_pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 // fn() on this thread while the other `threads - 1` threads of the OpenMP pool sleep (until
 // fn calls `unpark`, or returns); fn's exception is rethrown here. One thread, or inside a
 // parallel region: fn() alone.
@@ -88,7 +84,7 @@ void run_parked(int threads, Fn&& fn) {
         std::unique_lock<std::mutex> lock(state.mu);
         state.cv.wait(lock, [&] { return state.wake; });
       }
-      while (!state.done.load(std::memory_order_acquire)) cpu_pause();
+      while (!state.done.load(std::memory_order_acquire)) vserve_rows::cpu_relax();
     }
   }
   if (error) std::rethrow_exception(error);

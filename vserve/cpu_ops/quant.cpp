@@ -859,10 +859,10 @@ QUANT_INLINE __m512i dot_lanes(__m512i wq, const XChunk& x) {
   return _mm512_dpbusd_epi32(start, wq, _mm512_load_si512(x.q));
 }
 
-// the bytes of four blocks (Q5_0R: of one of its blocks)
+// the bytes of a quad: 128 weights (four blocks of 32, or one of Q5_0R's)
 template <class F>
 constexpr int64_t quad_bytes() {
-  return std::is_same_v<F, Q5_0R> ? F::kBytes : 4 * F::kBytes;
+  return 128 / F::kBlock * F::kBytes;
 }
 
 template <class F, int M>
@@ -903,7 +903,7 @@ void vnni_rows(const uint8_t* w, int64_t row_bytes, const XChunk* xc, const XSum
       for (; q < quads; ++q) quad(q, C<0>{});
     }
 #endif
-    if constexpr (!std::is_same_v<F, Q5_0R>) {  // (Q5_0R rows are whole quads)
+    if constexpr (F::kBlock == 32) {  // the blocks after the quads (Q5_0R's rows: whole quads)
       const uint8_t* row = w + r * row_bytes + 4 * quads * F::kBytes;  // the blocks after them
       auto step = [&](const uint8_t* a, const uint8_t* b, const XChunk* x, auto u) QUANT_FLATTEN {
         __m512i wq = T::unpack(a, b);

@@ -1,16 +1,31 @@
 // Row shares of a streamed weight, claimed by the threads that stream it (stream_rows below,
-// which quant.cpp's and quant_avx2.cpp's kernels call; stack.cpp's decode stack), and the
-// software prefetch of the rows ahead (fetch_ahead).
+// which quant.cpp's and quant_avx2.cpp's kernels call; stack.cpp's decode stack), the
+// software prefetch of the rows ahead (fetch_ahead), and the pause of a spinning thread
+// (cpu_relax: the decode stack's waits, park.h's woken threads).
 #pragma once
 
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 namespace vserve_rows {
+
+// one turn of a spin-wait: a pause (x86), else a yield
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
 
 // Rows [0, n) of a weight in one contiguous share per thread, each in chunks of `chunk` rows
 // that its owner claims one at a time from the front; a thread done with its own share takes

@@ -17,10 +17,6 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -40,18 +36,11 @@
 namespace {
 
 using bf16 = c10::BFloat16;
+using vserve_rows::cpu_relax;
 using vserve_rows::RowShares;
 
 inline float f(bf16 x) { return static_cast<float>(x); }
 inline bf16 b(float x) { return static_cast<bf16>(x); }
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
 
 // spins (then yields the core) until pred() holds
 template <class Pred>
