@@ -97,6 +97,31 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """What one structured-output constraint may cost. A constraint's source (a JSON schema's
+    text, a regex, a grammar, the choices) longer than `max_constraint_chars` is refused
+    before it reaches the engine; a grammar is first compiled by a worker process that is
+    killed past `compile_timeout` seconds or `compile_memory_mb` MiB, which fails only the
+    requests that wait for it."""
+
+    max_constraint_chars: int = 256 * 1024
+    compile_timeout: float = 10.0
+    compile_memory_mb: int = 2048
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_constraint_chars, int) and self.max_constraint_chars >= 1):
+            raise ValueError(
+                f"max_constraint_chars must be >= 1, got {self.max_constraint_chars!r}"
+            )
+        if not (isinstance(self.compile_timeout, (int, float)) and self.compile_timeout > 0):
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.compile_timeout!r}")
+        if not (isinstance(self.compile_memory_mb, int) and self.compile_memory_mb >= 64):
+            raise ValueError(
+                f"grammar_compile_memory_mb must be >= 64, got {self.compile_memory_mb!r}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -110,6 +135,7 @@ class EngineConfig:
     # engine is declared dead (0: no watchdog)
     watchdog_timeout: float = 300.0
     data_parallel: DataParallelConfig = DataParallelConfig()
+    structured: StructuredOutputConfig = StructuredOutputConfig()
 
     @property
     def max_concurrent_batches(self) -> int:

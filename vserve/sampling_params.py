@@ -16,7 +16,7 @@ _INT64 = 2**63  # integers must fit int64: msgpack and torch carry nothing wider
 _TYPE_NAMES = {"regex": "a string", "grammar": "a string", "choice": "a list of strings"}
 
 
-class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, weakref=True):
     """Constrain the output: exactly one of a JSON schema (`json`, a dict or its JSON text),
     any JSON object (`json_object=True`), a regular expression, a list of choices, or an
     EBNF grammar (xgrammar's dialect)."""

@@ -186,6 +186,9 @@ class _Structured:
     def fill(self, state, bitmask, row):
         pass
 
+    def release(self, compiling):
+        pass
+
 
 def test_grammar_rejection_fails_only_that_request():
     from concurrent.futures import Future

@@ -424,6 +424,9 @@ class _FailingStructured:
     def fill(self, state, bitmask, row):
         state._tick("fill")
 
+    def release(self, compiling):
+        pass
+
 
 @pytest.mark.parametrize("where", ["accept", "fill"])
 @pytest.mark.parametrize("depth", [1, 2])

@@ -346,6 +346,9 @@ class FakeStructured:
     def fill(self, state: FakeGrammar, bitmask: list, row: int) -> None:
         bitmask[row] = state.num_accepted
 
+    def release(self, compiling) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 

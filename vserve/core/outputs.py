@@ -10,6 +10,19 @@ from __future__ import annotations
 
 import msgspec
 
+# why a request failed, when it was the request's own doing (None: the engine's)
+ERROR_INVALID = "invalid"  # its input cannot be served as asked (HTTP 400)
+ERROR_BUSY = "busy"  # the engine cannot take it now; a retry may succeed (HTTP 503)
+
+
+class RequestError(Exception):
+    """A failure that belongs to one request, with its kind (`ERROR_INVALID`, `ERROR_BUSY`);
+    the message is the engine's own words, fit for the client."""
+
+    def __init__(self, message: str, kind: str = ERROR_INVALID) -> None:
+        super().__init__(message)
+        self.kind = kind
+
 
 class LogprobsDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Per confirmed token: ids and logprobs, the sampled token first, then the top-N."""
@@ -30,6 +43,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # prompt tokens 1.. (index 0 has none), sent once, with the first token
     prompt_logprobs: LogprobsDelta | None = None
     incarnation: int = 0  # the request's (EngineCoreRequest.incarnation)
+    error_kind: str | None = None  # ERROR_INVALID, ERROR_BUSY; None: the engine's failure
 
     @property
     def finished(self) -> bool:

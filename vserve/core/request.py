@@ -72,6 +72,7 @@ class Request:
     grammar_future: Future | None = field(init=False, default=None)  # compiling
     grammar: GrammarMatcher | None = field(init=False, default=None)  # once compiled
     error: str | None = field(init=False, default=None)
+    error_kind: str | None = field(init=False, default=None)  # see core.outputs.RequestError
     add_seq: int = field(init=False, default=0)  # engine core arrival number (aborts)
     incarnation: int = field(init=False, default=0)  # the front end's number, echoed
     # prompt logprobs: entries for prompt tokens 1..num_prompt_logprobs-1 have arrived; those

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vserve.core.kv_cache_manager import BlockIds, KVCacheManager
-from vserve.core.outputs import EngineCoreOutput, LogprobsDelta, SchedulerStats
+from vserve.core.outputs import EngineCoreOutput, LogprobsDelta, RequestError, SchedulerStats
 from vserve.core.request import Request, RequestStatus
 from vserve.core.sched_output import (
     CachedRequestData,
@@ -200,7 +200,10 @@ class Scheduler:
             return False
         try:
             req.grammar = self.structured.new_state(future.result())
-        except Exception as e:  # an invalid schema or grammar fails only its request
+        except RequestError as e:  # over the compile budget, or invalid: fails only this one
+            req.error, req.error_kind = str(e), e.kind
+            return False
+        except Exception as e:  # noqa: BLE001 -- the engine's failure, still only this request's
             req.error = f"structured outputs: cannot compile the grammar: {e}"
             return False
         return True
@@ -214,6 +217,7 @@ class Scheduler:
                 finish_reason="error",
                 error=req.error,
                 incarnation=req.incarnation,
+                error_kind=req.error_kind,
             )
         )
 
@@ -381,6 +385,9 @@ class Scheduler:
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if req.grammar_future is not None and self.structured is not None:
+            self.structured.release(req.grammar_future)  # a compile nobody waits for stops
+            req.grammar_future = None
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]

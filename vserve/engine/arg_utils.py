@@ -20,6 +20,7 @@ from vserve.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputConfig,
     cpu_has_bf16,
     cpu_has_int8_gemv,
 )
@@ -83,6 +84,9 @@ class EngineArgs:
     disable_log_stats: bool = True
     speculative_config: dict | str | None = None
     watchdog_timeout: float = 300.0
+    max_constraint_chars: int = StructuredOutputConfig.max_constraint_chars
+    grammar_compile_timeout: float = StructuredOutputConfig.compile_timeout
+    grammar_compile_memory_mb: int = StructuredOutputConfig.compile_memory_mb
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -140,6 +144,11 @@ class EngineArgs:
             self._speculative(),
             _watchdog_timeout(self.watchdog_timeout),
             self._data_parallel(),
+            StructuredOutputConfig(
+                self.max_constraint_chars,
+                self.grammar_compile_timeout,
+                self.grammar_compile_memory_mb,
+            ),
         )
 
     def _data_parallel(self) -> DataParallelConfig:

@@ -12,6 +12,7 @@ import logging
 import math
 import queue
 import time
+import weakref
 from collections import deque
 
 import msgspec
@@ -22,10 +23,15 @@ from vserve.core.request import Request, RequestStatus
 from vserve.core.scheduler import Scheduler
 from vserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from vserve.engine.recorder import Coverage, StepRecorder
-from vserve.engine.structured_output import StructuredOutputManager
+from vserve.engine.structured_output import (
+    StructuredOutputManager,
+    constraint_digest,
+    grammar_source,
+)
 from vserve.envs import read_env
 from vserve.executor import make_executor
 from vserve.executor.base import Executor
+from vserve.sampling_params import StructuredOutputsParams
 from vserve.startup import phase, resident_bytes
 
 logger = logging.getLogger("vserve.engine")
@@ -58,7 +64,14 @@ class EngineCore:
             self.num_local_kv_blocks,
         )
         m = config.model
-        self.structured = StructuredOutputManager(m.tokenizer, m.vocab_size, m.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            m.tokenizer, m.vocab_size, m.eos_token_ids, config.structured
+        )
+        # one copy of each constraint for every request that carries it (children of n > 1,
+        # the prompts of one batch each arrive with their own decoded copy)
+        self._constraints: weakref.WeakValueDictionary[str, StructuredOutputsParams] = (
+            weakref.WeakValueDictionary()
+        )
         self.scheduler = Scheduler(config.scheduler, kv, config.speculative, self.structured)
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque = deque()
@@ -108,9 +121,15 @@ class EngineCore:
         )
         request.add_seq, request.incarnation = seq, req.incarnation
         constraint = req.sampling_params.structured_outputs  # request.use_grammar
-        if constraint is not None:  # compiles on a worker thread; admitted once ready
+        if constraint is not None:  # compiles off the busy loop; admitted once ready
+            constraint = self._shared_constraint(constraint)
+            request.sampling_params.structured_outputs = constraint
             request.grammar_future = self.structured.submit(constraint)
         self.scheduler.add_request(request)
+
+    def _shared_constraint(self, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
+        key = constraint_digest(*grammar_source(constraint))
+        return self._constraints.setdefault(key, constraint)
 
     def abort_requests(self, request_ids: list[str], num_adds: float = math.inf) -> None:
         """Thread-safe: applied before the next commit (or at once by the busy loop), to the

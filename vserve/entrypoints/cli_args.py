@@ -45,6 +45,13 @@ _HELP = {
     "attention_backend": "torch (CPU default) or triton (CUDA default)",
     "watchdog_timeout": "seconds a step may hang (or the engine core stay silent) before the "
     "engine is declared dead and the server exits (0: off)",
+    "max_constraint_chars": "characters of one structured-output constraint (a JSON schema's "
+    "text, a regex, a grammar, the choices, the tools of tool_choice 'required'); longer is "
+    "refused (400)",
+    "grammar_compile_timeout": "seconds a grammar may take to compile (in a worker process "
+    "that is then killed); longer fails the requests that wait for it (400)",
+    "grammar_compile_memory_mb": "MiB of memory a grammar's compile may use (the compile "
+    "worker's limit); more fails the requests that wait for it (400)",
     "enforce_eager": "no CUDA graphs: decode steps run eagerly too (graphs need CUDA + triton)",
 }
 

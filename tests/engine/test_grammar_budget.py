@@ -1,0 +1,136 @@
+"""The grammar compile budget and the compile jobs: a constraint that would compile for too long
+or in too much memory fails only the requests waiting for it (the compile worker is killed,
+the engine's own process never compiles it); every request of one constraint shares one
+compile; a compile nobody waits for any more stops; cached grammars never wait behind a job.
+
+The heavy constraints are regexes of thousands of alternatives against the embedded model's
+262k-token vocabulary: each one costs seconds and hundreds of MB to compile."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from vserve.config import StructuredOutputConfig
+from vserve.core.outputs import ERROR_BUSY, ERROR_INVALID, RequestError
+from vserve.engine.structured_output import BytesLRU, StructuredOutputManager
+from vserve.sampling_params import StructuredOutputsParams
+
+HEAVY = "(a|b)" * 8000  # about 10 s and 190 MB to compile here
+LIGHT = "(yes|no)"
+
+
+def _regex(source: str) -> StructuredOutputsParams:
+    return StructuredOutputsParams(regex=source)
+
+
+def _error(future: Future, timeout: float = 120) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        future.result(timeout)
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer() -> str:
+    from vserve.models.resolve import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+def _manager(path: str, **config) -> StructuredOutputManager:
+    return StructuredOutputManager(path, 262144, (1,), StructuredOutputConfig(**config))
+
+
+@pytest.mark.slow
+def test_deadline_fails_only_its_requests(embedded_tokenizer):
+    manager = _manager(embedded_tokenizer, compile_timeout=1.0)
+    try:
+        heavy = manager.submit(_regex(HEAVY))
+        also_heavy = manager.submit(_regex(HEAVY))  # the same constraint: one job
+        light = manager.submit(_regex(LIGHT))
+        assert also_heavy is heavy
+        error = _error(heavy)
+        assert error.kind == ERROR_INVALID
+        assert "within 1 s" in str(error) and "--grammar-compile-timeout" in str(error)
+        assert light.result(120) is not None  # the next job compiles in a new worker
+        assert manager._worker is not None and manager._worker.num_started == 2
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.slow
+def test_memory_budget_fails_only_its_requests(embedded_tokenizer):
+    manager = _manager(embedded_tokenizer, compile_timeout=120, compile_memory_mb=64)
+    try:
+        error = _error(manager.submit(_regex(HEAVY)))
+        assert error.kind == ERROR_INVALID
+        assert "64 MiB" in str(error) and "--grammar-compile-memory-mb" in str(error)
+        assert manager.submit(_regex(LIGHT)).result(120) is not None
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.slow
+def test_released_compiles_stop_and_cached_grammars_do_not_wait(embedded_tokenizer):
+    manager = _manager(embedded_tokenizer, compile_timeout=120)
+    try:
+        first = manager.submit(_regex(LIGHT))
+        first.result(120)  # compiled once: cached from now on
+        heavy = manager.submit(_regex(HEAVY))
+        queued = manager.submit(_regex(HEAVY + "c"))
+        time.sleep(0.5)  # the heavy trial is under way in the worker
+        started = time.monotonic()
+        cached = manager.submit(_regex(LIGHT))
+        assert cached.done() and cached.result() is first.result()
+        manager.release(queued)  # waited in the queue: cancelled, never compiled
+        assert queued.cancelled()
+        manager.release(heavy)  # in its trial: the worker is killed
+        with pytest.raises(BaseException):  # noqa: B017 -- cancelled or failed, not compiled
+            heavy.result(60)
+        assert time.monotonic() - started < 30  # well before the heavy compile could end
+        assert not manager._jobs
+    finally:
+        manager.shutdown()
+
+
+def test_too_many_compiles_waiting_is_busy(monkeypatch):
+    manager = _manager("unused")
+    monkeypatch.setattr(manager, "_start", lambda: None)  # no job ever runs
+    futures = [
+        manager.submit(_regex(f"x{i}")) for i in range(StructuredOutputManager.MAX_PENDING_COMPILES)
+    ]
+    assert not any(f.done() for f in futures)
+    busy = manager.submit(_regex("one more"))
+    assert _error(busy, timeout=1).kind == ERROR_BUSY
+    assert manager.submit(_regex("x0")) is futures[0]  # joining a waiting job is no new one
+    for future in futures:
+        manager.release(future)
+    assert all(f.cancelled() for f in futures[1:]) and not futures[0].cancelled()
+    manager.release(futures[0])
+    assert futures[0].cancelled() and not manager._jobs
+
+
+def test_bytes_lru_bounded_by_bytes():
+    cache = BytesLRU(100)
+    cache.put("a", "A", 40)
+    cache.put("b", "B", 40)
+    cache.get("a")  # a is now the most recently used
+    cache.put("c", "C", 40)
+    assert cache.get("b") is None and cache.get("a") == "A" and cache.get("c") == "C"
+    assert cache.num_bytes == 80
+    cache.put("huge", "H", 101)  # larger than the whole cache: not kept
+    assert cache.get("huge") is None and len(cache) == 2
+
+
+def test_waiters_share_one_release_count():
+    """A job stays while any of its requests waits: releasing one of two keeps it."""
+    manager = _manager("unused")
+    manager._start = lambda: None  # type: ignore[method-assign]
+    a = manager.submit(_regex("shared"))
+    b = manager.submit(_regex("shared"))
+    manager.release(a)
+    assert not b.cancelled() and manager._jobs
+    manager.release(b)
+    assert b.cancelled() and not manager._jobs
