@@ -20,7 +20,10 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None = None  # with finish_reason "error": what went wrong
+    # with finish_reason "error": "invalid" (the request's input cannot be served as asked),
+    # "busy" (a retry may succeed), None (the engine failed)
+    error_kind: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -12,6 +12,9 @@ import math
 import msgspec
 
 _GREEDY_EPS = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38  # the sampler divides logits in float32
+# a logit (up to ~1e4 in magnitude) divided or multiplied by the penalty stays finite in float32
+_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-4, 1e4
 _INT64 = 2**63  # integers must fit int64: msgpack and torch carry nothing wider
 _TYPE_NAMES = {"regex": "a string", "grammar": "a string", "choice": "a list of strings"}
 
@@ -43,6 +46,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         if self.json:
             try:
                 _json.loads(self.json)
+            except RecursionError:
+                raise ValueError("structured outputs: json is nested too deeply") from None
             except ValueError as e:
                 raise ValueError(f"structured outputs: json is not a valid schema: {e}") from e
         if self.choice is not None:
@@ -158,8 +163,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             f"n must be an integer >= 1 (64-bit), got {_short(self.n)}.",
         )
         _check(
-            _is_finite(self.temperature) and self.temperature >= 0,
-            f"temperature must be a finite number >= 0, got {_short(self.temperature)}.",
+            _is_finite(self.temperature) and 0 <= self.temperature <= _FLOAT32_MAX,
+            f"temperature must be a finite number >= 0 that a float32 holds, got "
+            f"{_short(self.temperature)}.",
         )
         _check(
             _is_num(self.top_p) and 0 < self.top_p <= 1,
@@ -180,9 +186,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"{name} must be in [-2, 2], got {_short(value)}.",
             )
         _check(
-            _is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-            f"repetition_penalty must be a finite number > 0, got "
-            f"{_short(self.repetition_penalty)}.",
+            _is_num(self.repetition_penalty)
+            and _MIN_REPETITION_PENALTY <= self.repetition_penalty <= _MAX_REPETITION_PENALTY,
+            f"repetition_penalty must be in [{_MIN_REPETITION_PENALTY:g}, "
+            f"{_MAX_REPETITION_PENALTY:g}], got {_short(self.repetition_penalty)}.",
         )
         _check(
             self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),

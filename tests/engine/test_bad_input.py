@@ -3,7 +3,11 @@
 import pytest
 
 from tests.support.engines import make_llm
-from vserve import LLM, SamplingParams
+from vserve import LLM, SamplingParams, StructuredOutputsParams
+
+
+def _so(**kw) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**kw)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +50,10 @@ def llm(tiny_model_dir):
         (dict(temperature=float("inf")), "temperature"),
         (dict(temperature=2**2000), "temperature"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        # finite in float64, not in the sampler's float32: inf or 0 there, then NaN logits
+        (dict(temperature=1e39), "temperature"),
+        (dict(repetition_penalty=1e-46), "repetition_penalty"),
+        (dict(repetition_penalty=1e5), "repetition_penalty"),
         # wrong types that msgspec would find only in the engine core
         (dict(stop=5), "stop must be"),
         (dict(stop_token_ids=7), "stop_token_ids must be a list"),
@@ -56,6 +64,13 @@ def llm(tiny_model_dir):
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_schema_text_nested_too_deeply_is_a_value_error():
+    """Python's parser gives up on deep nesting with RecursionError: it must read as bad
+    input (a 400), not as a failure of the server."""
+    with pytest.raises(ValueError, match="nested too deeply"):
+        StructuredOutputsParams(json="[" * 50_000 + "]" * 50_000)
 
 
 @pytest.mark.parametrize(
@@ -70,6 +85,9 @@ def test_invalid_sampling_params(kwargs, match):
         ("a prompt", SamplingParams(stop_token_ids=[10**6]), "out of vocabulary"),
         ("a prompt", SamplingParams(logprobs=50), "max_logprobs"),
         (12.5, None, "unsupported prompt"),
+        ("ab\ud800cd", None, "lone surrogate"),
+        ({"prompt_token_ids": [1, True]}, None, "out of vocabulary"),
+        ("a prompt", SamplingParams(structured_outputs=_so(regex="a" * 300_000)), "characters"),
         ({"foo": 1}, None, "prompt_token_ids"),
     ],
 )

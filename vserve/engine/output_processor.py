@@ -40,6 +40,7 @@ class ChildState:
     sent_logprobs: int = 0
     sent_finish: bool = False
     incarnation: int = 0  # its engine request's; outputs of another are dropped
+    error_kind: str | None = None  # with finish_reason "error": whose fault (core.outputs)
 
 
 @dataclass
@@ -184,6 +185,7 @@ class OutputProcessor:
         matched = child.detok.update(out.new_token_ids, stop_terminated)
         if out.error:
             child.finish_reason, child.stop_reason = "error", out.error
+            child.error_kind = out.error_kind
         elif matched is not None:
             child.finish_reason, child.stop_reason = "stop", matched
         elif out.finished:
@@ -273,4 +275,5 @@ class OutputProcessor:
             logprobs,
             child.finish_reason,
             child.stop_reason,
+            child.error_kind,
         )

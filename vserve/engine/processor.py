@@ -9,14 +9,17 @@ from __future__ import annotations
 import itertools
 import random
 import time
+import weakref
 
 import msgspec
 
 from vserve.config import EngineConfig
 from vserve.core.seeds import splitmix64
 from vserve.engine.messages import EngineCoreRequest
-from vserve.engine.structured_output import check_grammar
-from vserve.sampling_params import SamplingParams
+from vserve.engine.structured_output import check_grammar, grammar_source
+from vserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+_CONSTRAINT_NAMES = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar"}
 
 Prompt = str | dict | list
 
@@ -29,11 +32,14 @@ class InputProcessor:
         self.max_model_len = config.model.max_model_len
         self._rng = random.Random(config.model.seed)
         self._incarnations = itertools.count(1)
+        # constraints checked, by identity (a Struct is not hashable), while they live
+        self._checked: dict[int, weakref.ref] = {}
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            check_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -49,13 +55,19 @@ class InputProcessor:
         )
 
     def _check_ids(self, ids) -> list[int]:
+        """Every id an int in the vocabulary; the common case in C-speed passes (a batch
+        of long prompts is millions of ids), the offender found only when there is one."""
         if not isinstance(ids, list) or not ids:
             raise ValueError("prompt_token_ids must be a non-empty list of ints")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"Token id {t!r} is out of vocabulary (vocab size {self.vocab_size})"
-                )
+        if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(
+                t
+                for t in ids
+                if type(t) is not int or not 0 <= t < self.vocab_size  # noqa: E721 -- not bool
+            )
+            raise ValueError(
+                f"Token id {bad!r} is out of vocabulary (vocab size {self.vocab_size})"
+            )
         return list(ids)
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
@@ -80,7 +92,24 @@ class InputProcessor:
                 )
         _check_wire(params)
         if params.structured_outputs is not None:
-            check_grammar(params.structured_outputs)
+            self.check_constraint(params.structured_outputs)
+
+    def check_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Its size against `max_constraint_chars`, then that it parses; each constraint
+        object is checked once, however many prompts and children carry it."""
+        if self._checked.get(id(constraint), _dead)() is constraint:
+            return
+        limit = self.config.structured.max_constraint_chars
+        kind, source = grammar_source(constraint)
+        if len(source) > limit:
+            raise ValueError(
+                f"structured outputs: the {_CONSTRAINT_NAMES.get(kind, kind)} has "
+                f"{len(source)} characters; the limit is {limit} (--max-constraint-chars)"
+            )
+        _check_wire(constraint, StructuredOutputsParams)
+        check_grammar(constraint)
+        key = id(constraint)
+        self._checked[key] = weakref.ref(constraint, lambda _: self._checked.pop(key, None))
 
     def _engine_params(self, params: SamplingParams) -> SamplingParams:
         """What one engine request carries: n=1 (children), and top_k at or above the
@@ -129,10 +158,27 @@ class InputProcessor:
         return out
 
 
-def _check_wire(params: SamplingParams) -> None:
+def _check_wire(params: msgspec.Struct, kind: type = SamplingParams) -> None:
     """Decode the params as the engine core will: a value changed after construction (or of
-    a type msgspec refuses) fails here, in the caller, not in the engine's input thread."""
+    a type msgspec refuses) fails here, in the caller, not in the engine's input thread. The
+    constraint, which may be long, is checked on its own, once (`check_constraint`)."""
+    if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+        params = params.clone(structured_outputs=None)
     try:
-        msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+        msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=kind)
     except (msgspec.MsgspecError, OverflowError, TypeError, ValueError) as e:
         raise ValueError(f"invalid sampling params: {e}") from e
+
+
+def _dead() -> None:
+    return None
+
+
+def check_text(text: str, name: str) -> None:
+    """Text a tokenizer can read: no lone surrogate (JSON escapes can carry one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} is not valid Unicode: a lone surrogate at position {e.start}"
+        ) from None

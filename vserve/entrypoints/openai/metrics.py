@@ -171,6 +171,11 @@ class ServerMetrics:
             ["model_name", "process"],
             registry=self.registry,
         )
+        self.ignored_fields = Counter(
+            "vserve:request_ignored_fields",
+            "Unknown top-level request fields ignored (logged at DEBUG)",
+            registry=self.registry,
+        )
         self.request_success = Counter(
             "vserve:request_success",
             "Finished requests by reason",

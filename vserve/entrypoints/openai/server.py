@@ -27,11 +27,17 @@ from vserve import heap
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.mp_client import EngineDeadError
 from vserve.entrypoints.chat import load_chat_template
-from vserve.entrypoints.openai.errors import APIError, error_response, error_status, parse_body
+from vserve.entrypoints.openai.errors import (
+    APIError,
+    Req,
+    error_response,
+    error_status,
+    parse_body,
+)
 from vserve.entrypoints.openai.launcher import serve, watchdog
 from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.metrics import ServerMetrics
-from vserve.entrypoints.openai.middleware import FrontDoor, default_allowed_hosts
+from vserve.entrypoints.openai.middleware import FrontDoor, host_policy
 from vserve.entrypoints.openai.openapi import body_doc, document_bodies
 from vserve.entrypoints.openai.protocol import (
     ChatCompletionChunk,
@@ -86,14 +92,12 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="vserve", version=vserve.__version__, lifespan=lifespan)
     app.state.ctx, app.state.metrics = ctx, metrics
     keys = getattr(args, "api_key", None) or ([ENV.api_key] if ENV.api_key else [])
-    hosts = default_allowed_hosts(
-        getattr(args, "host", "127.0.0.1"), getattr(args, "allowed_hosts", None)
-    )
+    hosts = host_policy(getattr(args, "host", "127.0.0.1"), getattr(args, "allowed_hosts", None))
     app.add_middleware(
-        FrontDoor, ctx=ctx, api_keys=[keys] if isinstance(keys, str) else keys, allowed_hosts=hosts
+        FrontDoor, ctx=ctx, api_keys=[keys] if isinstance(keys, str) else keys, hosts=hosts
     )
     _add_error_handlers(app, ctx)
-    _add_openai_routes(app, ctx)
+    _add_openai_routes(app, ctx, metrics)
     _add_service_routes(app, ctx, metrics)
     document_bodies(
         app,
@@ -165,23 +169,26 @@ def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
         return fail(exc)
 
 
-def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
+def _add_openai_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx)
+
+    async def parse(raw: Request, model: type[Req]) -> Req:
+        return await parse_body(raw, model, metrics.ignored_fields.inc)
 
     @app.post(
         "/v1/completions",
         openapi_extra=body_doc(CompletionRequest, CompletionResponse, CompletionChunk),
     )
     async def create_completion(raw: Request):
-        return await completions.create(await parse_body(raw, CompletionRequest), raw)
+        return await completions.create(await parse(raw, CompletionRequest), raw)
 
     @app.post(
         "/v1/chat/completions",
         openapi_extra=body_doc(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
     )
     async def create_chat_completion(raw: Request):
-        return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
+        return await chat.create(await parse(raw, ChatCompletionRequest), raw)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():
@@ -195,7 +202,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest, TokenizeResponse))
     async def tokenize(raw: Request):
-        req = await parse_body(raw, TokenizeRequest)
+        req = await parse(raw, TokenizeRequest)
         ctx.check_model(req.model)
         tok = ctx.engine.tokenizer
         if req.messages is not None:
@@ -217,7 +224,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/detokenize", openapi_extra=body_doc(DetokenizeRequest, DetokenizeResponse))
     async def detokenize(raw: Request):
-        req = await parse_body(raw, DetokenizeRequest)
+        req = await parse(raw, DetokenizeRequest)
         ctx.check_model(req.model)
         limit = ctx.limits.prompt_chars(ctx.max_model_len)
         if len(req.tokens) > limit:

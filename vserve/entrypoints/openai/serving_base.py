@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel
 
+from vserve.core.outputs import ERROR_BUSY, ERROR_INVALID
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.output_processor import OutputKind, RequestState
+from vserve.engine.processor import check_text
 from vserve.entrypoints.openai.errors import APIError, error_body, error_status
 from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.protocol import SamplingRequest, random_id
 from vserve.entrypoints.openai.tool_calls import ToolSettings
-from vserve.outputs import RequestOutput
-from vserve.sampling_params import SamplingParams
+from vserve.outputs import CompletionOutput, RequestOutput
+from vserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 SSE_DONE = "data: [DONE]\n\n"
 logger = logging.getLogger("vserve.server")
@@ -179,8 +181,13 @@ _PARAM_FIELDS = (
 
 
 def make_sampling_params(
-    req: SamplingRequest, max_tokens: int, logprobs: int | None
+    req: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
+    """The request's sampling params; `constraint` (made once per request by
+    `prepare_constraint`) is shared by every prompt's params, never copied."""
     kwargs = {name: getattr(req, name) for name in _PARAM_FIELDS if getattr(req, name) is not None}
     kwargs.update(
         n=req.n,
@@ -194,9 +201,9 @@ def make_sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         logit_bias=_logit_bias(req.logit_bias),
+        structured_outputs=constraint,
     )
     try:
-        kwargs["structured_outputs"] = req.structured_params()
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
         param = str(e).split(" ", 1)[0]
@@ -214,38 +221,95 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         ) from e
 
 
-async def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
-    """The engine's own checks (logprobs cap, token ids in vocabulary, the grammar parses),
-    before submitting; a grammar is parsed on a thread, off the event loop."""
-    check = ctx.engine.processor.check_params
+async def prepare_constraint(
+    ctx: ServerContext, make: Callable[[], StructuredOutputsParams | None]
+) -> StructuredOutputsParams | None:
+    """A request's structured-output constraint, made and checked once (its size against
+    --max-constraint-chars, then that it parses) on a worker thread: its text may be long."""
+
+    def prepare() -> StructuredOutputsParams | None:
+        try:
+            constraint = make()
+            if constraint is not None:
+                ctx.engine.processor.check_constraint(constraint)
+            return constraint
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), "structured_outputs") from e
+
+    return await asyncio.to_thread(prepare)
+
+
+def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
+    """The engine's own checks (logprobs cap, token ids in vocabulary); the constraint was
+    checked once by `prepare_constraint`, so this costs no more than the small params."""
     try:
-        if params.structured_outputs is None:
-            check(params, prompt_len)
-        else:
-            await asyncio.to_thread(check, params, prompt_len)
+        ctx.engine.processor.check_params(params, prompt_len)
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
 
-async def tokenize(
-    ctx: ServerContext, prompt: str | list[int], add_special_tokens: bool = True
-) -> tuple[str | None, list[int]]:
-    """A text prompt: its length checked, then encoded on the tokenizer thread; token ids:
-    their count checked against the context, then each id against the vocabulary."""
-    if isinstance(prompt, str):
+def check_prompt_sizes(ctx: ServerContext, prompts: list[str | list[int]]) -> None:
+    """What the prompts' sizes alone decide, before any is tokenized: no empty prompt, each
+    text within --max-prompt-chars, all texts within --max-request-chars, all token ids
+    within --max-request-tokens."""
+    limits, max_len = ctx.limits, ctx.max_model_len
+    num_chars = num_ids = 0
+    for prompt in prompts:
         if not prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        ctx.limits.check_prompt_chars(len(prompt), ctx.max_model_len, "prompt")
-        ids = await ctx.off_loop(
-            ctx.engine.tokenizer.encode, prompt, add_special_tokens=add_special_tokens
-        )
-        return prompt, ids
-    if len(prompt) >= ctx.max_model_len:
-        check_context(ctx, len(prompt), None)  # raises: no room for output
-    try:
-        return ctx.engine.processor.tokenize_prompt(prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), "prompt") from e
+            what = "must not be empty" if isinstance(prompt, str) else "must be a non-empty list"
+            raise APIError(400, f"prompt {what}", "prompt")
+        if isinstance(prompt, str):
+            limits.check_prompt_chars(len(prompt), max_len, "prompt")
+            num_chars += len(prompt)
+        else:
+            if len(prompt) >= max_len:
+                check_context(ctx, len(prompt), None)  # raises: no room for output
+            num_ids += len(prompt)
+    limits.check_request_chars(num_chars, max_len, "prompt")
+    limits.check_request_tokens(num_ids, max_len)
+
+
+def tokenize_all(
+    ctx: ServerContext,
+    prompts: list[str | list[int]],
+    add_special_tokens: bool,
+    max_tokens: int | None,
+) -> list[tuple[str | None, list[int]]]:
+    """Every prompt tokenized (or its ids checked) in turn, each checked against the context
+    (with `max_tokens` of output) and the request's token budget as soon as it is known, so
+    a request that cannot fit stops at its first prompt that does not. Runs on the
+    tokenizer thread (`ServerContext.off_loop`)."""
+    processor, limits, max_len = ctx.engine.processor, ctx.limits, ctx.max_model_len
+    out: list[tuple[str | None, list[int]]] = []
+    num_tokens = 0
+    for prompt in prompts:
+        try:
+            if isinstance(prompt, str):
+                check_text(prompt, "prompt")
+                ids = ctx.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+                text: str | None = prompt
+            else:
+                text, ids = processor.tokenize_prompt(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from e
+        check_context(ctx, len(ids), max_tokens)
+        num_tokens += len(ids)
+        limits.check_request_tokens(num_tokens, max_len)
+        out.append((text, ids))
+    return out
+
+
+def raise_if_error(c: CompletionOutput) -> None:
+    """A choice that failed in the engine: 400 when its input was at fault, 503 when a retry
+    may succeed, else 500 without the engine's words (they go to the log)."""
+    if c.finish_reason != "error":
+        return
+    if c.error_kind == ERROR_INVALID:
+        raise APIError(400, str(c.stop_reason))
+    if c.error_kind == ERROR_BUSY:
+        raise APIError(503, str(c.stop_reason), headers={"Retry-After": "1"})
+    logger.error("a request failed in the engine: %s", c.stop_reason)
+    raise APIError(500, "The request failed in the engine; the server's log has the details.")
 
 
 async def submit(

@@ -10,6 +10,8 @@ text goes through its tool-call parser: content deltas and `delta.tool_calls` co
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -44,6 +46,8 @@ from vserve.entrypoints.openai.serving_base import (
     data_parallel_rank,
     iterate,
     make_sampling_params,
+    prepare_constraint,
+    raise_if_error,
     release,
     sse_error,
     sse_event,
@@ -84,21 +88,40 @@ class ChatServer:
         kwargs: dict | None = None,
         tools: ToolPlan | None = None,
     ) -> list[int]:
-        """The conversation's characters checked, then the template rendered and the text
-        encoded on the tokenizer thread."""
+        """The conversation's characters checked (messages, tool calls, tools and template
+        variables: the prompt's and the request's budgets), then the template rendered and
+        the text encoded, all on the tokenizer thread."""
+        return await self.ctx.off_loop(
+            self._render,
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            kwargs or {},
+            tools or ToolPlan(),
+        )
+
+    def _render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        kwargs: dict,
+        tools: ToolPlan,
+    ) -> list[int]:
         ctx = self.ctx
-        tools = tools or ToolPlan()
-        num_chars = sum(len(m.role) + len(m.text()) + len(m.name or "") for m in messages)
-        ctx.limits.check_prompt_chars(num_chars + tools.num_chars, ctx.max_model_len, "messages")
+        tokenizer = ctx.engine.tokenizer
+        check_template_kwargs(kwargs, tokenizer)
+        num_chars = conversation_chars(messages) + tools.num_chars + template_kwargs_chars(kwargs)
+        ctx.limits.check_prompt_chars(num_chars, ctx.max_model_len, "messages")
+        ctx.limits.check_request_chars(num_chars, ctx.max_model_len, "messages")
         try:
-            return await ctx.off_loop(
-                render_chat,
-                ctx.engine.tokenizer,
+            return render_chat(
+                tokenizer,
                 conversation(messages),
                 ctx.chat_template,
                 add_generation_prompt,
                 continue_final_message,
-                kwargs or {},
+                kwargs,
                 tools.tools,
             )
         except ValueError as e:
@@ -107,7 +130,10 @@ class ChatServer:
     async def create(self, req: ChatCompletionRequest, raw: Request):
         ctx = self.ctx
         check_request(ctx, req, 1)
-        tools = plan_tools(req, ctx.tools)
+        tools = await asyncio.to_thread(plan_tools, req, ctx.tools)
+        constraint = await prepare_constraint(
+            ctx, lambda: tools.structured or req.structured_params()
+        )
         ids = await self.render(
             req.messages,
             req.add_generation_prompt,
@@ -117,8 +143,10 @@ class ChatServer:
         )
         budget = check_context(ctx, len(ids), req.output_limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = tools.sampling_params(make_sampling_params(req, budget, logprobs))
-        await check_params(ctx, params, len(ids))
+        if logprobs is not None and not req.stream:
+            ctx.limits.check_response_logprobs(req.n * budget * (logprobs + 1), "top_logprobs")
+        params = tools.sampling_params(make_sampling_params(req, budget, logprobs, constraint))
+        check_params(ctx, params, len(ids))
         base = base_request_id(raw)
         states = await submit(ctx, [(None, ids)], [params], base, data_parallel_rank(raw))
         response_id = f"chatcmpl-{base}"
@@ -154,7 +182,7 @@ class ChatServer:
         num_out = 0
         async for _, out in iterate(self.ctx, states):
             for c in out.outputs:
-                _raise_if_error(c)
+                raise_if_error(c)
                 texts[c.index] += c.text
                 num_out += len(c.token_ids)
                 logprobs[c.index] += self._logprobs(req, c)
@@ -242,7 +270,7 @@ class ChatServer:
                             ]
                         )
                 for c in out.outputs:
-                    _raise_if_error(c)
+                    raise_if_error(c)
                     num_out += len(c.token_ids)
                     usage = _usage(num_prompt, num_out) if req.continuous_usage else None
                     logprobs = (
@@ -302,6 +330,61 @@ def _usage(num_prompt: int, num_out: int) -> UsageInfo:
     )
 
 
-def _raise_if_error(c: CompletionOutput) -> None:
-    if c.finish_reason == "error":
-        raise APIError(500, f"The request failed in the engine: {c.stop_reason}")
+# template variables a request may not set: the tokenizer's special tokens (which
+# transformers passes in) and what the server passes itself
+_RESERVED_TEMPLATE_VARS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "return_dict",
+        "raise_exception",
+    }
+)
+
+
+def check_template_kwargs(kwargs: dict, tokenizer) -> None:
+    """400 for a chat_template_kwargs key that would replace a special token (`bos_token`)
+    or a variable the server sets."""
+    special = set(getattr(tokenizer, "special_tokens_map", None) or {})
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_VARS or key in special:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {key[:40]!r}: it is the tokenizer's or the "
+                "server's own",
+                "chat_template_kwargs",
+            )
+
+
+def template_kwargs_chars(kwargs: dict) -> int:
+    """Characters the template variables add (their JSON: what a template can print)."""
+    if not kwargs:
+        return 0
+    try:
+        return len(json.dumps(kwargs))
+    except (TypeError, ValueError, RecursionError):
+        raise APIError(
+            400, "chat_template_kwargs must be plain JSON", "chat_template_kwargs"
+        ) from None
+
+
+def conversation_chars(messages: list[ChatMessage]) -> int:
+    """Characters of a conversation as the template may print them: roles, contents, names,
+    tool-call ids, names and arguments."""
+    total = 0
+    for m in messages:
+        total += len(m.role) + len(m.text()) + len(m.name or "") + len(m.tool_call_id or "")
+        for call in m.tool_calls or []:
+            arguments = call.function.arguments
+            total += len(call.id or "") + len(call.function.name)
+            total += (
+                len(arguments)
+                if isinstance(arguments, str)
+                else template_kwargs_chars(arguments or {})
+            )
+    return total

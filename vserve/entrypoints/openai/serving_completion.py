@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 from vserve.engine.output_processor import RequestState
-from vserve.entrypoints.openai.errors import APIError
 from vserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -35,15 +35,18 @@ from vserve.entrypoints.openai.serving_base import (
     base_request_id,
     check_context,
     check_params,
+    check_prompt_sizes,
     check_request,
     data_parallel_rank,
     iterate,
     make_sampling_params,
+    prepare_constraint,
+    raise_if_error,
     release,
     sse_error,
     sse_event,
     submit,
-    tokenize,
+    tokenize_all,
     until_disconnect,
 )
 from vserve.outputs import CompletionOutput, Logprob
@@ -65,6 +68,17 @@ class _Choice:
     started: bool = False
 
 
+@dataclass
+class _PromptTables:
+    """What every choice of one prompt shares when echoing or returning prompt logprobs,
+    built once per prompt on the tokenizer thread (never per choice, never on the loop)."""
+
+    text: str = ""  # the prompt's text (echo)
+    head: CompletionLogprobs | None = None  # its tokens' legacy logprobs, offsets from 0
+    head_chars: int = 0  # characters of its tokens: where a choice's own offsets start
+    vllm: list[dict | None] | None = None  # vLLM's `prompt_logprobs` field
+
+
 class CompletionServer:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
@@ -72,18 +86,24 @@ class CompletionServer:
 
     async def create(self, req: CompletionRequest, raw: Request):
         ctx = self.ctx
-        check_request(ctx, req, _num_prompts(req.prompt))
-        prompts = await self._prompts(req)
+        given = _prompt_list(req.prompt)
+        check_request(ctx, req, len(given))
+        check_prompt_sizes(ctx, given)
         prompt_lp, echo_only = req.engine_prompt_logprobs, _echo_without_generation(req)
+        max_out = 1 if echo_only else req.max_tokens
+        constraint = await prepare_constraint(ctx, req.structured_params)
+        prompts = await ctx.off_loop(tokenize_all, ctx, given, req.add_special_tokens, max_out)
+        budgets = [check_context(ctx, len(ids), max_out) for _, ids in prompts]
+        ctx.limits.check_response_logprobs(_logprob_entries(req, prompts, budgets), "logprobs")
         if echo_only and prompt_lp is None:  # only the prompt back, no generation
-            return JSONResponse(self._echo_only(req, prompts, base_request_id(raw)))
+            body = await ctx.off_loop(self._echo_only, req, prompts, base_request_id(raw))
+            return json_response(body)
         params = []
-        for _, ids in prompts:
-            budget = check_context(ctx, len(ids), 1 if echo_only else req.max_tokens)
-            sp = make_sampling_params(req, budget, req.logprobs)
+        for (_, ids), budget in zip(prompts, budgets):
+            sp = make_sampling_params(req, budget, req.logprobs, constraint)
             if prompt_lp is not None:
                 sp = sp.clone(prompt_logprobs=prompt_lp)
-            await check_params(ctx, sp, len(ids))
+            check_params(ctx, sp, len(ids))
             params.append(sp)
         base = base_request_id(raw)
         states = await submit(ctx, prompts, params, base, data_parallel_rank(raw))
@@ -96,17 +116,20 @@ class CompletionServer:
             body = await until_disconnect(raw, self._collect(req, response_id, prompts, states))
         finally:
             release(ctx, states)
-        return JSONResponse(body)
+        return json_response(body)
 
-    async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            return [await tokenize(self.ctx, p, req.add_special_tokens) for p in prompt]
-        return [await tokenize(self.ctx, prompt, req.add_special_tokens)]
-
-    def _prompt_text(self, prompt: Prompt) -> str:
+    def _tables(
+        self, req: CompletionRequest, prompt: Prompt, entries: PromptLogprobs | None
+    ) -> _PromptTables:
         text, ids = prompt
-        return text if text is not None else self.ctx.engine.tokenizer.decode(ids)
+        tables = _PromptTables()
+        if req.echo:
+            tables.text = text if text is not None else self.ctx.engine.tokenizer.decode(ids)
+            if req.logprobs is not None:
+                tables.head = self._logprobs(_Choice(), ids, entries, req.logprobs)
+                tables.head_chars = sum(len(t) for t in tables.head.tokens)
+        tables.vllm = self._vllm_prompt_logprobs(req, prompt, entries)
+        return tables
 
     # -- non-streaming -------------------------------------------------------------------------
     async def _collect(
@@ -115,31 +138,43 @@ class CompletionServer:
         response_id: str,
         prompts: list[Prompt],
         states: list[RequestState],
-    ) -> dict:
+    ) -> CompletionResponse:
         choices = [_Choice() for _ in range(len(prompts) * req.n)]
         prompt_lps: list[PromptLogprobs | None] = [None] * len(prompts)
         async for prompt_idx, out in iterate(self.ctx, states):
             prompt_lps[prompt_idx] = out.prompt_logprobs or prompt_lps[prompt_idx]
             for c in out.outputs:
                 self._accumulate(choices[prompt_idx * req.n + c.index], c, req)
+        return await self.ctx.off_loop(
+            self._response, req, response_id, prompts, prompt_lps, choices
+        )
+
+    def _response(
+        self,
+        req: CompletionRequest,
+        response_id: str,
+        prompts: list[Prompt],
+        prompt_lps: list[PromptLogprobs | None],
+        choices: list[_Choice],
+    ) -> CompletionResponse:
+        """The whole body, prompt tables built once per prompt (the tokenizer thread)."""
+        tables = [self._tables(req, p, lps) for p, lps in zip(prompts, prompt_lps)]
         if req.echo:
             for i, choice in enumerate(choices):
-                self._echo(choice, req, prompts[i // req.n], prompt_lps[i // req.n])
+                self._echo(choice, req, tables[i // req.n])
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_out = sum(c.num_tokens for c in choices)
         return CompletionResponse(
             id=response_id,
             model=self.ctx.model_name,
             choices=[
-                CompletionChoice(
+                CompletionChoice.model_construct(
                     index=i,
                     text=c.text,
                     logprobs=c.logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    prompt_logprobs=self._vllm_prompt_logprobs(
-                        req, prompts[i // req.n], prompt_lps[i // req.n]
-                    ),
+                    prompt_logprobs=tables[i // req.n].vllm,
                 )
                 for i, c in enumerate(choices)
             ],
@@ -148,10 +183,10 @@ class CompletionServer:
                 completion_tokens=num_out,
                 total_tokens=num_prompt + num_out,
             ),
-        ).model_dump()
+        )
 
     def _accumulate(self, choice: _Choice, c: CompletionOutput, req: CompletionRequest) -> None:
-        _raise_if_error(c)
+        raise_if_error(c)
         if c.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         if _echo_without_generation(req):
@@ -165,23 +200,14 @@ class CompletionServer:
             else:
                 _extend(choice.logprobs, delta)
 
-    def _echo(
-        self,
-        choice: _Choice,
-        req: CompletionRequest,
-        prompt: Prompt,
-        prompt_lps: PromptLogprobs | None,
-    ) -> None:
+    def _echo(self, choice: _Choice, req: CompletionRequest, tables: _PromptTables) -> None:
         """The prompt in front of a finished choice: its text, and its tokens' logprobs in
         front of the generated ones (whose text offsets move by the prompt's length)."""
-        choice.text = self._prompt_text(prompt) + choice.text
-        if req.logprobs is None:
+        choice.text = tables.text + choice.text
+        if req.logprobs is None or tables.head is None:
             return
-        head = self._logprobs(_Choice(), prompt[1], prompt_lps, req.logprobs)
-        shift = sum(len(t) for t in head.tokens)
         tail = choice.logprobs or CompletionLogprobs()
-        tail.text_offset = [o + shift for o in tail.text_offset]
-        choice.logprobs = _extend(head, tail)
+        choice.logprobs = _shifted(tables.head, tail, tables.head_chars)
 
     def _logprobs(
         self,
@@ -229,11 +255,16 @@ class CompletionServer:
             for tid, e in zip(prompt[1], entries)
         ]
 
-    def _echo_only(self, req: CompletionRequest, prompts: list[Prompt], base: str) -> dict:
+    def _echo_only(
+        self, req: CompletionRequest, prompts: list[Prompt], base: str
+    ) -> CompletionResponse:
+        """Each prompt decoded once, whatever `n` (the tokenizer thread)."""
+        texts = [
+            text if text is not None else self.ctx.engine.tokenizer.decode(ids)
+            for text, ids in prompts
+        ]
         choices = [
-            CompletionChoice(
-                index=i, text=self._prompt_text(prompts[i // req.n]), finish_reason="length"
-            )
+            CompletionChoice(index=i, text=texts[i // req.n], finish_reason="length")
             for i in range(len(prompts) * req.n)
         ]
         num_prompt = sum(len(ids) for _, ids in prompts)
@@ -242,7 +273,7 @@ class CompletionServer:
             model=self.ctx.model_name,
             choices=choices,
             usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt),
-        ).model_dump()
+        )
 
     # -- streaming -----------------------------------------------------------------------------
     async def _stream(
@@ -256,26 +287,24 @@ class CompletionServer:
         choices = [_Choice() for _ in range(len(prompts) * req.n)]
         num_prompt = sum(len(ids) for _, ids in prompts)
         prompt_lps: list[PromptLogprobs | None] = [None] * len(prompts)
+        tables: list[_PromptTables | None] = [None] * len(prompts)
+        shares = req.echo or req.prompt_logprobs is not None
         try:
             async for prompt_idx, out in iterate(self.ctx, states):
                 prompt_lps[prompt_idx] = out.prompt_logprobs or prompt_lps[prompt_idx]
-                for c in out.outputs:
-                    _raise_if_error(c)
-                    index = prompt_idx * req.n + c.index
-                    yield sse_event(
-                        self._chunk(
-                            req,
-                            response_id,
-                            created,
-                            index,
-                            choices[index],
-                            c,
-                            prompts[prompt_idx],
-                            prompt_lps[prompt_idx],
-                            num_prompt,
-                            choices,
-                        )
+                if shares and tables[prompt_idx] is None:
+                    tables[prompt_idx] = await self.ctx.off_loop(
+                        self._tables, req, prompts[prompt_idx], prompt_lps[prompt_idx]
                     )
+                for c in out.outputs:
+                    raise_if_error(c)
+                    index = prompt_idx * req.n + c.index
+                    chunk = self._chunk(
+                        req, response_id, created, index, choices[index], c, tables[prompt_idx]
+                    )
+                    if req.continuous_usage:
+                        chunk.usage = _usage(num_prompt, choices)
+                    yield sse_event(chunk)
             if req.include_usage:
                 yield sse_event(
                     CompletionChunk(
@@ -300,10 +329,7 @@ class CompletionServer:
         index: int,
         choice: _Choice,
         c: CompletionOutput,
-        prompt: Prompt,
-        prompt_lps: PromptLogprobs | None,
-        num_prompt: int,
-        choices: list[_Choice],
+        tables: _PromptTables | None,
     ) -> CompletionChunk:
         """A choice's next event; its first one starts with the prompt when echoing."""
         first, choice.started = not choice.started, True
@@ -311,44 +337,52 @@ class CompletionServer:
             ("", [], None) if _echo_without_generation(req) else (c.text, c.token_ids, c.logprobs)
         )
         choice.num_tokens += len(token_ids)
-        echo = req.echo and first
+        echo = req.echo and first and tables is not None
         if echo:
-            text = self._prompt_text(prompt) + text
+            text = tables.text + text
         logprobs = None
         if req.logprobs is not None:
-            logprobs = (
-                self._logprobs(choice, prompt[1], prompt_lps, req.logprobs)
-                if echo
-                else CompletionLogprobs()
-            )
+            logprobs = CompletionLogprobs()
+            if echo and tables.head is not None:
+                logprobs = _shifted(tables.head, logprobs, 0)
+                choice.text_offset += tables.head_chars
             _extend(logprobs, self._logprobs(choice, token_ids, entries))
-        chunk = CompletionChunk(
+        return CompletionChunk(
             id=response_id,
             created=created,
             model=self.ctx.model_name,
             choices=[
-                CompletionChoice(
+                CompletionChoice.model_construct(
                     index=index,
                     text=text,
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    prompt_logprobs=self._vllm_prompt_logprobs(req, prompt, prompt_lps)
-                    if first
-                    else None,
+                    prompt_logprobs=tables.vllm if first and tables is not None else None,
                 )
             ],
         )
-        if req.continuous_usage:
-            chunk.usage = _usage(num_prompt, choices)
-        return chunk
 
 
-def _num_prompts(prompt: str | list) -> int:
+def _logprob_entries(req: CompletionRequest, prompts: list[Prompt], budgets: list[int]) -> int:
+    """Logprob entries the response would carry: per choice, the prompt's (echo, vLLM's
+    prompt_logprobs) and, when not streamed, the generated tokens' (top-k + 1 each)."""
+    total = 0
+    for (_, ids), budget in zip(prompts, budgets):
+        if req.echo and req.logprobs is not None:
+            total += len(ids) * (req.logprobs + 1)
+        if req.prompt_logprobs is not None:
+            total += len(ids) * (req.prompt_logprobs + 1)
+        if req.logprobs is not None and not req.stream and not _echo_without_generation(req):
+            total += budget * (req.logprobs + 1)
+    return total * req.n
+
+
+def _prompt_list(prompt: str | list) -> list:
     """A batch is a list of strings or of token-id lists; a string or one id list is one."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return len(prompt)
-    return 1
+        return list(prompt)
+    return [prompt]
 
 
 def _usage(num_prompt: int, choices: list[_Choice]) -> UsageInfo:
@@ -369,6 +403,16 @@ def _extend(into: CompletionLogprobs, more: CompletionLogprobs) -> CompletionLog
     return into
 
 
-def _raise_if_error(c: CompletionOutput) -> None:
-    if c.finish_reason == "error":
-        raise APIError(500, f"The request failed in the engine: {c.stop_reason}")
+def _shifted(head: CompletionLogprobs, tail: CompletionLogprobs, shift: int) -> CompletionLogprobs:
+    """`head` (shared by a prompt's choices, never changed) then `tail` moved by `shift`."""
+    return CompletionLogprobs.model_construct(
+        text_offset=head.text_offset + [o + shift for o in tail.text_offset],
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        tokens=head.tokens + tail.tokens,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+    )
+
+
+def json_response(model: BaseModel) -> Response:
+    """A response model encoded by pydantic's serializer (no intermediate dicts)."""
+    return Response(model.model_dump_json().encode(), media_type="application/json")

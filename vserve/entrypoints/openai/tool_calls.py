@@ -357,6 +357,8 @@ def _arguments(value: str | dict | None) -> dict:
         return {}
     try:
         parsed = json.loads(value)
+    except RecursionError:
+        raise APIError(400, "a tool call's arguments are nested too deeply", "messages") from None
     except ValueError as e:
         raise APIError(400, f"a tool call's arguments are not valid JSON: {e}", "messages") from e
     if not isinstance(parsed, dict):
