@@ -43,8 +43,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         metavar="HOST",
         help="Host header values served (names or addresses, any port; '*' "
         "for all); others get 400, against DNS rebinding (default: "
-        "localhost, 127.0.0.1 and [::1] when --host is a loopback "
-        "address, else all)",
+        "localhost, 127.0.0.1 and [::1]; when --host is not a loopback address also "
+        "this machine's names and any IP address)",
     )
     server.add_argument(
         "--chat-template",
@@ -96,11 +96,18 @@ def _serve(args: argparse.Namespace) -> int:
     if args.headless:
         return _headless(args)
     try:
+        _check_api_keys(args.api_key)
         AdmissionLimits.from_args(args)
         ToolSettings.from_args(args)
     except ValueError as e:
         raise SystemExit(f"vserve serve: {e}") from None
     return run_server(args)
+
+
+def _check_api_keys(keys: list[str] | None) -> None:
+    """An empty key would mean no key at all: refused, not silently open."""
+    if keys is not None and any(not key.strip() for key in keys):
+        raise ValueError("--api-key must not be empty (leave the flag out for no key)")
 
 
 def _headless(args: argparse.Namespace) -> int:

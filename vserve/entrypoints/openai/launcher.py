@@ -108,6 +108,7 @@ def serve(app, args: argparse.Namespace) -> int:
         port=args.port,
         log_level=str(args.log_level).lower(),
         timeout_graceful_shutdown=5,
+        limit_concurrency=ctx.limits.max_connections,
     )
     url = f"http://{args.host}:{args.port}"
     server = _Server(config, ctx, float(args.shutdown_timeout), url)

@@ -1,23 +1,31 @@
 """The server's front door, as plain ASGI middleware (no `BaseHTTPMiddleware`, which would
 hide the client's disconnect from the handlers and buffer streams).
 
-In order: a `Host` header outside `--allowed-hosts` gets 400 (DNS rebinding: a web page
-whose name resolves to 127.0.0.1 would otherwise reach a key-less local server as if it were
-same-origin); while draining (SIGTERM) everything but `/metrics` and `/health` gets 503; `/v1`
-routes, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` when API keys are set
-(compared as SHA-256 digests in constant time; `/health`, `/ping`, `/metrics`, `/version` and
-CORS preflights stay open); a body longer than `--max-request-body-bytes` gets 413, from its
-Content-Length before it is read, or as soon as the bytes received pass the limit; every
-request gets an id -- the client's `X-Request-Id` when it sends a usable one -- which the
-handlers use as the base of the engine request id and which is echoed in the response.
+In order: a `Host` header the server does not answer to gets 400 (DNS rebinding: a web page
+whose name resolves to the server's address would otherwise reach a key-less server as if it
+were same-origin; see `HostPolicy`); while draining (SIGTERM) everything but `/metrics` and
+`/health` gets 503; `/v1` routes, `/tokenize` and `/detokenize` need `Authorization: Bearer
+<key>` when API keys are set (compared as SHA-256 digests in constant time; `/health`,
+`/ping`, `/metrics`, `/version` and CORS preflights stay open); a body longer than
+`--max-request-body-bytes` gets 413, from its Content-Length before it is read, or as soon
+as the bytes received pass the limit; a body that takes longer than `--request-body-timeout`
+to arrive gets 408; bodies beyond their first `FREE_BODY_BYTES` share `--max-pending-body-bytes`
+while they arrive (past it: 503 + Retry-After), so stalled uploads cannot hold unbounded
+memory and small requests are never refused for them; every request gets an id -- the
+client's `X-Request-Id` when it sends a usable one -- which the handlers use as the base of
+the engine request id and which is echoed in the response.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import ipaddress
 import json
 import re
+import socket
+from dataclasses import dataclass
 
 from vserve.entrypoints.openai.errors import APIError, error_body
 from vserve.entrypoints.openai.protocol import random_id
@@ -26,16 +34,47 @@ from vserve.entrypoints.openai.serving_base import ServerContext
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _KEYED_PATHS = ("/tokenize", "/detokenize")  # besides everything under /v1
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+FREE_BODY_BYTES = 64 * 1024  # of each body, not counted against --max-pending-body-bytes
 
 
-def default_allowed_hosts(bind_host: str, allowed: list[str] | None) -> list[str] | None:
-    """The Host values to serve: the given list ('*' = all); by default the loopback names
-    when the server listens on a loopback address, else all (None)."""
+@dataclass(frozen=True)
+class HostPolicy:
+    """The `Host` values the server answers to. DNS rebinding needs a name the attacker
+    controls, so an IP address is always safe to accept; names must be known: the loopback
+    names, the machine's own names, and `--allowed-hosts` ('*': any)."""
+
+    names: frozenset[str] | None  # None: any Host
+    ip_literals: bool = True
+
+    def allows(self, host: str | None) -> bool:
+        if self.names is None or host is None:  # no Host header: no browser sent it
+            return True
+        name = _host_name(host)
+        return name in self.names or (self.ip_literals and _is_ip(name))
+
+
+def host_policy(bind_host: str, allowed: list[str] | None) -> HostPolicy:
+    """`--allowed-hosts` when given ('*': any); else the loopback names, and when the server
+    listens beyond loopback (`0.0.0.0`, an interface) also this machine's names and the
+    bind address, with IP addresses always accepted."""
     if allowed:
-        return None if "*" in allowed else allowed
-    if bind_host.strip("[]") in LOOPBACK_NAMES or bind_host.startswith("127."):
-        return list(LOOPBACK_NAMES)
-    return None
+        if "*" in allowed:
+            return HostPolicy(None)
+        return HostPolicy(frozenset(_host_name(h) for h in allowed))
+    names = set(LOOPBACK_NAMES)
+    bind = bind_host.strip("[]").lower()
+    if not (bind in LOOPBACK_NAMES or bind.startswith("127.")):
+        names |= {bind, socket.gethostname().lower(), socket.getfqdn().lower()}
+        names.discard("")
+    return HostPolicy(frozenset(names))
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
 
 
 def _host_name(value: str) -> str:
@@ -56,21 +95,21 @@ class FrontDoor:
         app,
         ctx: ServerContext,
         api_keys: list[str] | None = None,
-        allowed_hosts: list[str] | None = None,
+        hosts: HostPolicy | None = None,
     ) -> None:
         self.app = app
         self.ctx = ctx
         self.digests = [_digest(k) for k in api_keys or []]
-        self.hosts = None if allowed_hosts is None else {_host_name(h) for h in allowed_hosts}
+        self.hosts = hosts or HostPolicy(None)
         self.max_body = ctx.limits.max_request_body_bytes
+        self.pending_bytes = 0  # of bodies arriving, beyond each one's FREE_BODY_BYTES
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        host = _header(scope, b"host")
-        if self.hosts is not None and host is not None and _host_name(host) not in self.hosts:
+        if not self.hosts.allows(_header(scope, b"host")):
             await _send_json(
                 send, 400, error_body(400, "Invalid Host header (see --allowed-hosts).")
             )
@@ -93,7 +132,7 @@ class FrontDoor:
         if self._declared_too_large(scope):
             await _send_json(send, 413, error_body(413, self._too_large_message()))
             return
-        receive = self._counting(receive)
+        body = _Body(self)
         request_id = _client_request_id(scope) or random_id()
         scope.setdefault("state", {})["request_id"] = request_id
         header = (b"x-request-id", request_id.encode())
@@ -103,7 +142,10 @@ class FrontDoor:
                 message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, body.receiver(receive), send_with_id)
+        finally:
+            body.release()
 
     def _declared_too_large(self, scope) -> bool:
         length = _header(scope, b"content-length")
@@ -111,22 +153,6 @@ class FrontDoor:
 
     def _too_large_message(self) -> str:
         return f"The request body is larger than {self.max_body} bytes (--max-request-body-bytes)."
-
-    def _counting(self, receive):
-        """`receive` that fails the request (413) once the body passes the limit, for bodies
-        without a Content-Length or with a false one; nothing beyond the limit is kept."""
-        received = 0
-
-        async def counted():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise APIError(413, self._too_large_message())
-            return message
-
-        return counted
 
     def _authorized(self, scope) -> bool:
         value = _header(scope, b"authorization") or ""
@@ -136,6 +162,71 @@ class FrontDoor:
         digest = _digest(token.strip())
         # compare against every key, so timing does not tell which one nearly matched
         return sum(hmac.compare_digest(digest, d) for d in self.digests) > 0
+
+
+class _Body:
+    """One request's body as it arrives: 413 past --max-request-body-bytes (whatever its
+    Content-Length said), 408 past --request-body-timeout, 503 when the bytes beyond its
+    first FREE_BODY_BYTES would take all bodies past --max-pending-body-bytes. Nothing beyond
+    a limit is kept; once the body is complete, `receive` (disconnect waits) is untimed."""
+
+    def __init__(self, door: FrontDoor) -> None:
+        self.door = door
+        self.received = 0
+        self.counted = 0  # our share of door.pending_bytes
+        self.done = False
+        self.deadline: float | None = None
+
+    def receiver(self, receive):
+        async def counted():
+            if self.done:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            limits = self.door.ctx.limits
+            if self.deadline is None:
+                self.deadline = loop.time() + limits.request_body_timeout
+            try:
+                message = await asyncio.wait_for(receive(), self.deadline - loop.time())
+            except asyncio.TimeoutError:
+                self.release()
+                raise APIError(
+                    408,
+                    f"The request body did not arrive within {limits.request_body_timeout:g} s "
+                    "(--request-body-timeout).",
+                ) from None
+            if message["type"] == "http.request":
+                self._add(len(message.get("body", b"")))
+                self.done = not message.get("more_body", False)
+            else:
+                self.done = True
+            if self.done:
+                self.release()
+            return message
+
+        return counted
+
+    def _add(self, size: int) -> None:
+        door = self.door
+        self.received += size
+        if self.received > door.max_body:
+            self.release()
+            raise APIError(413, door._too_large_message())
+        share = max(0, self.received - FREE_BODY_BYTES) - self.counted
+        limit = door.ctx.limits.max_pending_body_bytes
+        if share and door.pending_bytes + share > limit:
+            self.release()
+            raise APIError(
+                503,
+                f"The server is receiving too many large request bodies ({limit} bytes, "
+                "--max-pending-body-bytes). Retry later.",
+                headers={"Retry-After": "1"},
+            )
+        door.pending_bytes += share
+        self.counted += share
+
+    def release(self) -> None:
+        self.door.pending_bytes -= self.counted
+        self.counted = 0
 
 
 def _header(scope, name: bytes) -> str | None:
