@@ -166,3 +166,22 @@ def test_engine_request_pins_one_output(tiny_model_dir):
     assert finished, "the request did not finish within 60 s"
     assert most_pending <= 1
     assert len(out.outputs[0].token_ids) == 200 and out.finished
+
+
+def test_merging_for_a_reader_that_never_reads_is_linear():
+    """Thousands of deltas merged while nobody reads: ids and logprobs extend in place,
+    texts wait as parts joined every MAX_PARTS (never the whole text copied per step), and
+    what the reader finally gets is exact."""
+    from vserve.engine.output_collector import _Merged
+
+    async def run():
+        c = OutputCollector(OutputKind.DELTA)
+        for i in range(5000):
+            c.put_nowait(_out(0, "ab", [i], logprobs=True))
+            assert len(c._merged.texts.get(0, [])) <= _Merged.MAX_PARTS + 1
+        return await c.get()
+
+    merged = asyncio.run(run())
+    (choice,) = merged.outputs
+    assert choice.text == "ab" * 5000 and choice.token_ids == list(range(5000))
+    assert [next(iter(e)) for e in choice.logprobs] == list(range(5000))
