@@ -186,3 +186,52 @@ def test_step_deadline_counts_from_when_the_step_could_start(monkeypatch):
     clock[0] = 44.0  # step 3: 20 since step 2 replied, and no reply
     with pytest.raises(WorkerError, match="got no reply from the workers in 20.0 s"):
         ex._reply_for(3, None)
+
+
+def test_a_stalled_event_loop_does_not_kill_a_live_engine(tiny_model_dir):
+    """The front end's event loop held for longer than the watchdog allows (by anything
+    that blocks it) right after a ping went out, while a request streams: the engine
+    answered meanwhile, its reply waits in the socket behind the outputs of hundreds of
+    steps, so the engine is not declared dead and keeps serving."""
+    import asyncio
+
+    from vserve.engine.async_llm import AsyncLLM
+    from vserve.engine.messages import RequestType
+    from vserve.engine.mp_client import watchdog_periods
+
+    _, limit = watchdog_periods(1.0)
+
+    async def run():
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=_model(tiny_model_dir), dtype="float32", watchdog_timeout=1.0)
+        )
+        try:
+            await engine.call_utility("ping")  # the client and its watchdog run
+            client = engine.client
+            send, stalled = client._send, asyncio.Event()
+
+            async def send_then_stall(frames):
+                await send(frames)
+                is_ping = frames[0] == bytes([RequestType.UTILITY]) and b"ping" in frames[1]
+                if is_ping and not stalled.is_set():
+                    stalled.set()  # once the ping waits for its reply, the loop is blocked
+                    asyncio.get_running_loop().call_soon(time.sleep, limit + 2)
+
+            async def stream():
+                async for _ in engine.generate({"prompt_token_ids": [2, 3]}, LONG, "long"):
+                    pass
+
+            streaming = asyncio.ensure_future(stream())
+            await asyncio.sleep(1)  # outputs flow
+            client._send = send_then_stall
+            await asyncio.wait_for(stalled.wait(), 30)
+            await asyncio.sleep(limit + 1)
+            assert not engine.errored, engine.dead_error
+            streaming.cancel()
+            params = SamplingParams(temperature=0, max_tokens=2)
+            outs = [o async for o in engine.generate({"prompt_token_ids": [2, 3]}, params, "r")]
+            assert outs[-1].finished
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())

@@ -47,6 +47,7 @@ logger = logging.getLogger("vserve")
 READY_TIMEOUT_S = ENV.engine_ready_timeout
 WATCHDOG_GRACE_S = 2.0  # lets the engine core's own step deadline report first
 SEND_RETRY_S = 0.002  # a send finds no engine socket connected (start-up, or it is gone)
+PING_WAIT_S = 1.0  # the watchdog looks at its ping at least this often
 
 
 def watchdog_periods(timeout: float) -> tuple[float, float]:
@@ -499,12 +500,44 @@ class AsyncMPClient(_ClientBase):
         while not self.engine.closing and self.dead_message is None:
             await asyncio.sleep(interval)
             try:
-                await self.call_utility_async("ping", timeout=limit)
-            except asyncio.TimeoutError:
-                self._watchdog_fired(limit)
-                return
+                answered = await self._ping(limit)
             except EngineDeadError:
                 return
+            if not answered:
+                self._watchdog_fired(limit)
+                return
+
+    async def _ping(self, limit: float) -> bool:
+        """Whether the engine core answers a ping within `limit` seconds of its own time.
+        A wait at whose end the engine's reply (or any frame of it) sits unread in our
+        socket does not count: then this loop was busy elsewhere, not the engine (a stall
+        of the event loop must never get a live engine killed)."""
+        assert self._loop is not None, "start() first"
+        call_id = next(self._call_ids)
+        fut = self._loop.create_future()
+        self._utility[call_id] = fut
+        waited = 0.0
+        try:
+            await self._send(self._frames_utility(call_id, "ping", []))
+            while waited < limit:
+                started = self._loop.time()
+                await asyncio.wait({fut}, timeout=min(PING_WAIT_S, limit - waited))
+                if fut.done():
+                    outs = fut.result()
+                    if outs.engine_error:
+                        raise EngineDeadError(outs.engine_error)
+                    return True
+                if not self._frames_waiting():
+                    waited += self._loop.time() - started
+            return False
+        finally:
+            self._utility.pop(call_id, None)
+
+    def _frames_waiting(self) -> bool:
+        try:
+            return bool(int(self._out.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
 
     async def _read_loop(self) -> None:
         while not self.engine.closing:
