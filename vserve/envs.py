@@ -27,8 +27,9 @@ class Env:
     debug_invariants: bool  # VSERVE_DEBUG_INVARIANTS=1: the engine core checks the
     # scheduler and KV-block invariants each time it goes idle
     # (free + cached + in-use == total, none in use); on in tests
-    dp_secret: str | None = None  # VSERVE_DP_SECRET: shared secret of a multi-host data-
-    # parallel setup; CURVE keys of the head's TCP sockets derive from it
+    dp_secret: str | None = None  # VSERVE_DP_SECRET: shared secret (at least 16 characters)
+    # of a multi-host data-parallel setup; the CURVE keys of its TCP connections derive from
+    # it (without it, a loopback head makes a random one per run: dp_transport.py)
     weight_cache: bool = True  # VSERVE_WEIGHT_CACHE=0: load CPU weights from the checkpoint
     # every time, without the memory-mapped copy on disk
     cpu_park: bool = True  # VSERVE_CPU_PARK=0: a CPU worker's other threads spin between

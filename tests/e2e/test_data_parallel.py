@@ -203,7 +203,7 @@ def test_two_hosts_headless(model, expected, monkeypatch):
     """Host 1 runs `vserve serve --headless` (rank 1), host 0 the front end and rank 0, over
     TCP on 127.0.0.1 with CURVE keys from VSERVE_DP_SECRET; both ranks serve, the tokens equal
     one engine's, and the headless host exits 0 with its engine once the head shuts down."""
-    monkeypatch.setenv("VSERVE_DP_SECRET", "test-secret")
+    monkeypatch.setenv("VSERVE_DP_SECRET", "a-test-secret-of-32-characters!!")
     host1, llm = _headless_pair(model, free_port())
     try:
         tree = descendants(host1.pid)
@@ -232,9 +232,9 @@ def test_data_parallel_times_tensor_parallel(model, expected):
 
 
 def test_remote_engine_death_is_seen_at_once(model):
-    """The remote engine core SIGKILLed: the head sees its connection drop and fails the
-    work (no keep-serving: the whole engine is dead) within moments; the headless host exits
-    1 and leaves nothing behind. Plain TCP on loopback (no secret)."""
+    """The remote engine core SIGKILLed: its host reports the exit, the head fails the work
+    (no keep-serving: the whole engine is dead) within moments; the headless host exits 1 and
+    leaves nothing behind. Loopback with no secret set (the per-run one)."""
     host1, llm = _headless_pair(model, free_port())
     try:
         tree = descendants(host1.pid)
@@ -266,7 +266,7 @@ def test_remote_engine_death_with_keep_serving(model, expected):
         assert host1.wait(timeout=30) == 1
         deadline = time.monotonic() + 10
         while 1 in llm.engine.client.router.alive and time.monotonic() < deadline:
-            time.sleep(0.05)  # the drop is seen by the socket monitor, not by a request
+            time.sleep(0.05)  # the death is seen from the host's report, not by a request
         with pytest.raises(ValueError, match="engine 1 is dead"):
             llm.generate(_prompts(PROMPTS[:1]), GREEDY, data_parallel_rank=1)
         assert _ids(llm.generate(_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
