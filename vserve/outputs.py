@@ -22,7 +22,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # with finish_reason "error": what went wrong
     # with finish_reason "error": "invalid" (the request's input cannot be served as asked),
-    # "busy" (a retry may succeed), None (the engine failed)
+    # "busy" (a retry may succeed), "dead" (its engine died), None (the engine failed)
     error_kind: str | None = None
 
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ import msgspec
 # why a request failed, when it was the request's own doing (None: the engine's)
 ERROR_INVALID = "invalid"  # its input cannot be served as asked (HTTP 400)
 ERROR_BUSY = "busy"  # the engine cannot take it now; a retry may succeed (HTTP 503)
+ERROR_DEAD = "dead"  # the engine that ran it died (data parallel serving on: HTTP 500)
 
 
 class RequestError(Exception):
@@ -43,7 +44,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # prompt tokens 1.. (index 0 has none), sent once, with the first token
     prompt_logprobs: LogprobsDelta | None = None
     incarnation: int = 0  # the request's (EngineCoreRequest.incarnation)
-    error_kind: str | None = None  # ERROR_INVALID, ERROR_BUSY; None: the engine's failure
+    error_kind: str | None = None  # ERROR_INVALID, _BUSY, _DEAD; None: the engine's failure
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vserve.config import EngineConfig
+from vserve.core.outputs import ERROR_DEAD
 from vserve.engine.dp_router import LoadRouter
 from vserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vserve.engine.mp_client import AsyncMPClient, EngineDeadError, SyncMPClient
@@ -175,7 +176,14 @@ class _DPBase:
                 sorted(self.router.alive),
             )
             failed = [
-                EngineCoreOutput(rid, [], finish_reason="error", error=message, incarnation=inc)
+                EngineCoreOutput(
+                    rid,
+                    [],
+                    finish_reason="error",
+                    error=message,
+                    incarnation=inc,
+                    error_kind=ERROR_DEAD,
+                )
                 for rid, inc in lost
             ]
             return EngineCoreOutputs(failed, engine_index=rank)

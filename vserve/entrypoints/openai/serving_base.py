@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel
 
-from vserve.core.outputs import ERROR_BUSY, ERROR_INVALID
+from vserve.core.outputs import ERROR_BUSY, ERROR_DEAD, ERROR_INVALID
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.output_processor import OutputKind, RequestState
 from vserve.engine.processor import check_text
@@ -308,6 +308,8 @@ def raise_if_error(c: CompletionOutput) -> None:
         raise APIError(400, str(c.stop_reason))
     if c.error_kind == ERROR_BUSY:
         raise APIError(503, str(c.stop_reason), headers={"Retry-After": "1"})
+    if c.error_kind == ERROR_DEAD:  # the front end's own words on which engine died
+        raise APIError(500, f"The engine is dead: {c.stop_reason}")
     logger.error("a request failed in the engine: %s", c.stop_reason)
     raise APIError(500, "The request failed in the engine; the server's log has the details.")
 
