@@ -5,7 +5,9 @@ raw logits of the prefill positions that predict it (vLLM's `PromptLogprobs`).
 A prefill chunk computing positions [start, end) of a prompt of P tokens predicts prompt
 tokens start + 1 .. min(end, P - 1); token 0 has no entry. The runner plans one slice per such
 request and step (last PP stage only) and computes it from the step's hidden states, at most
-`_ROWS` logits rows at a time so that a long chunk never holds chunk x vocab logits at once.
+`_ROWS` logits rows (and `_SLICE_BYTES` of them) at a time, so that a long chunk never holds
+chunk x vocab logits at once: with a 262k vocabulary a slice and its temporaries stay near
+300 MB, whatever the prompt's length.
 Requests that do not ask cost one empty-set test per step. Prefix-cache hits are never taken
 by these requests (the KV manager), so no position is skipped; positions a preempted request
 computes again are dropped by the scheduler, which keeps what already arrived.
@@ -22,7 +24,8 @@ from vserve.core.outputs import LogprobsDelta
 from vserve.workers.input_batch import InputBatch
 from vserve.workers.sampler import _logprobs_torch
 
-_ROWS = 256  # logits rows per slice of a long chunk
+_ROWS = 256  # most logits rows per slice of a long chunk
+_SLICE_BYTES = 64 << 20  # and at most this much fp32 logits in a slice (262k vocab: 64 rows)
 
 
 @dataclass
@@ -73,8 +76,9 @@ def compute_prompt_logprobs(
     out = {}
     for s in slices:
         delta = LogprobsDelta([], [], [])
-        for a in range(0, len(s.target_ids), _ROWS):
-            targets = s.target_ids[a : a + _ROWS]
+        step = _rows_per_slice(model, hidden)
+        for a in range(0, len(s.target_ids), step):
+            targets = s.target_ids[a : a + step]
             rows = hidden[s.hidden_start + a : s.hidden_start + a + len(targets)]
             logits = model.compute_logits(rows).float()
             ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
@@ -87,3 +91,13 @@ def compute_prompt_logprobs(
             delta.ranks += ranks.tolist()
         out[s.req_id] = (s.first, delta)
     return out
+
+
+_vocab_sizes: dict[int, int] = {}  # id(model) -> its logits' width
+
+
+def _rows_per_slice(model, hidden: torch.Tensor) -> int:
+    vocab = _vocab_sizes.get(id(model))
+    if vocab is None:  # one row's logits tell it, once per model
+        vocab = _vocab_sizes[id(model)] = int(model.compute_logits(hidden[:1]).shape[-1])
+    return max(1, min(_ROWS, _SLICE_BYTES // (4 * vocab)))
