@@ -60,21 +60,15 @@ async def _idle_engine(llm: AsyncLLM) -> dict:
 
 
 def test_failed_send_leaves_no_state(engine, monkeypatch):
-    """Review A3: the state was registered before the send, and a failing send leaked it
-    (and left the children already sent running in the engine)."""
+    """A send that fails (a frame that cannot be encoded) leaves no request state behind, and
+    none of its children runs in the engine (they travel in one message)."""
     llm, loop = engine
 
     async def run():
-        send = llm.client.add_request_async
-        calls = []
+        async def flaky(requests, *rank):
+            raise OverflowError("injected: cannot encode")
 
-        async def flaky(request, *rank):
-            calls.append(request.request_id)
-            if len(calls) == 2:
-                raise OverflowError("injected: cannot encode")
-            return await send(request, *rank)
-
-        monkeypatch.setattr(llm.client, "add_request_async", flaky)
+        monkeypatch.setattr(llm.client, "add_requests_async", flaky)
         params = SamplingParams(n=2, temperature=1.0, max_tokens=400, ignore_eos=True)
         with pytest.raises(OverflowError):
             await llm.add_request("a prompt", params, "leaky")

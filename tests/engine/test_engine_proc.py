@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.hf_reference import PROMPTS
 from vserve import LLM, SamplingParams, StructuredOutputsParams
-from vserve.engine.messages import EngineCoreRequest, RequestType
+from vserve.engine.messages import EngineCoreRequest, EngineCoreRequests, RequestType
 from vserve.proc_tree import children
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
@@ -129,7 +129,7 @@ def _still_serving(llm, pid: int) -> None:
 def test_undecodable_add_fails_only_its_request(llm, fields, match):
     """Before: the input thread died silently; every later request hung, /health said 200."""
     pid = llm.engine.client.engine.proc.pid
-    _send_raw(llm, RequestType.ADD, msgspec.msgpack.encode(fields))
+    _send_raw(llm, RequestType.ADD, msgspec.msgpack.encode([[fields]]))  # a one-request frame
     out = _wait_output(llm, fields[0])
     assert out.finish_reason == "error" and match in out.error, out.error
     _still_serving(llm, pid)
@@ -139,7 +139,7 @@ def test_duplicate_request_id_gets_an_error_output(llm):
     """Before: the scheduler raised inside the busy loop and the engine core died."""
     pid = llm.engine.client.engine.proc.pid
     encoder = msgspec.msgpack.Encoder()
-    first = _request("dup", max_tokens=200, ignore_eos=True, temperature=0)
+    first = EngineCoreRequests([_request("dup", max_tokens=200, ignore_eos=True, temperature=0)])
     _send_raw(llm, RequestType.ADD, encoder.encode(first))
     _send_raw(llm, RequestType.ADD, encoder.encode(first))
     out = _wait_output(llm, "dup")
@@ -175,13 +175,13 @@ def test_inproc_engine_blocks_while_only_grammars_compile(tiny_model_dir, monkey
     from tests.support.engines import make_llm
     from vserve.engine.structured_output import StructuredOutputManager
 
-    compile_ = StructuredOutputManager._compile
+    compile_ = StructuredOutputManager._compile_here
 
-    def slow_compile(self, params):
+    def slow_compile(self, job, size):
         time.sleep(1.5)
-        return compile_(self, params)
+        return compile_(self, job, size)
 
-    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    monkeypatch.setattr(StructuredOutputManager, "_compile_here", slow_compile)
     llm = make_llm(tiny_model_dir("llama"), max_model_len=256, async_scheduling=async_on)
     executor = llm.engine.client.core.executor
     calls = []

@@ -134,3 +134,29 @@ def test_waiters_share_one_release_count():
     assert not b.cancelled() and manager._jobs
     manager.release(b)
     assert b.cancelled() and not manager._jobs
+
+
+def test_a_prompts_children_carry_their_constraint_once():
+    """The n children of one prompt go in one ADD frame whose constraint crosses once; after
+    decoding, every child holds the same constraint object."""
+    import msgspec
+
+    from vserve.engine.messages import (
+        EngineCoreRequest,
+        EngineCoreRequests,
+        pack_requests,
+        unpack_requests,
+    )
+    from vserve.sampling_params import SamplingParams
+
+    constraint = _regex("x" * 100_000)
+    params = SamplingParams(n=1, temperature=1, structured_outputs=constraint)
+    children = [EngineCoreRequest(f"{i}_r", [5, 6], params, [2], i) for i in range(64)]
+    payload = msgspec.msgpack.encode(pack_requests(children))
+    assert len(payload) < 2 * 100_000  # once, not 64 times
+    assert params.structured_outputs is constraint  # the caller's params are left alone
+    decoded = unpack_requests(msgspec.msgpack.decode(payload, type=EngineCoreRequests))
+    assert [r.request_id for r in decoded] == [r.request_id for r in children]
+    shared = decoded[0].sampling_params.structured_outputs
+    assert shared == constraint
+    assert all(r.sampling_params.structured_outputs is shared for r in decoded)

@@ -105,17 +105,12 @@ class AsyncLLM:
             queue=OutputCollector(kind),  # slow readers pin one (merged) output
             incarnations=[r.incarnation for r in requests],
         )
-        sent: list[str] = []
         try:
             await self._flush_aborts()  # an earlier request of this id is aborted first
-            rank = data_parallel_rank
-            for r in requests:
-                rank = await self.client.add_request_async(r, rank)
-                sent.append(r.request_id)
-            state.engine_index = rank or 0
-        except BaseException:  # not admitted: forget its state, abort what was sent
+            # one message: its n children (and their constraint, once) reach one engine
+            state.engine_index = await self.client.add_requests_async(requests, data_parallel_rank)
+        except BaseException:  # not admitted: forget its state (nothing was sent)
             self.output_processor.abort_request(request_id)
-            self._queue_aborts(sent)
             raise
         return state
 

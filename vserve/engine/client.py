@@ -26,9 +26,11 @@ class EngineCoreClient(Protocol):
 
     num_kv_blocks: int
 
-    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
-        """Send it to an engine (data parallel: the least loaded one, or `data_parallel_rank`);
-        returns that engine's rank."""
+    def add_requests(
+        self, requests: list[EngineCoreRequest], data_parallel_rank: int | None = None
+    ) -> int:
+        """Send one prompt's requests (its `n` children) to an engine (data parallel: the
+        least loaded one, or `data_parallel_rank`), in one message; returns its rank."""
         ...
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -55,8 +57,8 @@ class AsyncEngineCoreClient(Protocol):
         """Bind to the running event loop (call from inside it)."""
         ...
 
-    async def add_request_async(
-        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    async def add_requests_async(
+        self, requests: list[EngineCoreRequest], data_parallel_rank: int | None = None
     ) -> int: ...
 
     async def abort_requests_async(self, request_ids: list[str]) -> None: ...
@@ -77,13 +79,16 @@ class InprocClient:
         self.engine_index = config.data_parallel.engine_index  # external LB: the rank served
         self.num_adds = 0  # so that an abort never reaches a later request of the same id
 
-    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
+    def add_requests(
+        self, requests: list[EngineCoreRequest], data_parallel_rank: int | None = None
+    ) -> int:
         if data_parallel_rank not in (None, self.engine_index):
             raise ValueError(
                 f"data_parallel_rank {data_parallel_rank}: this is engine {self.engine_index}"
             )
         self.num_adds += 1
-        self.core.add_request(request, self.num_adds)
+        for request in requests:
+            self.core.add_request(request, self.num_adds)
         return self.engine_index
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -43,7 +43,9 @@ from vserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineCoreRequests,
     RequestType,
+    unpack_requests,
 )
 from vserve.envs import read_env
 from vserve.lifeline import exit_with_parent
@@ -232,7 +234,7 @@ class EngineCoreProc:
         sock = self.ctx.socket(zmq.PULL)
         secure_client(sock, self.secret)
         sock.connect(input_addr)
-        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequests)
         decoder = msgspec.msgpack.Decoder()
         try:
             while not self._stop.is_set():
@@ -249,18 +251,20 @@ class EngineCoreProc:
             kind, payload = frames
             self._dispatch(RequestType(kind[0]), payload, add_decoder, decoder)
         except Exception as e:  # noqa: BLE001
-            request_id = _add_request_id(frames, decoder)
-            if request_id is None:
+            request_ids = _add_request_ids(frames, decoder)
+            if not request_ids:
                 self._fatal("engine core got a frame it cannot decode", e)
                 return
-            logger.error("request %s: frame does not decode: %s", request_id, e)
-            self._fail_request(request_id, f"the engine could not decode the request: {e}")
+            logger.error("request(s) %s: frame does not decode: %s", request_ids, e)
+            for request_id in request_ids:
+                self._fail_request(request_id, f"the engine could not decode the request: {e}")
 
     def _dispatch(self, kind: RequestType, payload: bytes, add_decoder, decoder) -> None:
         if kind == RequestType.ADD:
-            request = add_decoder.decode(payload)
+            requests = unpack_requests(add_decoder.decode(payload))
             self.num_adds += 1
-            self.input_queue.put((RequestType.ADD, (self.num_adds, request)))
+            for request in requests:
+                self.input_queue.put((RequestType.ADD, (self.num_adds, request)))
         elif kind == RequestType.ABORT:
             ids = decoder.decode(payload)
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
@@ -296,16 +300,17 @@ class EngineCoreProc:
         self.out_sock.send_multipart([frame, payload])
 
 
-def _add_request_id(frames: list[bytes], decoder) -> str | None:
-    """The request id of an ADD frame that failed to decode, if one can be read."""
+def _add_request_ids(frames: list[bytes], decoder) -> list[str]:
+    """The request ids of an ADD frame that failed to decode, as far as they can be read."""
     try:
         kind, payload = frames
         if kind[:1] != bytes([RequestType.ADD]):
-            return None
-        fields = decoder.decode(payload)  # EngineCoreRequest is array-like
-        return fields[0] if isinstance(fields, list) and isinstance(fields[0], str) else None
+            return []
+        fields = decoder.decode(payload)  # EngineCoreRequests and its requests: array-like
+        requests = fields[0] if isinstance(fields, list) and fields else []
+        return [r[0] for r in requests if isinstance(r, list) and r and isinstance(r[0], str)]
     except Exception:  # noqa: BLE001 -- nothing to recover
-        return None
+        return []
 
 
 def _error_text(prefix: str, e: BaseException) -> str:

@@ -114,6 +114,13 @@ class _DPBase:
     def engine_indices(self) -> list[int]:
         return sorted(self.router.alive)
 
+    def _assign_all(self, requests: list[EngineCoreRequest], rank: int | None) -> int:
+        """One engine for a prompt's requests (each counted there as one more waiting)."""
+        for request in requests:
+            rank = self._assign(request, rank)
+        assert rank is not None  # a prompt has at least one request
+        return rank
+
     def _assign(self, request: EngineCoreRequest, rank: int | None) -> int:
         while True:
             if self.dead_message is not None:
@@ -207,9 +214,11 @@ class DPSyncClient(_DPBase):
     def _push(self, outs: EngineCoreOutputs) -> None:
         self.outputs.put(outs)
 
-    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
-        rank = self._assign(request, data_parallel_rank)
-        self.clients[rank].add_request(request)
+    def add_requests(
+        self, requests: list[EngineCoreRequest], data_parallel_rank: int | None = None
+    ) -> int:
+        rank = self._assign_all(requests, data_parallel_rank)
+        self.clients[rank].add_requests(requests)
         return rank
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -257,11 +266,11 @@ class DPAsyncClient(_DPBase):
         assert self.outputs is not None, "start() first"
         self.outputs.put_nowait(outs)  # on the loop's thread, like every add
 
-    async def add_request_async(
-        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    async def add_requests_async(
+        self, requests: list[EngineCoreRequest], data_parallel_rank: int | None = None
     ) -> int:
-        rank = self._assign(request, data_parallel_rank)
-        await self.clients[rank].add_request_async(request)
+        rank = self._assign_all(requests, data_parallel_rank)
+        await self.clients[rank].add_requests_async(requests)
         return rank
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:

@@ -70,16 +70,10 @@ class LLMEngine:
             kind,
             incarnations=[r.incarnation for r in requests],
         )
-        sent: list[str] = []
-        try:
-            rank = data_parallel_rank  # an n > 1 request's samples share one engine
-            for r in requests:
-                rank = self.client.add_request(r, rank)
-                sent.append(r.request_id)
-        except BaseException:  # not admitted: forget its state, abort what was sent
+        try:  # an n > 1 request's samples share one engine and one message
+            self.client.add_requests(requests, data_parallel_rank)
+        except BaseException:  # not admitted: forget its state (nothing was sent)
             self.output_processor.abort_request(request_id)
-            if sent:
-                self.client.abort_requests(sent)
             raise
 
     def abort_request(self, request_ids: list[str]) -> None:

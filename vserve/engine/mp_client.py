@@ -40,7 +40,12 @@ import zmq.asyncio
 from vserve.config import EngineConfig
 from vserve.cpu_affinity import pin_process, process_cpus
 from vserve.engine.core_proc import FRAME_DEAD, FRAME_OUTPUTS, FRAME_READY
-from vserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
+from vserve.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+    pack_requests,
+)
 from vserve.envs import ENV
 
 logger = logging.getLogger("vserve")
@@ -254,8 +259,8 @@ class _ClientBase(abc.ABC):
         self._call_ids = itertools.count()
         self.dead_message: str | None = None
 
-    def _frames_add(self, request: EngineCoreRequest):
-        return [bytes([RequestType.ADD]), self._encoder.encode(request)]
+    def _frames_add(self, requests: list[EngineCoreRequest]):
+        return [bytes([RequestType.ADD]), self._encoder.encode(pack_requests(requests))]
 
     def _frames_abort(self, request_ids: list[str]):
         return [bytes([RequestType.ABORT]), self._encoder.encode(list(request_ids))]
@@ -411,10 +416,12 @@ class SyncMPClient(_ClientBase):
                     time.sleep(SEND_RETRY_S)
 
     # -- client API --------------------------------------------------------------------------------
-    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> int:
+    def add_requests(
+        self, requests: list[EngineCoreRequest], data_parallel_rank: int | None = None
+    ) -> int:
         """Returns the engine's data-parallel rank (the one engine there is)."""
         _check_rank(data_parallel_rank, self.engine_index)
-        self._send(self._frames_add(request))
+        self._send(self._frames_add(requests))
         return self.engine_index
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -588,12 +595,12 @@ class AsyncMPClient(_ClientBase):
                 await asyncio.sleep(SEND_RETRY_S)
 
     # -- client API --------------------------------------------------------------------------------
-    async def add_request_async(
-        self, request: EngineCoreRequest, data_parallel_rank: int | None = None
+    async def add_requests_async(
+        self, requests: list[EngineCoreRequest], data_parallel_rank: int | None = None
     ) -> int:
         """Returns the engine's data-parallel rank (the one engine there is)."""
         _check_rank(data_parallel_rank, self.engine_index)
-        await self._send(self._frames_add(request))
+        await self._send(self._frames_add(requests))
         return self.engine_index
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
