@@ -8,9 +8,13 @@ idle it checks free + cached + in-use blocks == total with none in use), then ru
 bounded, mixed traffic: completions and chat, streaming and not, n > 1, seeds, logprobs, stop
 strings, guided_choice and JSON-schema requests, clients that disconnect mid-stream and clients
 that give up (abort) before the answer. Every answer is checked (status, number of choices, a
-choice from the list, JSON that parses). Afterwards it waits for idle and checks:
+choice from the list, JSON that parses). `--hostile-mix F` draws that share of requests from
+the cheap entries of the hostile catalogue (`vserve.bench.hostile`: refused constraints, nested
+strings, out-of-range values, ...), each answered with its entry's expected status (a refusal
+there is no error). Afterwards it waits for idle and checks:
 
 - no error of any kind (HTTP status, exception, client timeout = hang, malformed answer);
+- every hostile request got its expected status;
 - KV cache in use at the end is 0 (`vserve:kv_cache_usage_perc`), nothing running or waiting;
 - RSS of every process of the server's tree grew < 5 % between the end of warm-up and the end
   (warm-up: 15 % of the run, 10 s to 2 min, and 4 requests per client done);
@@ -40,6 +44,7 @@ from typing import NamedTuple
 
 import httpx
 
+from vserve.bench.hostile import repeatable_entries
 from vserve.bench.sse import sse_lines
 from vserve.proc_tree import cmdline, descendants
 from vserve.startup import kv_resident_bytes, resident_bytes
@@ -68,6 +73,7 @@ SHORT_MODE = {
     "ready_timeout": 120.0,
 }
 WARMUP_REQUESTS_PER_CLIENT = 4  # and at least 15 % of the run (10 s to 2 min): see _warm
+HOSTILE = repeatable_entries()  # for --hostile-mix
 # request kinds and their weights
 KINDS = {
     "completion": 4,
@@ -157,6 +163,8 @@ class Traffic:
         self.served = Counter()  # completed and checked, by kind
         self.chaos = Counter()  # deliberate disconnects / aborts
         self.errors = Counter()  # by kind
+        self.hostile = Counter()  # hostile requests answered as expected, by entry
+        self.hostile_unexpected = Counter()  # by entry and status
         self.error_examples: dict[str, str] = {}
 
     def _error(self, kind: str, detail: str) -> None:
@@ -210,6 +218,9 @@ class Traffic:
         return path, body
 
     async def one(self, rng: random.Random) -> None:
+        if self.args.hostile_mix > 0 and rng.random() < self.args.hostile_mix:
+            await self._hostile(rng)
+            return
         kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
         path, body = self._body(rng, kind)
         try:
@@ -223,6 +234,22 @@ class Traffic:
             self._error("client_timeout", f"{kind}: {e!r}")
         except Exception as e:  # noqa: BLE001 -- every failure is counted by kind
             self._error(f"exception_{type(e).__name__}", f"{kind}: {e!r}")
+
+    async def _hostile(self, rng: random.Random) -> None:
+        """A cheap hostile request; its status checked against the entry's expectation."""
+        entry = rng.choice(HOSTILE)
+        try:
+            method, path, body, headers = await asyncio.to_thread(entry.request)
+            r = await self.client.request(
+                method, path, content=body, headers=headers, timeout=self.args.request_timeout
+            )
+            status: int | str = r.status_code
+        except httpx.HTTPError as e:
+            status = type(e).__name__
+        if entry.accepts(status):
+            self.hostile[entry.name] += 1
+        else:
+            self.hostile_unexpected[f"{entry.name}: {status}"] += 1
 
     async def _plain(self, path: str, body: dict, kind: str) -> None:
         r = await self.client.post(path, json=body, timeout=self.args.request_timeout)
@@ -475,6 +502,7 @@ def evaluate(res: dict, code: int, left: list[int], args) -> dict:
         and final.get("vserve:num_requests_waiting") == 0,
         "rss_growth_below_5pct": bool(rss)
         and all(r["growth"] is not None and r["growth"] < RSS_GROWTH_LIMIT for r in rss),
+        "hostile_as_expected": not t.hostile_unexpected,
         "health_200": res["health"] == 200,
         "clean_exit": code == 0 and not left,
     }
@@ -489,6 +517,8 @@ def evaluate(res: dict, code: int, left: list[int], args) -> dict:
         "served_by_kind": dict(t.served),
         "chaos": dict(t.chaos),
         "errors": dict(t.errors),
+        "hostile": dict(t.hostile),
+        "hostile_unexpected": dict(t.hostile_unexpected),
         "error_examples": t.error_examples,
         "generation_tokens": final.get("vserve:generation_tokens_total"),
         "kv_cache_usage_end": kv_usage,
@@ -509,6 +539,9 @@ def report(result: dict) -> None:
     print(f"  served {result['served']}  {result['served_by_kind']}")
     print(f"  chaos  {result['chaos']}")
     print(f"  errors {result['errors'] or 'none'}")
+    if result["hostile"] or result["hostile_unexpected"]:
+        print(f"  hostile as expected {result['hostile']}")
+        print(f"  hostile unexpected  {result['hostile_unexpected'] or 'none'}")
     for kind, text in result["error_examples"].items():
         print(f"    {kind}: {text}")
     print(f"  KV cache in use at the end: {result['kv_cache_usage_end']}")
@@ -554,6 +587,13 @@ def parse_args(argv=None):
         help="a request slower than this counts as a hang (client_timeout)",
     )
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--hostile-mix",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="share of requests drawn from the cheap hostile entries (vserve.bench.hostile)",
+    )
     p.add_argument("--result", default=str(Path(__file__).parent / "results" / "soak.json"))
     p.add_argument(
         "--short",
