@@ -1,4 +1,4 @@
-"""The GGUF int8 gemv's speed per format (vserve/cpu_ops/quant.cpp), from cache and from DRAM.
+"""The GGUF int8 gemv's speed per format (vserve/cpu_ops/quant_gemv.cpp), from cache and from DRAM.
 
 For each format, a weight of random valid blocks with the row length the embedded Gemma 3
 270M's GGUF gives it (K = 640 inputs for Q4_0 / Q5_0 / Q8_0, 1024 for Q4_K / Q5_K, 2048 for
@@ -56,7 +56,7 @@ def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def measure(formats: list[str], ms: list[int], threads: list[int], repeats: int) -> dict:
     from vserve import cpu_ops
-    from vserve.models.gguf_source import Q5_0R  # Q5_0 repacked at load (quant.cpp)
+    from vserve.models.gguf_source import Q5_0R  # Q5_0 repacked at load (quant_formats.h)
 
     quant = cpu_ops.load_quant()
     assert quant is not None, "the quantized kernels failed to build"

@@ -29,13 +29,18 @@ class Env:
     # (free + cached + in-use == total, none in use); on in tests
     dp_secret: str | None = None  # VSERVE_DP_SECRET: shared secret (at least 16 characters)
     # of a multi-host data-parallel setup; the CURVE keys of its TCP connections derive from
-    # it (without it, a loopback head makes a random one per run: dp_transport.py)
+    # it (without it, a loopback head makes a random one per run: dp/transport.py)
     weight_cache: bool = True  # VSERVE_WEIGHT_CACHE=0: load CPU weights from the checkpoint
     # every time, without the memory-mapped copy on disk
     cpu_park: bool = True  # VSERVE_CPU_PARK=0: a CPU worker's other threads spin between
     # forwards instead of sleeping while the host works (workers/host_gap.py)
     quant_repack: bool = True  # VSERVE_QUANT_REPACK=0: Q5_0 weights stay in their GGUF
     # bytes instead of the quad gemv's layout (vserve/models/quant_linear.py)
+    cpu_ops: bool = True  # VSERVE_CPU_OPS=0: no C++ kernels; models keep the eager torch path
+    quant_exact: bool = False  # VSERVE_QUANT_EXACT=1: the quantized CPU kernels multiply bf16
+    # activations on their exact path too (fp32 products of the dequantized weights), not int8
+    quant_amx: bool = True  # VSERVE_QUANT_AMX=0: batched bf16 rows on quantized weights take the
+    # int8 GEMM, not the AMX tiles (both set once in the kernels at load: vserve/cpu_ops)
 
 
 def read_env() -> Env:
@@ -53,6 +58,9 @@ def read_env() -> Env:
         weight_cache=os.environ.get("VSERVE_WEIGHT_CACHE", "1") not in ("0", "false", "off"),
         cpu_park=os.environ.get("VSERVE_CPU_PARK", "1") not in ("0", "false", "off"),
         quant_repack=os.environ.get("VSERVE_QUANT_REPACK", "1") not in ("0", "false", "off"),
+        cpu_ops=os.environ.get("VSERVE_CPU_OPS", "1") not in ("0", "false", "off"),
+        quant_exact=os.environ.get("VSERVE_QUANT_EXACT", "") not in ("", "0", "false", "off"),
+        quant_amx=os.environ.get("VSERVE_QUANT_AMX", "1") not in ("0", "false", "off"),
     )
 
 

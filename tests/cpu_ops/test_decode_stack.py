@@ -132,10 +132,16 @@ def test_stack_on_repacked_q5_0_is_bitwise_the_q5_0_stack(ops, rows):
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("style", [1, 0])
-def test_stack_is_bitwise_the_per_layer_calls(ops, monkeypatch, exact, rows, style):
-    if exact:
-        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
-    _check_bitwise(ops, [_layer(10 * i, style, window=8 if i == 1 else -1) for i in range(3)], rows)
+def test_stack_is_bitwise_the_per_layer_calls(ops, exact, rows, style):
+    """On the int8 gemv and on the exact one (the exact switch, which the stack's gemvs
+    read on each call as the per-layer ones do)."""
+    loaded = ops.quant.options()
+    ops.quant.set_options(exact=exact)
+    try:
+        layers = [_layer(10 * i, style, window=8 if i == 1 else -1) for i in range(3)]
+        _check_bitwise(ops, layers, rows)
+    finally:
+        ops.quant.set_options(**loaded)
 
 
 @pytest.mark.parametrize("style", [1, 0])  # gelu, silu

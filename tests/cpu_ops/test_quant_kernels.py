@@ -1,4 +1,4 @@
-"""The GGUF quantized-weight CPU kernels (vserve/cpu_ops/quant.cpp) against gguf.quants.
+"""The GGUF quantized-weight CPU kernels (vserve/cpu_ops/quant_*.cpp) against gguf.quants.
 
 `dequantize` and `embedding` must be bitwise gguf.quants.dequantize in fp32 (each weight is one
 product, or one product and one difference, rounded once in both; compared as int32 bits, so
@@ -16,12 +16,16 @@ gemv (AVX512-VNNI, else AVX2 with FMA and F16C: `quant.int8_gemv()`) it quantize
 activations to int8 per block of 32 (d_x = amax / 127, q = round(x / d_x)) and multiplies them
 with the weights' integer quants, whose only extra error is that rounding: at most d_x / 2 per
 activation, so sum over blocks of d_x / 2 * sum |w| over the block per output
-(`assert_int8_close`). `VSERVE_QUANT_EXACT=1` (read on every call) forces the exact fp32 path
-there; elsewhere it is the only path. The `exact` fixture runs the product tests both ways.
-The AVX2 gemv is also called directly (`quant.gemv_avx2`) on every AVX2 CPU, VNNI or not.
+(`assert_int8_close`). The `exact` switch forces the exact fp32 path there; elsewhere it is
+the only path. The `exact` fixture runs the product tests both ways. The AVX2 gemv is also
+called directly (`quant.gemv_avx2`) on every AVX2 CPU, VNNI or not.
+
+The switches (`exact`, and `amx`: the AMX tile GEMM allowed) are vserve/envs.py's
+VSERVE_QUANT_EXACT and VSERVE_QUANT_AMX, read once: `load()` hands them to the kernels
+(`quant.set_options`), and the `switch` fixture sets them for one test.
 """
 
-import os
+import dataclasses
 import shutil
 
 import numpy as np
@@ -30,7 +34,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
 
-from vserve import cpu_ops
+from vserve import cpu_ops, envs
 from vserve.config import cpu_flags, cpu_has_bf16
 from vserve.models.gguf_source import Q5_0R
 
@@ -51,6 +55,15 @@ def quant():
     module = cpu_ops.load_quant()
     assert module is not None, "the quantized kernels failed to build (see the log)"
     return module
+
+
+@pytest.fixture
+def switch(quant):
+    """`quant.set_options` for one test (`switch(exact=True)`, `switch(amx=False)`; a switch
+    left out stays as it is); the switches the kernels were loaded with come back after it."""
+    loaded = quant.options()
+    yield quant.set_options
+    quant.set_options(**loaded)
 
 
 def random_weight(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -107,7 +120,7 @@ def int8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def assert_int8_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact: bool):
     """y ~ x w^T from the int8 path: the exact path's tolerance plus the activations'
-    rounding; with `exact` (VSERVE_QUANT_EXACT=1) the exact path's tolerance alone."""
+    rounding; with `exact` (the exact switch on) the exact path's tolerance alone."""
     if exact:
         assert_product_close(y, x, w, False)
         return
@@ -122,12 +135,9 @@ def assert_int8_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, exact: 
 
 
 @pytest.fixture(params=[False, True], ids=["int8", "exact"])
-def exact(request, monkeypatch):
-    """The gemv path: the default one (int8 with AVX512-VNNI), or VSERVE_QUANT_EXACT=1's."""
-    if request.param:
-        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
-    else:
-        monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+def exact(request, switch):
+    """The gemv path: the default one (int8 with AVX512-VNNI), or the exact switch's."""
+    switch(exact=request.param)
     return request.param
 
 
@@ -179,36 +189,73 @@ def test_gemv_and_matmul_match_the_dequantized_product(quant, exact, qtype, n, k
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_fp32_activations_take_the_exact_path(quant, monkeypatch, qtype):
+def test_fp32_activations_take_the_exact_path(quant, switch, qtype):
     """fp32 is the exact mode: no int8 rounding of its activations, whatever the CPU (and the
     same bits as the forced exact path)."""
     k = 512
     data = torch.from_numpy(random_weight(qtype, 64, k, seed=6))
     w = reference(data.numpy(), qtype)
     x = activations(5, k, torch.float32)
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    switch(exact=False)
     y = quant.gemv(x, data, int(qtype), k)
     assert_product_close(y, x, w, False)
-    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    switch(exact=True)
     assert torch.equal(quant.gemv(x, data, int(qtype), k), y)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_exact_env_gives_the_exact_path(quant, monkeypatch, qtype):
-    """VSERVE_QUANT_EXACT=1 within one process: the fp32 path's tolerance, each call; and
-    the default path returns to the int8 one after it (its result repeats bit for bit)."""
+def test_exact_switch_gives_the_exact_path(quant, switch, qtype):
+    """The exact switch within one process: the fp32 path's tolerance, each call; and the
+    default path returns to the int8 one after it (its result repeats bit for bit)."""
     k = 512
     data = torch.from_numpy(random_weight(qtype, 64, k, seed=5))
     w = reference(data.numpy(), qtype)
     x = activations(3, k, BF)  # fp32 activations always take the exact path (below)
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    switch(exact=False)
     fast = quant.gemv(x, data, int(qtype), k)
     assert_int8_close(fast, x, w, exact=False)
-    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    switch(exact=True)
     assert_product_close(quant.gemv(x, data, int(qtype), k), x, w, False)
     assert_product_close(quant.matmul(x, data, int(qtype), k), x, w, False)
-    monkeypatch.setenv("VSERVE_QUANT_EXACT", "0")
+    switch(exact=False)
     assert torch.equal(quant.gemv(x, data, int(qtype), k), fast)
+
+
+def test_switches_are_the_environment_read_once(quant, switch, monkeypatch):
+    """VSERVE_QUANT_EXACT and VSERVE_QUANT_AMX are vserve/envs.py's `quant_exact` and
+    `quant_amx`, which the kernels get when they load (`_set_options`); changing the
+    environment afterwards changes nothing, the kernels read no variable themselves."""
+    for value, exact in (("1", True), ("yes", True), ("0", False), ("off", False), ("", False)):
+        monkeypatch.setenv("VSERVE_QUANT_EXACT", value)
+        assert envs.read_env().quant_exact is exact
+    for value, amx in (("0", False), ("false", False), ("1", True), ("", True)):
+        monkeypatch.setenv("VSERVE_QUANT_AMX", value)
+        assert envs.read_env().quant_amx is amx
+    monkeypatch.delenv("VSERVE_QUANT_EXACT")
+    monkeypatch.delenv("VSERVE_QUANT_AMX")
+    assert envs.read_env().quant_exact is False and envs.read_env().quant_amx is True
+    if not quant.int8_gemv():
+        pytest.skip("no int8 gemv on this CPU: bf16 activations take the exact path anyway")
+    k = 512
+    data = torch.from_numpy(random_weight(Q.Q4_K, 64, k, seed=5))
+    w = reference(data.numpy(), Q.Q4_K)
+    x = activations(3, k, BF)
+    switch(exact=False)
+    fast = quant.gemv(x, data, int(Q.Q4_K), k)
+    env = dataclasses.replace(envs.ENV, quant_exact=True, quant_amx=False)
+    monkeypatch.setattr(cpu_ops, "ENV", env)
+    cpu_ops._set_options(cpu_ops.load())
+    assert quant.options() == {"exact": True, "amx": False}
+    exact = quant.gemv(x, data, int(Q.Q4_K), k)
+    assert_product_close(exact, x, w, False)
+    assert not torch.equal(exact, fast)  # the int8 rounding shows
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "0")  # read once: the option stands
+    assert torch.equal(quant.gemv(x, data, int(Q.Q4_K), k), exact)
+    monkeypatch.setattr(cpu_ops, "ENV", dataclasses.replace(env, quant_exact=False))
+    cpu_ops._set_options(cpu_ops.load())
+    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    assert quant.options() == {"exact": False, "amx": False}
+    assert torch.equal(quant.gemv(x, data, int(Q.Q4_K), k), fast)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
@@ -233,7 +280,7 @@ def _has_amx() -> bool:
     return module is not None and module.amx_gemm()
 
 
-AMX_MIN_ROWS, AMX_MAX_ROWS = 48, 512  # quant.cpp's kAmxMinRows, kAmxMaxRows
+AMX_MIN_ROWS, AMX_MAX_ROWS = 48, 512  # quant_paths.h's kAmxMinRows, kAmxMaxRows
 
 
 def gemm_is_int8(m: int, dtype: torch.dtype, exact: bool) -> bool:
@@ -241,7 +288,7 @@ def gemm_is_int8(m: int, dtype: torch.dtype, exact: bool) -> bool:
     not forced) rather than a product of weights dequantized to x's dtype: at::mm over tiles,
     or on an AMX CPU from AMX_MIN_ROWS rows on the tile GEMM (the same products, summed in
     fp32 in another order), and at::mm again from AMX_MAX_ROWS."""
-    amx = _has_amx() and m >= AMX_MIN_ROWS and os.environ.get("VSERVE_QUANT_AMX") != "0"
+    amx = _has_amx() and m >= AMX_MIN_ROWS and cpu_ops.load_quant().options()["amx"]
     return dtype == BF and not exact and _has_vnni() and not amx
 
 
@@ -253,11 +300,10 @@ needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="the int8 paths need AVX
 
 
 @pytest.fixture
-def int8_path(monkeypatch):
+def int8_path(switch):
     """The int8 kernels: the exact path not forced, and the int8 GEMM where AMX would take
     48 rows or more."""
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
-    monkeypatch.setenv("VSERVE_QUANT_AMX", "0")
+    switch(exact=False, amx=False)
 
 
 SMALL_FORMATS = [q for q in FORMATS if GGML_QUANT_SIZES[q][0] == 32]
@@ -310,11 +356,11 @@ GEMM_CASES = [(q, 512) for q in FORMATS] + [
 
 @needs_vnni
 @pytest.mark.parametrize(("qtype", "k"), GEMM_CASES, ids=[f"{q.name}-k{k}" for q, k in GEMM_CASES])
-def test_int8_gemm_rows_are_the_int8_gemvs(quant, monkeypatch, qtype, k):
+def test_int8_gemm_rows_are_the_int8_gemvs(quant, switch, qtype, k):
     """The GEMM (more than 8 rows) and the gemv quantize activations alike and sum exact
     integer block dots: a row's outputs differ only by fp32 summation order, far less than
     the activations' rounding that separates either from the exact path."""
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    switch(exact=False)
     data = torch.from_numpy(random_weight(qtype, 70, k, seed=9))
     w = reference(data.numpy(), qtype)
     # (seed 26: Q5_0 at k = 96 has two bf16 results one step apart just above a power of two,
@@ -326,7 +372,7 @@ def test_int8_gemm_rows_are_the_int8_gemvs(quant, monkeypatch, qtype, k):
     scale = x.double().abs() @ w.double().abs().T
     tol = 1e-5 * scale + bf16_step(ref).double()
     assert ((y - ref.double()).abs() <= tol).all()
-    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    switch(exact=True)
     exact = quant.matmul(x, data, int(qtype), k).double()
     assert ((exact - ref.double()).abs() > tol).any()  # the exact path is another result
 
@@ -449,25 +495,25 @@ AMX_CASES = [(q, 512) for q in FORMATS] + [(q, k) for q in SMALL_FORMATS for k i
 
 @needs_amx
 @pytest.mark.parametrize(("qtype", "k"), AMX_CASES, ids=[f"{q.name}-k{k}" for q, k in AMX_CASES])
-def test_amx_gemm_is_the_dequantized_bf16_product(quant, monkeypatch, qtype, k):
+def test_amx_gemm_is_the_dequantized_bf16_product(quant, switch, qtype, k):
     """From 48 bf16 rows on an AMX CPU, matmul multiplies each tile of 32 weight rows,
     dequantized to bf16, with the activations on the tile unit (whole and partial tiles of 16
     rows and of 32 outputs: 70 outputs, 48 / 69 / 130 rows): the exact path's result
-    (VSERVE_QUANT_EXACT=1: dequantized tiles and at::mm) up to the order of the fp32 sums.
-    VSERVE_QUANT_AMX=0 gives the int8 GEMM, another result."""
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    (the exact switch: dequantized tiles and at::mm) up to the order of the fp32 sums. The
+    amx switch off gives the int8 GEMM, another result."""
+    switch(exact=False)
     data = torch.from_numpy(random_weight(qtype, 70, k, seed=11))
     w = reference(data.numpy(), qtype)
     for m in (48, 69, 130):
         x = activations(m, k, BF)
-        monkeypatch.delenv("VSERVE_QUANT_AMX", raising=False)
+        switch(amx=True)
         y = quant.matmul(x, data, int(qtype), k)
         assert_product_close(y, x, w, bf16_weights=True)
-        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+        switch(exact=True)
         ref = quant.matmul(x, data, int(qtype), k)
-        monkeypatch.delenv("VSERVE_QUANT_EXACT")
+        switch(exact=False)
         tol = assert_same_products(y, ref, x, w)
-        monkeypatch.setenv("VSERVE_QUANT_AMX", "0")
+        switch(amx=False)
         int8 = quant.matmul(x, data, int(qtype), k)
         assert ((int8.double() - ref.double()).abs() > tol).any()
 
@@ -477,12 +523,11 @@ GEMMS = [pytest.param("int8", 13, marks=needs_vnni), pytest.param("amx", 50, mar
 
 @pytest.mark.parametrize(("gemm", "rows"), GEMMS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_gemms_propagate_nan_rows(quant, monkeypatch, qtype, gemm, rows):
+def test_gemms_propagate_nan_rows(quant, switch, qtype, gemm, rows):
     """More than 8 bf16 rows take a GEMM: the int8 one (a NaN makes its block's d_x NaN) or,
     on an AMX CPU from 48 rows, the tile one. A NaN activation makes its own row's outputs
     NaN, every other row is the product."""
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
-    monkeypatch.setenv("VSERVE_QUANT_AMX", "1" if gemm == "amx" else "0")
+    switch(exact=False, amx=gemm == "amx")
     k = 256
     data = torch.from_numpy(random_weight(qtype, 40, k, seed=7))
     w = reference(data.numpy(), qtype)
@@ -502,12 +547,11 @@ def test_gemms_propagate_nan_rows(quant, monkeypatch, qtype, gemm, rows):
     "gemm", [pytest.param("int8", marks=needs_vnni), pytest.param("amx", marks=needs_amx)]
 )
 @pytest.mark.parametrize("n", [131072 + 32, 131072 + 37])
-def test_gemms_stream_a_large_output(quant, monkeypatch, n, gemm):
+def test_gemms_stream_a_large_output(quant, switch, n, gemm):
     """An output past 16 MB (the logits of a batch of 64) is written with streaming stores,
     every row's lines when N is a multiple of 32; a partial last tile of columns is not. Both
-    GEMMs (the tile one on an AMX CPU, the int8 one with VSERVE_QUANT_AMX=0)."""
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
-    monkeypatch.setenv("VSERVE_QUANT_AMX", "1" if gemm == "amx" else "0")
+    GEMMs (the tile one on an AMX CPU, the int8 one with the amx switch off)."""
+    switch(exact=False, amx=gemm == "amx")
     k = 32
     data = random_weight(Q.Q8_0, n, k, seed=8)
     w = reference(data, Q.Q8_0)
@@ -521,21 +565,21 @@ def test_gemms_stream_a_large_output(quant, monkeypatch, n, gemm):
 
 
 @needs_amx
-def test_amx_prefill_sizes_take_onednn(quant, monkeypatch):
+def test_amx_prefill_sizes_take_onednn(quant, switch):
     """From 512 rows on an AMX CPU the product is at::mm's over dequantized tiles (oneDNN's
     tile GEMM, faster at prefill sizes): bitwise the exact path's result."""
-    monkeypatch.delenv("VSERVE_QUANT_AMX", raising=False)
+    switch(amx=True)
     k = 64
     data = torch.from_numpy(random_weight(Q.Q5_0, 40, k, seed=3))
     x = activations(AMX_MAX_ROWS, k, BF)
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    switch(exact=False)
     y = quant.matmul(x, data, int(Q.Q5_0), k)
-    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    switch(exact=True)
     assert_bitwise(y, quant.matmul(x, data, int(Q.Q5_0), k))
-    monkeypatch.delenv("VSERVE_QUANT_EXACT")
+    switch(exact=False)
     below = activations(AMX_MAX_ROWS - 1, k, BF)
     tile = quant.matmul(below, data, int(Q.Q5_0), k)
-    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    switch(exact=True)
     assert_same_products(
         tile, quant.matmul(below, data, int(Q.Q5_0), k), below, reference(data.numpy(), Q.Q5_0)
     )
@@ -630,7 +674,7 @@ def test_avx2_gemv_tail_group_propagates_nan_and_reads_only_its_row(quant, qtype
     assert torch.isfinite(y[rows][:, :5]).all() and not torch.isfinite(y[rows][:, 5]).all()
 
 
-def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, monkeypatch):
+def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, switch):
     """VNNI where the CPU has it, else AVX2, else none; for bf16 activations only (fp32 is the
     exact mode), and on an AVX2 CPU without VNNI gemv's result is the AVX2 kernel's, bit for
     bit."""
@@ -646,7 +690,7 @@ def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, monkeypatch):
     assert not quant.int8_activations(torch.float32)
     if expected != "avx2":
         return
-    monkeypatch.delenv("VSERVE_QUANT_EXACT", raising=False)
+    switch(exact=False)
     for qtype in FORMATS:
         data = torch.from_numpy(random_weight(qtype, 40, 512, seed=8))
         x = activations(5, 512, BF)
@@ -655,17 +699,17 @@ def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, monkeypatch):
 
 
 @pytest.mark.skipif(cpu_has_bf16(), reason="bf16 instructions: the exact matmul runs in bf16")
-def test_bf16_matmul_multiplies_in_fp32_without_bf16_instructions(quant, monkeypatch):
+def test_bf16_matmul_multiplies_in_fp32_without_bf16_instructions(quant, switch):
     """Where a bf16 at::mm is emulated, the exact matmul of bf16 rows is the fp32 one's result
     rounded to bf16 (bitwise), not a bf16 product of bf16-rounded weights."""
-    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    switch(exact=True)
     data = torch.from_numpy(random_weight(Q.Q4_K, 64, 512, seed=12))
     x = activations(33, 512, BF)
     y = quant.matmul(x, data, int(Q.Q4_K), 512)
     assert torch.equal(y, quant.matmul(x.float(), data, int(Q.Q4_K), 512).to(BF))
 
 
-# ---- Q5_0R: Q5_0 repacked at load for the quad gemv (quant.cpp) ----
+# ---- Q5_0R: Q5_0 repacked at load for the quad gemv (quant_formats.cpp) ----
 
 
 @pytest.fixture

@@ -32,10 +32,17 @@ from vserve.models.weight_arena import arena_copy
 
 
 @pytest.fixture(autouse=True)
-def exact_kernels(monkeypatch):
+def exact_kernels():
     """These tests check the layers' plumbing against dense math: the kernels' fp32 path
     (their int8-activation path has its own error bounds, tests/cpu_ops)."""
-    monkeypatch.setenv("VSERVE_QUANT_EXACT", "1")
+    q = cpu_ops.load_quant()
+    if q is None:
+        yield
+        return
+    loaded = q.options()
+    q.set_options(exact=True)
+    yield
+    q.set_options(**loaded)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +285,7 @@ def test_install_repacks_streamed_q5_0_for_the_quad_gemv(kernel, monkeypatch, re
     assert model.embed.blocks is model.lm_head.parts[0]
     x = torch.randn(3, 128)
     for dtype in (torch.float32, torch.bfloat16):  # (bf16 outside the exact path: int8 gemv)
-        monkeypatch.setenv("VSERVE_QUANT_EXACT", "1" if dtype == torch.float32 else "0")
+        kernel.set_options(exact=dtype == torch.float32)
         xd, tol = x.to(dtype), {} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.05}
         torch.testing.assert_close(model.up(xd).float(), xd.float() @ w_up.T, **tol)
         torch.testing.assert_close(

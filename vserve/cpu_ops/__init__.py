@@ -1,39 +1,41 @@
-"""Fused bf16 kernels for the CPU path (`decode.cpp`), compiled on first use.
+"""vserve's CPU kernels: one C++ extension, built with the system compiler on first use.
 
-At batch 1 a decode step of a small model is dominated not by its matmuls' arithmetic but by
-streaming their weights and by the ~100 small torch ops per layer around them (norms that
-decompose into eight ops, rotary, two tiny attention matmuls), each paying dispatch and Python
-overhead. These kernels do that work in one call each, read a one-row matmul's weight at full
-memory bandwidth, and `decoder_layer` runs a whole layer of a decode step in one call.
+| file                  | owns                                    | tests (in tests/)              |
+|-----------------------|-----------------------------------------|--------------------------------|
+| bindings.cpp          | every binding; the layer's all-reduce   | (all below)                    |
+| decode.{h,cpp}        | norms, rotary, attention, gemv, a layer | workers/test_cpu_ops.py        |
+| layer_rows.h          | decode.cpp's row kernels, for stack.cpp | cpu_ops/test_decode_stack.py   |
+| stack.cpp             | DecodeStack: a decode step in one call  | cpu_ops/test_decode_stack.py   |
+| quant.h               | the GGUF kernels' API and its switches  | cpu_ops/test_quant_kernels.py  |
+| quant_api.cpp         | that API: checks, each product's path   | cpu_ops/test_quant_kernels.py  |
+| quant_paths.h         | the paths a build has, their entries    | cpu_ops/test_quant_kernels.py  |
+| quant_blocks.h        | type ids, format dispatch, fp16 scales  | cpu_ops/test_quant_kernels.py  |
+| quant_formats.{h,cpp} | block layouts, dequantize, Q5_0R repack | cpu_ops/test_quant_kernels.py  |
+| quant_gemv.cpp        | gemv, M <= 8 rows: exact and int8 VNNI  | cpu_ops/test_quant_kernels.py  |
+| quant_vnni.h          | what the int8 gemv and the GEMMs share  | cpu_ops/test_quant_kernels.py  |
+| quant_gemm.cpp        | int8 GEMM, M > 8 rows (AVX512-VNNI)     | cpu_ops/test_quant_kernels.py  |
+| quant_amx.cpp         | bf16 GEMM on AMX tiles, 48 <= M < 512   | cpu_ops/test_quant_kernels.py  |
+| quant_avx2.{h,cpp}    | int8 gemv on AVX2 without VNNI          | cpu_ops/test_quant_kernels.py  |
+| row_shares.h          | row shares of a streamed weight         | models/test_shared_head.py     |
+| sample.{h,cpp}        | fused sampling, logprobs, argmax        | workers/test_sampler_kernel.py |
+| vec16.h               | 16-lane fp32 vectors and their exp      | workers/test_sampler_kernel.py |
+| park.h                | a worker's idle threads asleep          | cpu_ops/test_park.py           |
+| __init__.py           | the build, its cache and lock; loading  | cpu_ops/test_build_lock.py     |
 
-The extension is built with the system C++ compiler the first time a CPU model loads
-(about 75 s on 2 cores), into `$XDG_CACHE_HOME/vserve/cpu_ops/` (default `~/.cache`), keyed by the
-source, the torch and Python versions and the CPU's instruction sets; later loads reuse it.
-Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. bf16 models
-use all of these kernels; fp32 models only the paged decode attention (`attention_kernel`),
-which reads the cache in place where the eager path gathers it, and whose fp32 result differs
-from the eager matmuls' only in summation order.
+bf16 models use every op; fp32 models the paged decode attention alone (`attention_kernel`);
+GGUF weights the `quant` kernels (`load_quant`: vserve/models/quant_linear.py) and the decode
+stack (vserve/models/fused_decode.py); every CPU model the sampler (`load_sampler`:
+workers/cpu_sampling.py) and `parked` (workers/host_gap.py).
 
-`sample.cpp` builds into the same extension (its `sample` submodule, `load_sampler`, first
-used on the first sampled step of a CPU model of any dtype): fused temperature / top-k / top-p
-/ min-p sampling over the full vocabulary (workers/cpu_sampling.py). One extension is one
-build: each translation unit but the bindings' (decode.cpp) includes only ATen,
-not torch/extension.h, which alone takes about 30 s to compile here.
-
-`quant.cpp` builds into the same extension as decode.cpp (its `quant` submodule, `load_quant`):
-GGUF block-quantized weights (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) in their GGUF bytes:
-dequantization, a small-batch gemv that dequantizes blocks in registers while streaming the
-weight, a batched matmul over dequantized tiles, and the embedding lookup of quantized rows;
-`decoder_layer_q` runs a whole decode layer on them (on one tensor-parallel rank's shard too,
-calling the all-reduce it is given back as `decoder_layer` does).
-
-`park.h` (bound in decode.cpp as `parked(fn)`) runs fn with the other threads of torch's
-OpenMP pool asleep instead of spinning: a CPU worker's gap between two forwards
-(workers/host_gap.py).
-
-`stack.cpp` builds into it too: `DecodeStack` runs every layer of a decode step (up to 8 rows)
-on GGUF blocks in one call, with one parallel region for the step instead of a fork and join
-per gemv (vserve/models/fused_decode.py).
+The extension is built the first time a CPU model loads (about 70 s on 2 cores), into
+`$XDG_CACHE_HOME/vserve/cpu_ops/` (default `~/.cache`), in a folder keyed by the sources and
+headers, the compiler flags, the torch and Python versions and the CPU's instruction sets;
+later loads reuse it. Every file is compiled with the same flags (`CFLAGS`: -march=native
+picks each kernel's instruction set). Only bindings.cpp includes torch/extension.h (about 25 s
+to compile here); the kernels include the ATen headers they use. Without a compiler, or with
+`VSERVE_CPU_OPS=0`, models keep the eager torch path. The quantized kernels' switches
+(vserve/envs.py: `quant_exact`, `quant_amx`) are read once and handed to the extension when it
+loads (`quant.set_options`).
 """
 
 from __future__ import annotations
@@ -50,19 +52,17 @@ from pathlib import Path
 import torch
 
 from vserve.cache_files import cache_dir
+from vserve.envs import ENV, read_env
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode.cpp")
-SAMPLE_SOURCE = Path(__file__).with_name("sample.cpp")
-QUANT_SOURCE = Path(__file__).with_name("quant.cpp")
-QUANT_AVX2_SOURCE = Path(__file__).with_name("quant_avx2.cpp")
-STACK_SOURCE = Path(__file__).with_name("stack.cpp")
+HERE = Path(__file__).parent
+SAMPLE_SOURCE = HERE / "sample.cpp"
 _state: dict[str, object] = {}
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("VSERVE_CPU_OPS", "1") not in ("0", "false", "off")
+    return read_env().cpu_ops  # read when asked: tests turn it off for a while
 
 
 def _cpu_flags() -> bytes:
@@ -75,7 +75,23 @@ def _cpu_flags() -> bytes:
         return platform.processor().encode()
 
 
-SOURCES = (SOURCE, QUANT_SOURCE, QUANT_AVX2_SOURCE, STACK_SOURCE, SAMPLE_SOURCE)
+# every translation unit of the extension, the longest to compile first (ninja runs a few at
+# once and takes them in this order: the build ends no later than its longest one)
+SOURCES = tuple(
+    HERE / name
+    for name in (
+        "bindings.cpp",
+        "quant_gemv.cpp",
+        "quant_avx2.cpp",
+        "decode.cpp",
+        "quant_gemm.cpp",
+        "stack.cpp",
+        "quant_amx.cpp",
+        "quant_api.cpp",
+        "quant_formats.cpp",
+        "sample.cpp",
+    )
+)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -112,7 +128,7 @@ def load_sampler():
 
 
 def load_quant():
-    """The GGUF block-format kernels (quant.cpp: `load()`'s `quant` submodule), or None."""
+    """The GGUF block-format kernels (quant_*.cpp: `load()`'s `quant` submodule), or None."""
     module = load()
     return None if module is None else module.quant
 
@@ -131,7 +147,14 @@ def _load(key: str, build):
 
 
 def _build():
-    return _compile(SOURCES, "vserve_cpu_ops")
+    module = _compile(SOURCES, "vserve_cpu_ops")
+    _set_options(module)
+    return module
+
+
+def _set_options(module) -> None:
+    """The switches vserve/envs.py read once, handed to the kernels (quant.h's `Options`)."""
+    module.quant.set_options(exact=ENV.quant_exact, amx=ENV.quant_amx)
 
 
 def _compile(sources: tuple[Path, ...], name: str):

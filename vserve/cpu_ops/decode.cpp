@@ -1,6 +1,7 @@
 // Fused bf16 CPU kernels: norms, rotary, gated activation, paged decode attention, a one-row
-// gemv, and one whole decoder layer of a decode step that strings them together with the
-// oneDNN linears (vserve/cpu_ops/__init__.py builds this file; tests/workers/test_cpu_ops.py).
+// gemv and the linears, which decode.h's `layer` strings together into one whole decoder
+// layer of a decode step (declared in decode.h, bound by bindings.cpp;
+// tests/workers/test_cpu_ops.py).
 //
 // Every kernel computes what the eager torch code it replaces computes, rounding to bf16 at
 // the same points (each elementwise op rounds its result; norms and softmax run in fp32).
@@ -10,23 +11,24 @@
 // not depend on which of the two paths ran it. An fp32 CPU model uses `decode_attention` alone:
 // it reads the paged cache in place instead of gathering it, and differs from the eager fp32
 // matmuls only in the order of its fp32 sums.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "decode.h"
 #include "layer_rows.h"
-#include "park.h"
 #include "row_shares.h"
 #include "quant.h"
-#include "sample.h"
 #include "vec16.h"
 
 namespace {
@@ -100,6 +102,8 @@ void rotary_row(const bf16* xr, bf16* o, int64_t d, const bf16* c, const bf16* s
 using vserve_layer::rms_row;
 using vserve_layer::rotary_row;
 
+namespace vserve_decode {
+
 // x [T, n] or [T, H, n] bf16 (rows of a token dense, any token stride) -> normalized,
 // contiguous; weight: fp32 scale (style 1, Gemma) or bf16 weight (style 0, Llama)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, int64_t style, double eps) {
@@ -155,6 +159,8 @@ at::Tensor act_mul(const at::Tensor& gate_up, int64_t act) {
   auto gate = gate_up.narrow(-1, 0, inter), up = gate_up.narrow(-1, inter, inter);
   return (act == 1 ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(up);
 }
+
+}  // namespace vserve_decode
 
 namespace {
 
@@ -367,6 +373,8 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
 
 }  // namespace
 
+namespace vserve_decode {
+
 // One query token per row. q [B, H, D] bf16 or fp32; caches [num_blocks, block_size, Hkv, D]
 // of q's dtype; block_tables [B, >= blocks] int; seq_lens [B] int (the query is the last
 // position). scores = (q . k) * scale (fp32; the dot rounded to bf16 for bf16), optional
@@ -414,6 +422,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+}  // namespace vserve_decode
+
 void vserve_layer::attention_rows(const bf16* q, const bf16* k_cache, const bf16* v_cache,
                                   bf16* out, const int64_t* block_tables,
                                   const int64_t* seq_lens, int64_t nb, int64_t h, int64_t d,
@@ -438,6 +448,8 @@ void gemv_rows(const bf16* w, const float* xf, const bf16* bias, bf16* y, int64_
 }
 
 }  // namespace
+
+namespace vserve_decode {
 
 // x [1, K] bf16, weight [N, K] bf16 row-major -> x W^T (+ bias) [1, N] bf16, accumulated in
 // fp32 and rounded once. One row's matmul only streams the weight from memory: each thread
@@ -466,6 +478,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+}  // namespace vserve_decode
+
 namespace {
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -482,14 +496,17 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 
 }  // namespace
 
+namespace vserve_decode {
+
 // x [M, K] times the rows of w [N, K] (no bias): F.linear's product, each tile of ~1 MB of
 // weight rows multiplied on one thread by ATen's own kernel (inside a parallel region ATen
 // runs it single-threaded) into its columns of the output, the tiles claimed in shares
 // (row_shares.h). For an fp32 lm_head, where F.linear's one static split made a thread that
 // the OS preempted (the engine's host work beside the forward) hold up the whole product:
 // measured, 262k x 64 at M = 32, 28.4 -> 25.8 ms alone and 37.2 -> 26.7 ms beside a process
-// busy 1 ms in 6. Each tile is one thread's product whoever claims it: the result does not
-// depend on the thread count (tests/models/test_shared_head.py).
+// busy 1 ms in 6. Each tile is one product whichever thread claims it: repeated runs give the
+// same result (tests/models/test_shared_head.py); across thread counts the BLAS may plan a
+// tile's sums another way, as it does F.linear's.
 at::Tensor shared_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() &&
                   x.scalar_type() == w.scalar_type(),
@@ -522,53 +539,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
                                          : onednn_linear(x, packed, bias);
 }
 
-namespace {
-
-// One decoder layer for decode rows (one token each), the same ops in the same order as the
-// eager model with these kernels; linear(i, x) runs the layer's i-th linear (qkv, o, gate_up,
-// down). style 1 = Gemma (fp32 norm scales: input, post-attention, pre-feedforward,
-// post-feedforward[, q, k]); style 0 = Llama/Qwen (bf16 norm weights: input,
-// post-attention[, q, k]).
-template <class Linear>
-at::Tensor layer(const at::Tensor& h, const Linear& linear_i, const std::vector<at::Tensor>& norms,
-                 const at::Tensor& kv_cache, const at::Tensor& slots,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                 const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim, int64_t window, double scale,
-                 double softcap, double eps, int64_t style, int64_t act) {
-  int64_t t = h.size(0), qd = num_heads * head_dim, kd = num_kv_heads * head_dim;
-  size_t plain_norms = style == 1 ? 4 : 2;
-  TORCH_CHECK(norms.size() == plain_norms || norms.size() == plain_norms + 2,
-              "decoder_layer: wrong number of norms");
-  auto x = rms_norm(h, norms[0], style, eps);
-  auto qkv = linear_i(0, x);
-  auto q = qkv.narrow(1, 0, qd).view({t, num_heads, head_dim});
-  auto k = qkv.narrow(1, qd, kd).view({t, num_kv_heads, head_dim});
-  auto v = qkv.narrow(1, qd + kd, kd).view({t, num_kv_heads, head_dim});
-  if (norms.size() == plain_norms + 2) {
-    q = rms_norm(q, norms[plain_norms], style, eps);
-    k = rms_norm(k, norms[plain_norms + 1], style, eps);
-  }
-  q = rotary(q, cos, sin);
-  k = rotary(k, cos, sin);
-  kv_cache[0].view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, k);
-  kv_cache[1].view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, v);
-  auto attn = decode_attention(q, kv_cache[0], kv_cache[1], block_tables, seq_lens, window,
-                               scale, softcap).view({t, qd});
-  auto o = linear_i(1, attn);
-  at::Tensor mlp_in, out;
-  if (style == 1) {
-    out = h + rms_norm(o, norms[1], style, eps);
-    mlp_in = rms_norm(out, norms[2], style, eps);
-  } else {
-    out = h + o;
-    mlp_in = rms_norm(out, norms[1], style, eps);
-  }
-  auto gate_up = linear_i(2, mlp_in);
-  auto down = linear_i(3, act_mul(gate_up, act));
-  return style == 1 ? out + rms_norm(down, norms[3], style, eps) : out + down;
-}
-
 // QuantLinear.forward (vserve/models/quant_linear.py): each part's rows (GGML type > 0: GGUF
 // blocks; 0: a dense weight), concatenated, plus the bias
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
@@ -583,106 +553,4 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& part
   return bias.has_value() && bias->defined() ? y + *bias : y;
 }
 
-// linear(i, x) from product(i, x, bias). One rank (`all_reduce` None): every linear whole,
-// its bias in the product. A tensor-parallel rank: qkv and gate_up (0, 2) are
-// column-parallel, whole; o and down (1, 3) are row-parallel: their partial products are
-// summed by `all_reduce` (called back with the GIL held), then their bias is added.
-template <class Product>
-auto row_parallel(const Product& product, const std::vector<std::optional<at::Tensor>>& biases,
-                  const py::object& all_reduce) {
-  return [&product, &biases, &all_reduce](int i, const at::Tensor& x) {
-    if (i == 0 || i == 2 || all_reduce.is_none()) return product(i, x, biases[i]);
-    auto y = all_reduce(product(i, x, std::nullopt)).template cast<at::Tensor>();
-    return biases[i].has_value() && biases[i]->defined() ? y + *biases[i] : y;
-  };
-}
-
-// decoder_layer on the 4 linears' weights[i] and plain[i] (each its own bias), as
-// linear_fn(x, weights[i], plain[i], bias) takes them: packed bf16 (linear) or GGUF blocks
-// (quant_linear). `all_reduce`: None on one rank; on one tensor-parallel rank's shard (its
-// heads and MLP columns: its num_heads / num_kv_heads, o and down row-parallel) the model's
-// TPComm.all_reduce, which sums o's and down's partial products (called back with the GIL
-// held, as the per-op RowParallelLinear calls it) before their biases are added; the norms
-// and residuals that follow (Gemma's post-attention and post-feedforward norms too) see the
-// summed output.
-template <class W, class P,
-          at::Tensor (*linear_fn)(const at::Tensor&, const W&, const P&,
-                                  const std::optional<at::Tensor>&)>
-at::Tensor decoder_layer_of(const at::Tensor& h, const std::vector<W>& weights,
-                            const std::vector<P>& plain,
-                            const std::vector<std::optional<at::Tensor>>& biases,
-                            const std::vector<at::Tensor>& norms, const at::Tensor& kv_cache,
-                            const at::Tensor& slots, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& cos,
-                            const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t window, double scale, double softcap,
-                            double eps, int64_t style, int64_t act, const py::object& all_reduce) {
-  TORCH_CHECK(weights.size() == 4 && plain.size() == 4 && biases.size() == 4,
-              "decoder_layer: 4 linears");
-  auto product = [&](int i, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-    return linear_fn(x, weights[i], plain[i], bias);
-  };
-  return layer(h, row_parallel(product, biases, all_reduce), norms, kv_cache, slots,
-               block_tables, seq_lens, cos, sin, num_heads, num_kv_heads, head_dim, window,
-               scale, softcap, eps, style, act);
-}
-
-}  // namespace
-
-// decoder_layer on packed bf16 weights: packed (oneDNN) for several rows, plain (row-major
-// [N, K]) for gemv
-constexpr auto decoder_layer = &decoder_layer_of<at::Tensor, at::Tensor, linear>;
-
-// decoder_layer on GGUF-block weights: parts[i] / qtypes[i] are the i-th linear's parts as
-// QuantLinear holds them
-constexpr auto decoder_layer_q =
-    &decoder_layer_of<std::vector<at::Tensor>, std::vector<int64_t>, quant_linear>;
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("rotary", &rotary);
-  m.def("act_mul", &act_mul);
-  m.def("decode_attention", &decode_attention);
-  m.def("decoder_layer", decoder_layer);
-  m.def("gemv", &gemv);
-  m.def("linear", &linear);
-  m.def("shared_linear", &shared_linear);
-  m.def("decoder_layer_q", decoder_layer_q);
-  m.def(
-      "parked",
-      [](const py::function& fn) {
-        py::object out;  // the GIL stays with this thread: the parked ones never take it
-        vserve_park::run_parked(at::get_num_threads(), [&] { out = fn(); });
-        return out;
-      },
-      "fn() with the other threads of torch's OpenMP pool asleep (park.h)");
-  m.def("unpark", &vserve_park::unpark,
-        "from inside parked(fn): the parked threads wake now and spin until fn returns");
-  using vserve_layer::DecodeStackApi;
-  py::class_<DecodeStackApi>(m, "DecodeStack")
-      .def(py::init(&vserve_layer::make_decode_stack))
-      .def("add_layer", &DecodeStackApi::add_layer)
-      .def("run", &DecodeStackApi::run, py::call_guard<py::gil_scoped_release>())
-      .def_static("_fail_chunks", &vserve_layer::set_stack_fail_chunks);
-  auto quant = m.def_submodule("quant", "GGUF block-format kernels (quant.cpp)");
-  quant.def("dequantize", &vserve_quant::dequantize, py::arg("data"), py::arg("qtype"),
-            py::arg("k"), py::arg("dtype") = at::kFloat);
-  quant.def("gemv", &vserve_quant::gemv, py::arg("x"), py::arg("data"), py::arg("qtype"),
-            py::arg("k"));
-  quant.def("matmul", &vserve_quant::matmul, py::arg("x"), py::arg("data"), py::arg("qtype"),
-            py::arg("k"));
-  quant.def("amx_gemm", &vserve_quant::amx_gemm);
-  quant.def("q5_0r_supported", &vserve_quant::q5_0r_supported);
-  quant.def("repack_q5_0", &vserve_quant::repack_q5_0, py::arg("data"), py::arg("k"));
-  quant.def("int8_gemv", &vserve_quant::int8_gemv);
-  quant.def("int8_activations", &vserve_quant::int8_activations, py::arg("dtype"));
-  quant.def("gemv_avx2", &vserve_quant::gemv_avx2_checked, py::arg("x"), py::arg("data"),
-            py::arg("qtype"), py::arg("k"));
-  quant.def("embedding", &vserve_quant::embedding, py::arg("data"), py::arg("qtype"),
-            py::arg("k"), py::arg("ids"), py::arg("dtype") = at::kFloat);
-  auto sample = m.def_submodule("sample", "fused sampling over the vocabulary (sample.cpp)");
-  sample.def("sample", &vserve_sample::sample);
-  sample.def("logprobs", &vserve_sample::logprobs);
-  sample.def("argmax", &vserve_sample::argmax);
-  sample.def("exp_for_test", &vserve_sample::exp_for_test);
-}
+}  // namespace vserve_decode

@@ -3,7 +3,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <functional>
@@ -36,7 +36,7 @@ void attention_rows(const bf16* q, const bf16* k_cache, const bf16* v_cache, bf1
                     int64_t d, int64_t hkv, int64_t block, int64_t bt_cols, int64_t window,
                     float scale, float softcap, const ParallelFor* par);
 
-// The decode stack (stack.cpp) as decode.cpp binds it: every decoder layer of a decode step
+// The decode stack (stack.cpp) as bindings.cpp binds it: every decoder layer of a decode step
 // on GGUF blocks in one call (semantics documented in stack.cpp)
 class DecodeStackApi {
  public:

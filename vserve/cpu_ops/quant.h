@@ -1,9 +1,9 @@
-// The GGUF block-format kernels of quant.cpp (formats and semantics documented there), for
-// decode.cpp, which builds with it into one extension: its `quant` submodule and its fused
-// decoder layer on quantized weights call them.
+// The GGUF block-format kernels' entry points (quant_api.cpp documents their semantics,
+// quant_formats.h the formats), for bindings.cpp (the extension's `quant` submodule),
+// decode.cpp (its linears on quantized weights) and stack.cpp (the decode stack).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
@@ -34,11 +34,11 @@ void gemv_rows(const GemvInput& in, const uint8_t* w, int64_t row_bytes, c10::BF
                int64_t ldy, int64_t r0, int64_t r1);
 bool supported_qtype(int64_t qtype);
 // whether matmul may take the AMX tile GEMM here: built for a CPU with AMX and granted the tile
-// state by the OS (VSERVE_QUANT_AMX=0 still keeps it off)
+// state by the OS (the `amx` option off still keeps it off)
 bool amx_gemm();
 // the int8 gemv this build has: "vnni", "avx2" or "" (none: gemv is the exact path alone)
 const char* int8_gemv();
-// whether gemv quantizes activations of this dtype (unless VSERVE_QUANT_EXACT=1)
+// whether gemv quantizes activations of this dtype (unless the `exact` option is on)
 bool int8_activations(at::ScalarType dtype);
 // the AVX2 int8 gemv whatever int8_gemv() says (builds with AVX2, FMA and F16C), checked
 at::Tensor gemv_avx2_checked(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
@@ -48,5 +48,17 @@ int64_t row_bytes_of(int64_t qtype, int64_t k);  // -1 when k is not a whole num
 bool q5_0r_supported();
 // Q5_0 blocks [N, K / 32 * 22] as Q5_0R [N, K / 128 * 88] (K % 128 == 0), a new tensor
 at::Tensor repack_q5_0(const at::Tensor& data, int64_t k);
+
+// The kernels' two switches, vserve/envs.py's VSERVE_QUANT_EXACT and VSERVE_QUANT_AMX, which
+// vserve/cpu_ops/__init__.py sets once when it loads the extension (tests set them to run the
+// other path). `exact`: gemv and matmul take the exact path (fp32 activations times the
+// dequantized weights) for bf16 activations too. `amx` off: matmul keeps bf16 rows off the
+// AMX tiles (the int8 GEMM instead). Read on each call, from any thread.
+struct Options {
+  bool exact = false;
+  bool amx = true;
+};
+void set_options(const Options& opts);
+Options options();
 
 }  // namespace vserve_quant

@@ -1,11 +1,11 @@
-// The int8 gemv on AVX2 (no AVX512-VNNI): quant.cpp's "int8 gemv" arithmetic in 256-bit
+// The int8 gemv on AVX2 (no AVX512-VNNI): quant_gemv.cpp's int8 gemv arithmetic in 256-bit
 // registers, the multiply-add of byte pairs that llama.cpp's AVX2 dot products use. Formats
-// and their semantics: quant.cpp's header; declared in quant_avx2.h; checked against
+// and their semantics: quant_formats.h, quant_api.cpp; declared in quant_avx2.h; checked against
 // gguf.quants by tests/cpu_ops/test_quant_kernels.py (`quant.gemv_avx2`).
 //
 // The activations are quantized once per call, per block of 32 of each row: d_x = amax / 127
 // (fp32), q_x = round(x / d_x) in -127..127 (a NaN or infinity makes d_x NaN, an amax whose
-// 1 / d_x overflows counts as a zero block, as in quant.cpp). Each 32 weights of a row unpack
+// 1 / d_x overflows counts as a zero block, as in quant_vnni.h). Each 32 weights of a row unpack
 // to 32 bytes in order: Q8_0 / Q6_K as their signed quants (q, q - 32), whose dot with q_x is
 // vpmaddubsw(|w|, sign(q_x, w)) then vpmaddwd with ones (no int16 pair sum exceeds
 // 2 * 128 * 127); Q4_0 / Q5_0 / Q4_K / Q5_K as their unsigned quants (0..31) straight into
@@ -20,6 +20,8 @@
 
 #ifdef QUANT_AVX2_INT8
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 

@@ -1,8 +1,8 @@
-// The int8 gemv in 256-bit registers (quant_avx2.cpp), for quant.cpp's `gemv` on CPUs with
-// AVX2 but without AVX512-VNNI.
+// The int8 gemv in 256-bit registers (quant_avx2.cpp), for quant_api.cpp's `gemv` on CPUs
+// with AVX2 but without AVX512-VNNI.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

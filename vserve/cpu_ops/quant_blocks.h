@@ -1,6 +1,6 @@
-// What both kernel files (quant.cpp, quant_avx2.cpp) decode GGUF blocks with: the GGML type
-// ids and the dispatch on them, compile-time unrolling, the fp16 scale of a block, and the
-// K-quants' packed scales and mins.
+// What every quantized kernel file decodes GGUF blocks with (quant_formats.h's decoders and
+// quant_avx2.cpp's): the GGML type ids and the dispatch on them, compile-time unrolling, the
+// fp16 scale of a block, and the K-quants' packed scales and mins.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -23,7 +23,7 @@
 namespace vserve_qblock {
 
 constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
-// not a GGML type: Q5_0 repacked at load into quads (quant.cpp's Q5_0R, `repack_q5_0`)
+// not a GGML type: Q5_0 repacked at load into quads (quant_formats.h's Q5_0R, `repack_q5_0`)
 constexpr int64_t kQ5_0R = 1006;
 
 // calls fn(F{}) with F the decoder, among a kernel file's six, of GGML type id qtype

@@ -1,5 +1,5 @@
 // Row shares of a streamed weight, claimed by the threads that stream it (stream_rows below,
-// which quant.cpp's and quant_avx2.cpp's kernels call; stack.cpp's decode stack), the
+// which the quantized kernels call; stack.cpp's decode stack), the
 // software prefetch of the rows ahead (fetch_ahead), and the pause of a spinning thread
 // (cpu_relax: the decode stack's waits, park.h's woken threads).
 #pragma once

@@ -1,6 +1,7 @@
-// Fused sampling over the full vocabulary for the CPU path (decode.cpp's extension binds it as
-// its `sample` submodule; workers/cpu_sampling.py calls it; tests/workers/test_sampler_kernel.py
-// checks it against the torch sampler in workers/sampler.py, the oracle and the fallback).
+// Fused sampling over the full vocabulary for the CPU path (bindings.cpp binds it as the
+// extension's `sample` submodule; workers/cpu_sampling.py calls it;
+// tests/workers/test_sampler_kernel.py checks it against the torch sampler in
+// workers/sampler.py, the oracle and the fallback).
 //
 // Per row, reading the logits in the model's dtype (bf16 or fp32), with no sort of the
 // vocabulary and no full-size copy:
@@ -18,8 +19,11 @@
 // Probabilities equal the torch path's up to float rounding, so the same (seed, position)
 // picks the same token except when u falls within rounding of a CDF edge. `logprobs` gives the
 // log-softmax facts the sampler reports (a token's logprob and rank, the top k) in three passes.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>

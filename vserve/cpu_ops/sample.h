@@ -1,8 +1,8 @@
-// The fused sampling kernels of sample.cpp (semantics documented there), for decode.cpp, which
-// binds them as its extension's `sample` submodule.
+// The fused sampling kernels of sample.cpp (semantics documented there), for bindings.cpp,
+// which binds them as the extension's `sample` submodule.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

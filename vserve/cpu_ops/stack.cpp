@@ -13,8 +13,12 @@
 // `decoder_layer_q`, and each gemv row is computed alone in `gemv`'s order, so the result is
 // bitwise that of the per-layer call (tests/workers/test_cpu_ops.py). The gated activation is
 // ATen's, as `act_mul`'s.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/silu.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>

@@ -29,10 +29,10 @@ if TYPE_CHECKING:  # the front end reads manifests without importing torch or nu
     import torch
 
 MANIFEST = "gguf_weights.json"
-# GGML type ids of the block formats the CPU kernels run (vserve/cpu_ops/quant.cpp)
+# GGML type ids of the block formats the CPU kernels run (vserve/cpu_ops/quant_formats.h)
 BLOCK_FORMATS = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 BLOCK_SIZES = {2: 32, 6: 32, 8: 32, 12: 256, 13: 256, 14: 256}  # inputs per block
-# not a GGML type: Q5_0 repacked at load for the CPU kernels (quant.cpp's Q5_0R, four blocks
+# not a GGML type: Q5_0 repacked at load for the CPU kernels (quant_formats.h's Q5_0R, four blocks
 # of 32 in 88 bytes; `quant_linear.install`)
 Q5_0, Q5_0R = 6, 1006
 _NAMES, _SIZES = {**BLOCK_FORMATS, Q5_0R: "Q5_0R"}, {**BLOCK_SIZES, Q5_0R: 128}

@@ -1,13 +1,13 @@
 """Linear layers and embeddings whose weights stay in GGUF block formats (CPU kernels).
 
-At batch 1 a decode step streams every weight once, so its time is about bytes / bandwidth:
-the embedded model's GGUF blocks (Q8_0, Q5_0, Q4_K, Q6_K) are 2.2x fewer bytes than bf16. These
-modules keep each weight as it is stored and call `vserve/cpu_ops/quant.cpp`, which
-dequantizes in registers while it streams (`gemv`, up to 8 rows) or multiplies int8 quants
-with activations rounded to int8 per block of 32 (`matmul`, larger batches in bf16; on a CPU
-with AMX, from 48 rows, bf16 weights dequantized a tile at a time on the tile unit; the exact
-fp32 path, and AMX prefills, dequantize tiles for oneDNN), and reads only the looked-up rows of
-a quantized embedding table (`embedding`).
+At batch 1 a decode step streams every weight once, so its time is about bytes / bandwidth: the
+embedded model's GGUF blocks (Q8_0, Q5_0, Q4_K, Q6_K) are 2.2x fewer bytes than bf16. These
+modules keep each weight as it is stored and call the quantized kernels of `vserve/cpu_ops/`
+(`quant_api.cpp`), which dequantizes in registers while it streams (`gemv`, up to 8 rows) or
+multiplies int8 quants with activations rounded to int8 per block of 32 (`matmul`, larger
+batches in bf16; on a CPU with AMX, from 48 rows, bf16 weights dequantized a tile at a time on
+the tile unit; the exact fp32 path, and AMX prefills, dequantize tiles for oneDNN), and reads
+only the looked-up rows of a quantized embedding table (`embedding`).
 
 `install` swaps them in after loading, for every nn.Linear / FusedLinear / nn.Embedding (or
 vocab-parallel embedding) that received `QuantBlocks` (`stage.load_weights` parks them on the
