@@ -9,6 +9,7 @@ same batch, and the bytes a decode batch reads per second.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -16,9 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-
-# the repo root, for tests.support; appended, so an installed vserve still comes first
-sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":  # before triton is first imported: run the kernels in its interpreter
@@ -44,23 +42,56 @@ def timed_ms(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size=16, seed=0):
+    """A random bf16 batch in a paged KV cache, on DEVICE: request i holds `ctx_lens[i]` tokens
+    after this step, of which the last `q_lens[i]` are queried now (their K/V in key and value,
+    for the caller to write); its blocks are drawn in shuffled order. Returns (metadata, query,
+    key, value, kv_cache)."""
+    from vserve.attention.base import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-ctx // block_size) for ctx in ctx_lens]
+    num_blocks = sum(blocks) + 3
+    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
+    slots, positions = [], []
+    for i, (q_len, ctx, n) in enumerate(zip(q_lens, ctx_lens, blocks)):
+        tables[i, :n] = order[sum(blocks[:i]) : sum(blocks[: i + 1])]
+        pos = torch.arange(ctx - q_len, ctx)
+        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
+        positions.append(pos)
+    qsl = [0, *itertools.accumulate(q_lens)]
+    meta = AttentionMetadata(
+        num_tokens=qsl[-1],
+        positions=torch.cat(positions).to(DEVICE),
+        slot_mapping=torch.cat(slots).to(DEVICE),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(ctx_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(ctx_lens),
+    )
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+
+    query = randn(qsl[-1], heads, head_dim)
+    key, value = randn(qsl[-1], kv_heads, head_dim), randn(qsl[-1], kv_heads, head_dim)
+    return meta, query, key, value, randn(2, num_blocks, block_size, kv_heads, head_dim)
+
+
 def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats):
-    from tests.support.attention_reference import make_case
     from vserve.attention import get_attention_backend
     from vserve.attention.base import AttentionLayerSpec
     from vserve.csrc_triton.kv_write import kv_write_reference
     from vserve.csrc_triton.paged_attention import paged_attention, paged_attention_reference
 
-    case = make_case(q_lens, ctx_lens, heads, kv_heads, head_dim, 16, torch.bfloat16, 0)
-    meta = case.meta
-    for field in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
-        setattr(meta, field, getattr(meta, field).to(DEVICE))
-    case.query, case.key, case.value, case.kv_cache = (
-        t.to(DEVICE) for t in (case.query, case.key, case.value, case.kv_cache)
-    )
-    kv_write_reference(case.key, case.value, case.kv_cache, meta.slot_mapping)
+    meta, query, key, value, kv_cache = paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim)
+    kv_write_reference(key, value, kv_cache, meta.slot_mapping)
     spec = AttentionLayerSpec(heads, kv_heads, head_dim, head_dim**-0.5, window)
-    args = (case.query, case.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec)
+    args = (query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec)
     out = paged_attention(*args, max_query_len=meta.max_query_len)
     ref = paged_attention_reference(*args, max_query_len=meta.max_query_len)
     triton_ms = timed_ms(lambda: paged_attention(*args, max_query_len=meta.max_query_len), repeats)
@@ -68,9 +99,7 @@ def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, re
 
     def torch_forward():
         meta.backend_data = torch_backend.prepare(meta, {window})
-        return torch_backend.forward(
-            spec, case.query, case.key, case.value, case.kv_cache.clone(), meta
-        )
+        return torch_backend.forward(spec, query, key, value, kv_cache.clone(), meta)
 
     torch_ms = timed_ms(torch_forward, repeats)
     kv_bytes = sum(min(c, window or c) for c in ctx_lens) * 2 * kv_heads * head_dim * 2

@@ -36,9 +36,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from common import run_bench
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vs_llamacpp.json"
 
@@ -146,18 +147,13 @@ def _llama_batched(lc, model, cfg, n_vocab, n_par: int) -> dict:
 
 # -- vserve side ----------------------------------------------------------------------------------
 def vserve_bench(kind: str, quantization: str, args) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        common = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-        common += ["--temperature", "0", "--quantization", quantization, "--output-json", f.name]
-        common += ["--model", args.gguf]
-        if kind == "latency":
-            extra = ["--batch-size", "1", "--num-iters", str(args.iters), "--num-iters-warmup", "1"]
-        else:
-            extra = ["--num-prompts", str(args.num_prompts)]
-        cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", kind, *common, *extra]
-        # the child's output is the JSON; its log would interleave with the table
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return json.loads(Path(f.name).read_text())
+    flags = ["--model", args.gguf, "--quantization", quantization, "--temperature", "0"]
+    flags += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    if kind == "latency":
+        flags += ["--batch-size", "1", "--num-iters", str(args.iters), "--num-iters-warmup", "1"]
+    else:
+        flags += ["--num-prompts", str(args.num_prompts)]
+    return run_bench(kind, flags, echo=False)  # its log would interleave with the table
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ NUM_PROMPTS, IN_LEN, OUT_LEN = 6, 24, 12
 
 
 def _bench(*args, cwd=None):
-    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "bench", *args]
+    cmd = [sys.executable, "-m", "vserve.cli", "bench", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -229,7 +229,7 @@ def test_compare_sync_refuses_a_sync_only_run(model):
     cmd = [
         sys.executable,
         "-m",
-        "vserve.entrypoints.cli",
+        "vserve.cli",
         "bench",
         "throughput",
         *_common(model),
@@ -258,7 +258,7 @@ SPEC_OUT_LEN = 48  # a draft needs an n-gram match before the last id too: long 
 
 @pytest.mark.parametrize("min_tokens", [0, SPEC_OUT_LEN])
 def test_min_tokens_keeps_requests_from_drafting(model, tmp_path, min_tokens):
-    """The spec row of the overlap matrix: with min_tokens = the output length no request can
+    """The drafts row of benchmarks/modes.py: with min_tokens = the output length no request can
     draft, on prompts (a repeated run of tokens) where n-gram drafts are proposed otherwise."""
     out_json = tmp_path / "spec.json"
     common = [*_common(model)[:-1], str(SPEC_OUT_LEN)]

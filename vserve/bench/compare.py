@@ -3,8 +3,9 @@ process, async scheduling off and then on, every other engine argument the same.
 includes the executor: one left unset becomes async's default (worker processes on a CPU) in
 both runs, so the two forwards run in the same process layout and the sync run's step
 records can calibrate the async run's overlap report (see `vserve.bench.overlap`). Async
-against the *best* sync configuration (in-process or worker processes) is the host-bound row
-of `benchmarks/overlap_matrix.py`. The result gains the ratio of the two runs.
+against the *best* sync configuration (in-process or worker processes) is
+`benchmarks/modes.py --workload host-bound --rows sync-uni sync-mp async`. The result
+gains the ratio of the two runs.
 """
 
 from __future__ import annotations
