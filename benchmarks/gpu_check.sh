@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot check of vserve on the lent GPU machine (no network; see README, GPU check):
+# One-shot check of vserve on a GPU machine (no network; see docs/benchmarks.md, GPU check):
 # installs the carried wheels (.whl, from benchmarks/gpu_wheels.sh) into a target folder,
 # runs the GPU tests, builds random-weight models on the device (Llama ~1.1B, Gemma-3-270M
 # shaped), then throughput and latency (sync vs async, CUDA graphs vs eager, temperature 0
@@ -100,7 +100,7 @@ step() {  # step NAME LIMIT_S CMD...: one timed step in priority order; failures
   fi
 }
 
-VSERVE=("$PY" -m vserve.entrypoints.cli --log-level WARNING)
+VSERVE=("$PY" -m vserve.cli --log-level WARNING)
 MODELS="$WORK/models"
 LLAMA="$MODELS/llama-1b"
 GEMMA="$MODELS/gemma3-270m-shape"

@@ -38,11 +38,9 @@ from pathlib import Path
 
 import httpx
 
-from vserve.bench.hostile import (
-    CATALOGUE,
-    ENTRIES,
-    Entry,
-    ProbeOptions,
+from vserve.bench.hostile import CATALOGUE, ENTRIES, Entry
+from vserve.bench.hostile_clients import ProbeOptions
+from vserve.bench.hostile_probe import (
     ProbeResult,
     RssGuard,
     kill_tree,
@@ -50,7 +48,7 @@ from vserve.bench.hostile import (
     probe,
     warm_up,
 )
-from vserve.proc_tree import is_running
+from vserve.host.proc_tree import is_running
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = {"frontend": "fe", "engine_core": "ec", "worker": "w", "grammar_worker": "gw"}
@@ -78,7 +76,7 @@ class ManagedServer:
 
     def start(self) -> ManagedServer:
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "serve", *self.flags]
+        cmd = [sys.executable, "-m", "vserve.cli", "serve", *self.flags]
         env = dict(os.environ)
         if self.root is not None:
             env["PYTHONPATH"] = str(self.root)

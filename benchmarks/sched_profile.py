@@ -4,7 +4,7 @@ over a window of a command's run, e.g. a `vserve bench throughput` whose front e
 and workers share the host's cores.
 
     python benchmarks/sched_profile.py --delay 12 --window 8 -- \\
-        python -m vserve.entrypoints.cli bench throughput --num-prompts 32 --output-len 640
+        python -m vserve.cli bench throughput --num-prompts 32 --output-len 640
 
 Each process of the command's tree is named by its role (front end: the command itself; engine
 core; worker); a thread's line is printed when it used more than 1% of a core.

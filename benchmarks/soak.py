@@ -46,7 +46,7 @@ import httpx
 
 from vserve.bench.hostile import repeatable_entries
 from vserve.bench.sse import sse_lines
-from vserve.proc_tree import cmdline, descendants
+from vserve.host.proc_tree import cmdline, descendants
 from vserve.startup import kv_resident_bytes, resident_bytes
 
 RSS_GROWTH_LIMIT = 0.05
@@ -340,7 +340,7 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "vserve.entrypoints.cli",
+            "vserve.cli",
             "serve",
             args.model,
             "--port",

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import httpx
 
-from vserve import proc_tree
+from vserve.host import proc_tree
 from vserve.startup import kv_resident_bytes, resident_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,7 +81,7 @@ def _fresh_cache(on: bool):
 
 
 def _cli(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "vserve.entrypoints.cli", *args]
+    return [sys.executable, "-m", "vserve.cli", *args]
 
 
 def run_generate(tree: Path, model: str, engine_args: list[str]) -> dict:

@@ -1,8 +1,16 @@
-"""What `LLM.generate` and the front ends return, named as vLLM names them."""
+"""What `LLM.generate` and the front ends return, named as vLLM names them, and how often a
+request's consumer wants them (`OutputKind`)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output, when the request finished
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from vserve import heap
+from vserve.host import heap
 
 logger = logging.getLogger("vserve.startup")
 

@@ -21,7 +21,7 @@ ms).
 Only when it pays: the next request is already there (a wait for it, as in sync scheduling,
 would park the team for the whole host step and wake it cold: measured 0.7x), the worker's
 team has more than one thread, and it is not pinned apart from the host work (a reserved core,
-`vserve.executor.placement`, already keeps them apart). VSERVE_CPU_PARK=0 turns it off.
+`vserve.host.placement`, already keeps them apart). VSERVE_CPU_PARK=0 turns it off.
 """
 
 from __future__ import annotations

@@ -289,7 +289,9 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_idx])
         if inputs.prompt_lp:
-            inputs.prompt_lp_out = compute_prompt_logprobs(self.model, hidden, inputs.prompt_lp)
+            inputs.prompt_lp_out = compute_prompt_logprobs(
+                self.model, hidden, inputs.prompt_lp, self.step_sampler.vocab_size
+            )
         if defer_sampling:
             self._deferred = (so, inputs, logits, timing)
             return None

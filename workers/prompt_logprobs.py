@@ -70,13 +70,13 @@ def plan_prompt_logprobs(
 
 
 def compute_prompt_logprobs(
-    model, hidden: torch.Tensor, slices: list[PromptSlice]
+    model, hidden: torch.Tensor, slices: list[PromptSlice], vocab_size: int
 ) -> dict[str, tuple[int, LogprobsDelta]]:
     """hidden: [num_tokens, hidden] of the step -> req id -> (first, entries)."""
     out = {}
+    step = max(1, min(_ROWS, _SLICE_BYTES // (4 * vocab_size)))
     for s in slices:
         delta = LogprobsDelta([], [], [])
-        step = _rows_per_slice(model, hidden)
         for a in range(0, len(s.target_ids), step):
             targets = s.target_ids[a : a + step]
             rows = hidden[s.hidden_start + a : s.hidden_start + a + len(targets)]
@@ -91,13 +91,3 @@ def compute_prompt_logprobs(
             delta.ranks += ranks.tolist()
         out[s.req_id] = (s.first, delta)
     return out
-
-
-_vocab_sizes: dict[int, int] = {}  # id(model) -> its logits' width
-
-
-def _rows_per_slice(model, hidden: torch.Tensor) -> int:
-    vocab = _vocab_sizes.get(id(model))
-    if vocab is None:  # one row's logits tell it, once per model
-        vocab = _vocab_sizes[id(model)] = int(model.compute_logits(hidden[:1]).shape[-1])
-    return max(1, min(_ROWS, _SLICE_BYTES // (4 * vocab)))

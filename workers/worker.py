@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from vserve import heap
 from vserve.core.sched_output import SchedulerOutput
+from vserve.host import heap
 from vserve.startup import phase
 from vserve.workers.model_runner import AsyncStepOutput, ModelRunner
 from vserve.workers.runner_config import RunnerConfig
@@ -75,7 +75,7 @@ class Worker:
         self.runner.prepare(so)
 
     def set_threads(self, num_threads: int, prefill_threads: int) -> None:
-        """torch threads for decode steps and for prompt-heavy ones (vserve.executor.placement:
+        """torch threads for decode steps and for prompt-heavy ones (vserve.host.placement:
         a PP stage prefills on its share of the host's cores)."""
         self.threads = (num_threads, max(num_threads, prefill_threads))
         self._use_threads(num_threads)

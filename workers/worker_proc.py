@@ -22,10 +22,11 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from vserve import heap
-from vserve.cpu_affinity import available_cpus, pin_process
 from vserve.envs import ENV
-from vserve.lifeline import exit_with_parent
+from vserve.host import heap
+from vserve.host.affinity import available_cpus, pin_process
+from vserve.host.lifeline import exit_with_parent
+from vserve.host.policy import HostPolicy
 from vserve.workers import messages as wire
 from vserve.workers.pp_prefetch import Prefetched, RequestPrefetch
 
@@ -112,18 +113,19 @@ class _RankLoop:
         if setup.cpus:
             pin_process(os.getpid(), setup.cpus)
         self.worker = Worker(runner_config, self.pp, setup.num_threads, setup.prefill_threads)
-        # a CPU rank fed by another rank takes its requests ahead of its forward (and a later
-        # stage posts the receive of its hidden states then: vserve.workers.pp_prefetch)
+        host = HostPolicy.worker(runner_config.device, self.rank, grid.pp_size, self.world)
+        # a rank fed by another takes its requests ahead of its forward (and a later stage
+        # posts the receive of its hidden states then: vserve.workers.pp_prefetch)
         self.prefetch = (
             RequestPrefetch(self.pp, post_hidden=not grid.is_first_stage)
-            if self.pp is not None and self.rank > 0 and runner_config.device == "cpu"
+            if host.prefetch_requests and self.pp is not None
             else None
         )
-        # On CPU the ids are on the host when a step returns: one stage replies at once instead
-        # of waking its reply thread (which waits for the GIL while the next step runs)
-        self.inline_replies = grid.pp_size == 1 and self.rank == 0 and runner_config.device == "cpu"
+        # the ids are on the host when a step returns: reply at once instead of waking the
+        # reply thread (which waits for the GIL while the next step runs)
+        self.inline_replies = host.inline_replies
         self.held_reply = None  # the step's output, sent first thing in the next gap
-        self.gap = HostGap(runner_config.device, enabled=ENV.cpu_park and self.world == 1)
+        self.gap = HostGap(runner_config.device, enabled=host.park_gaps)
         self.gap.pinned = bool(setup.cpus)
         self.replies: queue.Queue = queue.Queue()
         self.reply_thread = threading.Thread(

@@ -58,7 +58,7 @@ def _run(server, tmp_path, *extra):
     cmd = [
         sys.executable,
         "-m",
-        "vserve.entrypoints.cli",
+        "vserve.cli",
         "bench",
         "serve",
         "--base-url",

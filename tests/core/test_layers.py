@@ -3,17 +3,22 @@
 Lowest first; a module may import its own layer and the layers below it, never one above
 (lazy imports inside functions count too: they are dependencies all the same).
 
-    base         sampling_params, outputs, envs, tokenizer, startup, heap, ... (no vserve imports
-                 above them)
+    base         sampling_params, outputs, envs, tokenizer, startup, `vserve.host` (heap,
+                 affinity, placement, lifeline, ...): no vserve imports above them
     core         requests, KV blocks, the scheduler and the types they exchange
-                 (`vserve.core`), the frozen configs (`vserve.config`); no torch
+                 (`vserve.core`), the frozen configs (`vserve.config`), the host policy made
+                 from them (`vserve.host.policy`); no torch
     models       `vserve.models`, `vserve.attention`, `vserve.cpu_ops`,
                  `vserve.csrc_triton` (the `csrc_triton/` folder)
     workers      `vserve.workers` (the `workers/` folder): model runner, sampler, worker
                  processes
     executor     `vserve.executor`: runs the workers for the engine
     engine       `vserve.engine`: engine core, its process and clients, front-end processing
-    entrypoints  `vserve.entrypoints` (LLM, the OpenAI server, the CLI), `vserve.bench`
+    entrypoints  `vserve.entrypoints` (LLM, the OpenAI server), `vserve.bench`
+    cli          `vserve.cli`: the `vserve` command over both
+
+No two modules may import each other, directly or through others (an import loop): the
+graph's strongly connected components are single modules.
 """
 
 from __future__ import annotations
@@ -34,15 +39,12 @@ LAYERS = [
             "vserve.outputs",
             "vserve.envs",
             "vserve.cache_files",
-            "vserve.proc_tree",
-            "vserve.lifeline",
-            "vserve.cpu_affinity",
+            "vserve.host",
             "vserve.tokenizer",
             "vserve.startup",
-            "vserve.heap",
         ],
     ),
-    ("core", ["vserve.core", "vserve.config"]),
+    ("core", ["vserve.core", "vserve.config", "vserve.host.policy"]),
     (
         "models",
         [
@@ -57,6 +59,7 @@ LAYERS = [
     ("executor", ["vserve.executor"]),
     ("engine", ["vserve.engine"]),
     ("entrypoints", ["vserve.entrypoints", "vserve.bench", "vserve"]),
+    ("cli", ["vserve.cli"]),
 ]
 TORCH_FREE = ["vserve.core", "vserve.config", "vserve.sampling_params", "vserve.outputs"]
 
@@ -150,6 +153,55 @@ def test_core_imports_no_torch(prefix):
         if i.split(".")[0] in ("torch", "triton", "transformers")
     )
     assert not heavy, heavy
+
+
+def _loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    loops: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in graph or target == node:
+                continue  # not a module of the tree (a name imported from one), or itself
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return loops
+
+
+def test_no_import_loops():
+    """The package face (`vserve/__init__.py` re-exports `LLM`) is left out: every module
+    is imported through it, so it closes no loop of its own making."""
+    graph = {m: {i for i in imps if i != "vserve"} for m, imps in GRAPH.items() if m != "vserve"}
+    assert not _loops(graph), _loops(graph)
+
+
+def test_the_loop_check_sees_a_loop():
+    assert _loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _loops({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_check_sees_an_upward_import():

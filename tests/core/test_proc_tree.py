@@ -1,4 +1,4 @@
-"""`vserve.proc_tree`: children and descendants of a real process tree, zombies not running,
+"""`vserve.host.proc_tree`: children and descendants of a real process tree, zombies not running,
 gone processes childless with an empty command line."""
 
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vserve import proc_tree
+from vserve.host import proc_tree
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 

@@ -1,7 +1,7 @@
 """Scheduler tests with a fake runner: invariants after every schedule and commit.
 
-Numbers in the test names refer to the scenarios of
-shared/reference/async_scheduling_in_vllm.md section 6.
+Numbers in the test names (`test_sN_...`) number the scenarios of async scheduling each test
+walks through: admission, chunking, commits in flight, aborts, preemption and stale outputs.
 """
 
 import random

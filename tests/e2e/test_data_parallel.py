@@ -179,7 +179,7 @@ def _headless_pair(model, port, **head_args):
         "--data-parallel-rpc-port",
         str(port),
     ]
-    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "serve", model, "--headless", *dp]
+    cmd = [sys.executable, "-m", "vserve.cli", "serve", model, "--headless", *dp]
     tiny = ["--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "512"]
     host1 = subprocess.Popen([*cmd, *tiny, "--data-parallel-start-rank", "1"], env=os.environ)
     try:

@@ -16,7 +16,7 @@ from tests.support.hf_reference import PREFIX_PROMPTS, PROMPTS
 from vserve import envs
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
-from vserve.engine.output_processor import OutputKind
+from vserve.outputs import OutputKind
 from vserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out

@@ -57,7 +57,7 @@ def test_two_hosts_equal_one(tiny_model_dir, expected, pp, tp):
         str(port),
     ]
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "vserve.entrypoints.cli", "worker", *common, "--node-rank", "1"]
+        [sys.executable, "-m", "vserve.cli", "worker", *common, "--node-rank", "1"]
     )
     try:
         llm = LLM(
@@ -103,7 +103,7 @@ def test_worker_host_stops_on_ctrl_c_and_sigterm(tiny_model_dir, sig):
         "1",
     ]
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "vserve.entrypoints.cli", "worker", *common],
+        [sys.executable, "-m", "vserve.cli", "worker", *common],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,

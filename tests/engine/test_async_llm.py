@@ -127,7 +127,8 @@ def _slow_engine(model_dir: str, monkeypatch) -> AsyncLLM:
 
 
 def test_failing_stats_listener_marks_the_engine_dead(tiny_model_dir, monkeypatch):
-    """Review A10: the handler task ended on the exception, and every request hung."""
+    """A listener that raises ends the output handler: the engine is then marked dead, so
+    every request fails at once instead of hanging."""
     llm = _slow_engine(tiny_model_dir("llama"), monkeypatch)
 
     def broken(stats, engine):

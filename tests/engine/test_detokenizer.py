@@ -5,7 +5,8 @@ import pytest
 from tests.support.tiny_models import build_tokenizer
 from vserve.engine.detokenizer import IncrementalDetokenizer
 from vserve.engine.messages import EngineCoreOutput
-from vserve.engine.output_processor import OutputKind, OutputProcessor
+from vserve.engine.output_processor import OutputProcessor
+from vserve.outputs import OutputKind
 from vserve.sampling_params import SamplingParams
 
 TEXTS = [

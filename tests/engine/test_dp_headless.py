@@ -16,7 +16,7 @@ import zmq
 
 from tests.support.proc_utils import descendants, wait_dead
 from vserve import LLM, SamplingParams
-from vserve.engine.dp_transport import run_secret_path
+from vserve.engine.dp.transport import run_secret_path
 from vserve.executor.multiproc import free_port
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def test_loopback_without_a_secret_serves_and_shrugs_off_strangers(
     model, port = tiny_model_dir("llama"), free_port()
     dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
     dp += ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port)]
-    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "serve", model, "--headless", *dp]
+    cmd = [sys.executable, "-m", "vserve.cli", "serve", model, "--headless", *dp]
     host1 = subprocess.Popen([*cmd, *TINY, "--data-parallel-start-rank", "1"], env=os.environ)
     ctx = zmq.Context()
     try:

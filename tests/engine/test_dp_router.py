@@ -4,8 +4,8 @@ front end sees when one engine dies (`_DPBase`)."""
 
 import pytest
 
-from vserve.engine.dp_client import _DPBase, combine
-from vserve.engine.dp_router import LoadRouter
+from vserve.engine.dp.client import _DPBase, combine
+from vserve.engine.dp.router import LoadRouter
 from vserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,

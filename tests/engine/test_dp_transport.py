@@ -21,9 +21,8 @@ import pytest
 import zmq
 
 from vserve.config import DataParallelConfig
-from vserve.engine.core_proc import FRAME_OUTPUTS, FRAME_READY
-from vserve.engine.dp_remote import RemoteEngine, RemoteEngines
-from vserve.engine.dp_transport import (
+from vserve.engine.dp.remote import RemoteEngine, RemoteEngines
+from vserve.engine.dp.transport import (
     Beat,
     Hello,
     Welcome,
@@ -32,7 +31,7 @@ from vserve.engine.dp_transport import (
     run_secret_path,
     secure_client,
 )
-from vserve.engine.messages import RequestType
+from vserve.engine.messages import FRAME_OUTPUTS, FRAME_READY, RequestType
 from vserve.executor.multiproc import free_port
 
 RANK = 1
@@ -212,9 +211,11 @@ def test_a_strangers_junk_frames_never_reach_the_head(loopback):
     (a junk frame there would mark the engine dead); the engine's own still are."""
     head = Head()
     host, engine, remote_engine = head.take_rank()
+    strangers: list[zmq.Socket] = []
     try:
         for secret in (None, "not-the-secret-of-this-run"):
             stranger = head.ctx.socket(zmq.PUSH)
+            strangers.append(stranger)
             secure_client(stranger, secret)
             stranger.connect(head.welcome.output_addr)
             _try_send(stranger, [b"junk", b"\xc1"])
@@ -226,6 +227,8 @@ def test_a_strangers_junk_frames_never_reach_the_head(loopback):
         ]
         assert remote_engine.alive()
     finally:
+        for stranger in strangers:  # queued frames that can never go must not hold the close
+            stranger.close(linger=0)
         head.close(host)
 
 

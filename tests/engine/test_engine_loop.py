@@ -226,7 +226,7 @@ def test_first_step_of_a_new_wave_is_reported_after_idle():
 
 
 def test_eager_abort_spares_a_later_request_that_reuses_the_id():
-    """Review B2: request x finished (say, on a stop string in the front end, which then
+    """Request x finished (say, on a stop string in the front end, which then
     sends ABORT x) and a new request x arrives at once. The eager abort was sent after ADD #1
     only, so it must not finish the new x (ADD #2), which would then never answer."""
     core = _core(True)

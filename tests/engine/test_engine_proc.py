@@ -12,7 +12,7 @@ import pytest
 from tests.support.hf_reference import PROMPTS
 from vserve import LLM, SamplingParams, StructuredOutputsParams
 from vserve.engine.messages import EngineCoreRequest, EngineCoreRequests, RequestType
-from vserve.proc_tree import children
+from vserve.host.proc_tree import children
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
@@ -149,7 +149,7 @@ def test_duplicate_request_id_gets_an_error_output(llm):
     assert llm.engine.client.call_utility("stats")["num_running_reqs"] == 0
 
 
-# -- no busy spin while grammars compile (review B4) ------------------------------------------
+# -- no busy spin while grammars compile -----------------------------------------------------
 CHOICE = SamplingParams(
     temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
 )

@@ -15,7 +15,8 @@ import pytest
 
 from vserve.config import StructuredOutputConfig
 from vserve.core.outputs import ERROR_BUSY, ERROR_INVALID, RequestError
-from vserve.engine.structured_output import BytesLRU, StructuredOutputManager
+from vserve.engine.grammars import BytesLRU
+from vserve.engine.structured_output import StructuredOutputManager
 from vserve.sampling_params import StructuredOutputsParams
 
 HEAVY = "(a|b)" * 8000  # about 10 s and 190 MB to compile here
@@ -136,9 +137,9 @@ def test_waiters_share_one_release_count():
     assert b.cancelled() and not manager._jobs
 
 
-def test_a_prompts_children_carry_their_constraint_once():
-    """The n children of one prompt go in one ADD frame whose constraint crosses once; after
-    decoding, every child holds the same constraint object."""
+def test_a_prompts_children_carry_their_constraint_and_prompt_once():
+    """The n children of one prompt go in one ADD frame whose constraint and prompt ids cross
+    once; after decoding, every child holds the same constraint object and its prompt."""
     import msgspec
 
     from vserve.engine.messages import (
@@ -151,12 +152,50 @@ def test_a_prompts_children_carry_their_constraint_once():
 
     constraint = _regex("x" * 100_000)
     params = SamplingParams(n=1, temperature=1, structured_outputs=constraint)
-    children = [EngineCoreRequest(f"{i}_r", [5, 6], params, [2], i) for i in range(64)]
+    prompt = list(range(5, 20_005))
+    children = [EngineCoreRequest(f"{i}_r", prompt, params, [2], i) for i in range(64)]
     payload = msgspec.msgpack.encode(pack_requests(children))
-    assert len(payload) < 2 * 100_000  # once, not 64 times
+    assert len(payload) < 2 * (100_000 + 3 * 20_000)  # each once, not 64 times
     assert params.structured_outputs is constraint  # the caller's params are left alone
     decoded = unpack_requests(msgspec.msgpack.decode(payload, type=EngineCoreRequests))
     assert [r.request_id for r in decoded] == [r.request_id for r in children]
     shared = decoded[0].sampling_params.structured_outputs
     assert shared == constraint
     assert all(r.sampling_params.structured_outputs is shared for r in decoded)
+    assert all(r.prompt_token_ids == prompt for r in decoded)
+
+
+@pytest.mark.slow
+def test_a_retry_after_an_abandoned_compile_starts_afresh(embedded_tokenizer):
+    """A client that gives up on a slow compile and sends the same constraint again gets a
+    job of its own (which runs to its verdict), not the cancelled one."""
+    manager = _manager(embedded_tokenizer, compile_timeout=2.0)
+    try:
+        manager.submit(_regex(LIGHT)).result(120)  # the worker is up
+        first = manager.submit(_regex(HEAVY))
+        time.sleep(0.3)  # in its trial
+        manager.release(first)
+        retry = manager.submit(_regex(HEAVY))
+        assert retry is not first
+        error = _error(retry)
+        assert error.kind == ERROR_INVALID and "--grammar-compile-timeout" in str(error)
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.slow
+def test_grammars_held_by_requests_are_bounded(embedded_tokenizer):
+    """Compiled grammars that requests hold count against a bound; a new one past it is
+    'busy' (a retry may succeed), and what requests release no longer counts."""
+    manager = _manager(embedded_tokenizer)
+    try:
+        held = manager.submit(_regex("(aaa|bbb)"))
+        held.result(120)
+        assert manager._live.num_bytes > 0
+        manager._live_limit = manager._live.num_bytes  # room for one such grammar
+        assert _error(manager.submit(_regex("(ccc|ddd)"))).kind == ERROR_BUSY
+        manager.release(held)
+        assert manager._live.num_bytes == 0
+        assert manager.submit(_regex("(eee|fff)")).result(120) is not None
+    finally:
+        manager.shutdown()

@@ -1,4 +1,4 @@
-"""Slow readers pin at most one output per request (issue 20 item 3, review A11): the engine's
+"""Slow readers pin at most one output per request: the engine's
 per-request collector merges DELTA outputs while nobody reads, and the server's merge of a
 batch's streams is bounded, so a client that stops reading holds a constant number of items
 however many tokens its requests generate."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 
 from vserve.engine.output_collector import OutputCollector
-from vserve.engine.output_processor import OutputKind, RequestState
+from vserve.engine.output_processor import RequestState
 from vserve.entrypoints.openai.serving_base import ServerContext, iterate
-from vserve.outputs import CompletionOutput, Logprob, RequestOutput
+from vserve.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from vserve.sampling_params import SamplingParams
 
 

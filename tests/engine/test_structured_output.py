@@ -196,7 +196,7 @@ def test_bounded_string_follows_json_string_rules(text, ok):
     as one character."""
     from xgrammar.testing import _is_grammar_accept_string
 
-    from vserve.engine.structured_output import json_schema_grammar
+    from vserve.engine.grammars import json_schema_grammar
 
     schema = {"type": "string", "minLength": 1, "maxLength": 6}
     assert _is_grammar_accept_string(json_schema_grammar(json.dumps(schema)), text) is ok
@@ -233,7 +233,7 @@ def test_every_bounded_string_of_a_schema_is_mended(obj, ok):
     takes escapes (one character each) and no raw control character."""
     from xgrammar.testing import _is_grammar_accept_string
 
-    from vserve.engine.structured_output import json_schema_grammar
+    from vserve.engine.grammars import json_schema_grammar
 
     grammar = json_schema_grammar(json.dumps(NESTED))
     text = json.dumps(obj, separators=(", ", ": "))  # the compact form the grammar writes
@@ -373,7 +373,7 @@ def test_bad_grammar_fails_its_request_only(engines, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ignore_eos_with_a_grammar_stops_when_the_grammar_ends(engines, mode):
-    """Review A2: the grammar accepted EOS and terminated, ignore_eos kept the request going,
+    """The grammar accepted EOS and terminated, ignore_eos kept the request going,
     and the next mask fill raised in the busy loop (the engine died). A finished grammar now
     finishes its request, whatever ignore_eos says."""
     llm = engines[mode]
@@ -520,7 +520,7 @@ def test_structured_outputs_request_keeps_json_on_the_wire():
 def test_no_bounded_string_class_is_left_and_no_false_warning(bound, caplog):
     """Small and large bounds alike: the mended grammar holds no raw-control-character class,
     and the warning for an unknown form stays quiet (a huge bound is written unbounded)."""
-    from vserve.engine import structured_output as so
+    from vserve.engine import grammars as so
 
     so._warn_unmended.cache_clear()
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": bound}}}

@@ -1,4 +1,4 @@
-"""Special tokens of GGUF-converted tokenizers (issue 17 item 6): the GGUF's token types
+"""Special tokens of GGUF-converted tokenizers: the GGUF's token types
 (CONTROL, UNKNOWN, UNUSED) and the architecture's special tokens stored as USER_DEFINED
 (Gemma 3's image delimiters) are marked special, so that `skip_special_tokens` drops them from
 text; the embedded Gemma once wrote `<start_of_image>` into completions."""

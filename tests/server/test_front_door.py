@@ -156,6 +156,34 @@ def test_large_bodies_share_a_budget_small_ones_are_free():
     asyncio.run(run())
 
 
+def test_a_received_body_counts_until_it_is_parsed():
+    """A body that has arrived whole still holds its share while it waits to be parsed (a
+    queue of parses is memory too); the parser's release gives it back."""
+
+    async def run():
+        parsed = asyncio.Event()
+        seen = {}
+
+        async def app(scope, receive, send):
+            while (await receive()).get("more_body"):
+                pass
+            seen["budget"] = scope["state"]["body_budget"]
+            await parsed.wait()  # the parse is queued
+            seen["budget"].release()
+
+        ctx = SimpleNamespace(limits=AdmissionLimits(), draining=False)
+        door = FrontDoor(app, ctx)
+        big = b"x" * (FREE_BODY_BYTES + 1000)
+        task = asyncio.ensure_future(door(_scope(), _receiver([big], stall=False), _send))
+        await asyncio.sleep(0.05)
+        assert door.pending_bytes == 1000
+        parsed.set()
+        await task
+        assert door.pending_bytes == 0
+
+    asyncio.run(run())
+
+
 def test_limits_are_validated():
     for bad in (
         dict(max_pending_body_bytes=0),

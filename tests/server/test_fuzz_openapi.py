@@ -1,4 +1,4 @@
-"""Fuzzing as a test (issue 20 item 6): schemathesis drives every operation of the server's own
+"""Fuzzing as a test: schemathesis drives every operation of the server's own
 /openapi.json on a tiny model, with bodies that fit the schema and bodies that break it, and
 no response is a 5xx (nor a streamed error event with code 500); afterwards the same engine
 process still serves a normal request.

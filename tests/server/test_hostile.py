@@ -22,15 +22,9 @@ import httpx
 import pytest
 
 from tests.support.openai_server import TINY_ARGS, ServerProcess, free_port, serving
-from vserve.bench.hostile import (
-    CATALOGUE,
-    ENTRIES,
-    ProbeOptions,
-    RssGuard,
-    kill_tree,
-    probe,
-    warm_up,
-)
+from vserve.bench.hostile import CATALOGUE, ENTRIES
+from vserve.bench.hostile_clients import ProbeOptions
+from vserve.bench.hostile_probe import RssGuard, kill_tree, probe, warm_up
 
 # the tests that start the embedded model are slow (the fast tier, -m "not slow", leaves them
 # out); the check of an empty --api-key starts no model and stays in the fast tier
@@ -136,7 +130,7 @@ def test_hostile_request(live, entry):
 def test_empty_api_key_refused():
     """`vserve serve --api-key ""` exits non-zero at once with a message about the empty key,
     instead of serving without authentication; it loads no model first."""
-    cmd = [sys.executable, "-m", "vserve.entrypoints.cli", "serve", "--api-key", ""]
+    cmd = [sys.executable, "-m", "vserve.cli", "serve", "--api-key", ""]
     proc = subprocess.Popen(
         [*cmd, "--port", str(free_port())],
         stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""OpenAI semantics, field by field (issue 17 item 4): completions and chat, streamed and not,
+"""OpenAI semantics, field by field: completions and chat, streamed and not,
 against tables of the OpenAI API reference's objects (with vLLM's extras, as vLLM sends them):
 object names, id prefixes, `created` in seconds, `system_fingerprint` (null), `usage` (with
 `prompt_tokens_details`: null, as vLLM sends it by default), stream usage, both `logprobs`

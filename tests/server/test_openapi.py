@@ -1,4 +1,4 @@
-"""The OpenAPI document (issue 17 item 5): every POST route's request body is a schema with
+"""The OpenAPI document: every POST route's request body is a schema with
 vLLM's field names and types, every field outside the OpenAI API is described, the 200
 responses are documented, and /docs serves the Swagger UI for the document. No engine: the
 app is built over a stand-in (`offline_app`)."""

@@ -401,7 +401,7 @@ def test_queue_full_gives_503(server):
 
 
 def test_grammar_with_ignore_eos_finishes(server):
-    """Review A2 (async scheduling, the default): a grammar that ends stops its request
+    """Async scheduling (the default): a grammar that ends stops its request
     whatever ignore_eos says; before, the engine core died on the next mask fill."""
     check_grammar_with_ignore_eos(server.url, AUTH)
     _check_still_serving(server)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.support.openai_server import TINY_ARGS, ServerProcess, children_of
-from vserve.proc_tree import cmdline
+from vserve.host.proc_tree import cmdline
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 

@@ -1,4 +1,4 @@
-"""Admission limits of `vserve serve` (issue 20 item 3): each limit refuses with its status and
+"""Admission limits of `vserve serve`: each limit refuses with its status and
 an OpenAI-style error body before any tokenization or engine work, and the engine keeps
 serving; a request past --request-timeout ends with finish_reason "abort"; tokenization runs
 off the event loop, so /health answers while a long prompt is being tokenized."""

@@ -105,7 +105,8 @@ def test_grammar_with_ignore_eos_finishes(server):
 
 
 def test_grammar_with_ignore_eos_finishes_sync(tiny_model_dir):
-    """Review A2 with async scheduling off (one step in flight)."""
+    """A grammar that ends stops its request whatever ignore_eos says, with async scheduling
+    off (one step in flight)."""
     srv = ServerProcess(
         [tiny_model_dir("llama"), *TINY_ARGS, "--max-model-len", "256", "--no-async-scheduling"]
     ).wait_ready()

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.openai_server import TINY_ARGS, ServerProcess, children_of, is_running
 from tests.support.proc_utils import kill
-from vserve.proc_tree import cmdline, descendants
+from vserve.host.proc_tree import cmdline, descendants
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 

@@ -330,7 +330,7 @@ class FakeStructured:
     """Stands in for StructuredOutputManager: a bitmask row records how many tokens its
     request's grammar had accepted when the row was filled (FakeRunner checks it)."""
 
-    def submit(self, params):
+    def submit(self, params, key=None):
         from concurrent.futures import Future
 
         future = Future()

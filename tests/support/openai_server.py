@@ -1,7 +1,7 @@
 """A live `vserve serve` process for tests: start on a free port, wait for /health, stop, and
 check that no process of its tree outlives it.
 
-Descendants are found through /proc (`vserve.proc_tree`): the engine core is a child of the
+Descendants are found through /proc (`vserve.host.proc_tree`): the engine core is a child of the
 server and its workers are grandchildren, so the whole tree is recorded while the server runs.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from vserve.proc_tree import children as children_of
-from vserve.proc_tree import descendants, is_running
+from vserve.host.proc_tree import children as children_of
+from vserve.host.proc_tree import descendants, is_running
 
 __all__ = [
     "TINY_ARGS",
@@ -52,7 +52,7 @@ class ServerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "vserve.entrypoints.cli",
+            "vserve.cli",
             "serve",
             *args,
             "--port",

@@ -1,12 +1,12 @@
-"""Process helpers for failure tests, over `vserve.proc_tree`."""
+"""Process helpers for failure tests, over `vserve.host.proc_tree`."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from vserve.proc_tree import cmdline, descendants
-from vserve.proc_tree import is_running as alive
+from vserve.host.proc_tree import cmdline, descendants
+from vserve.host.proc_tree import is_running as alive
 
 __all__ = ["alive", "descendants", "kill", "wait_dead", "worker_pids"]
 

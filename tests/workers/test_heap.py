@@ -1,4 +1,4 @@
-"""The C heap's policy (`vserve.heap`): freed pages go back to the OS at the end of start-up
+"""The C heap's policy (`vserve.host.heap`): freed pages go back to the OS at the end of start-up
 and when a worker is idle, and only then."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import platform
 
 import pytest
 
-from vserve import heap, startup
+from vserve import startup
+from vserve.host import heap
 from vserve.workers import worker_proc
 
 glibc = pytest.mark.skipif(

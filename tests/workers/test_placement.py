@@ -3,7 +3,7 @@ the user's overrides -- pure functions, no timing."""
 
 import pytest
 
-from vserve.executor.placement import (
+from vserve.host.placement import (
     RELEASE_BELOW,
     RESERVE_ABOVE,
     PlacementOverrides,
@@ -152,7 +152,7 @@ class _FakeOS:
         )
 
     def controller(self, overrides=PlacementOverrides(), measure_self=True):
-        from vserve.executor.placement_control import PlacementController
+        from vserve.host.placement_control import PlacementController
 
         ctl = PlacementController(
             1, overrides, self.sent.append, measure_self, cpus=(0, 1), os_hooks=self.hooks()
@@ -172,7 +172,7 @@ class _FakeOS:
 def test_controller_reserves_a_core_for_heavy_host_work_and_gives_it_back():
     import os
 
-    from vserve.executor.placement_control import WINDOW_STEPS
+    from vserve.host.placement_control import WINDOW_STEPS
 
     fake = _FakeOS()
     ctl = fake.controller()
@@ -192,7 +192,7 @@ def test_controller_reserves_a_core_for_heavy_host_work_and_gives_it_back():
 
 
 def test_idle_windows_and_fixed_overrides_decide_nothing():
-    from vserve.executor.placement_control import WINDOW_STEPS
+    from vserve.host.placement_control import WINDOW_STEPS
 
     fake = _FakeOS()
     ctl = fake.controller()
@@ -240,7 +240,7 @@ def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, m
     import os
 
     from vserve import LLM, SamplingParams
-    from vserve.proc_tree import children, cmdline
+    from vserve.host.proc_tree import children, cmdline
 
     before = _thread_cpus(os.getpid())
     cpus = tuple(sorted(os.sched_getaffinity(0)))

@@ -1,6 +1,6 @@
 """The scheduler's view of one request: its tokens, its counters and its lifecycle.
 
-Counters (see DESIGN.md "Scheduler"):
+Counters:
 
 | name                     | meaning                                                   |
 |--------------------------|-----------------------------------------------------------|

@@ -528,7 +528,8 @@ class Scheduler:
         return stats
 
     def check_invariants(self) -> None:
-        """Assert the invariants of DESIGN.md; tests call this after every schedule/commit."""
+        """Assert the invariants of `request.py` (PH >= 0, C - PH settled, blocks conserved);
+        tests call this after every schedule and commit."""
         assert len(self.running) <= self.config.max_num_seqs
         assert set(r.request_id for r in self.running) | set(
             r.request_id for r in self.waiting

@@ -192,7 +192,7 @@ class EngineArgs:
             engine_index=start,
         )
         if dp.remote_ranks or start > 0:
-            from vserve.engine.dp_transport import check_remote_setup
+            from vserve.engine.dp.transport import check_remote_setup
 
             check_remote_setup(dp.address, dp.rpc_port)
         return dp

@@ -14,16 +14,16 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from vserve import heap
 from vserve.config import EngineConfig
 from vserve.engine.arg_utils import EngineArgs
-from vserve.engine.dp_client import make_async_client
+from vserve.engine.dp.client import make_async_client
 from vserve.engine.messages import SchedulerStats
 from vserve.engine.mp_client import EngineDeadError
 from vserve.engine.output_collector import OutputCollector
-from vserve.engine.output_processor import OutputKind, OutputProcessor, RequestState
+from vserve.engine.output_processor import OutputProcessor, RequestState
 from vserve.engine.processor import InputProcessor, Prompt
-from vserve.outputs import RequestOutput
+from vserve.host import heap
+from vserve.outputs import OutputKind, RequestOutput
 from vserve.sampling_params import SamplingParams
 from vserve.startup import phase, resident_bytes, start_with_tokenizer
 
@@ -164,7 +164,7 @@ class AsyncLLM:
             for child in state.children.values():
                 if child.finish_reason is None:
                     child.finish_reason = "abort"
-            out = self.output_processor._make_output(state)
+            out = self.output_processor.make_output(state)
             assert out is not None  # every choice is finished
             _queue(state).put_nowait(out)
             for listener in self.output_listeners:
@@ -212,8 +212,7 @@ class AsyncLLM:
         error = EngineDeadError(message)
         for state in list(self.output_processor.requests.values()):
             _queue(state).put_nowait(error)
-        self.output_processor.requests.clear()
-        self.output_processor.child_to_parent.clear()
+        self.output_processor.clear()
 
     async def check_health(self) -> None:
         if self.dead_error is not None:

@@ -14,6 +14,7 @@ import queue
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 
@@ -21,13 +22,10 @@ from vserve.config import EngineConfig
 from vserve.core.kv_cache_manager import KVCacheManager
 from vserve.core.request import Request, RequestStatus
 from vserve.core.scheduler import Scheduler
+from vserve.engine.grammars import constraint_digest, grammar_source
 from vserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from vserve.engine.recorder import Coverage, StepRecorder
-from vserve.engine.structured_output import (
-    StructuredOutputManager,
-    constraint_digest,
-    grammar_source,
-)
+from vserve.engine.structured_output import StructuredOutputManager
 from vserve.envs import read_env
 from vserve.executor import make_executor
 from vserve.executor.base import Executor
@@ -72,6 +70,7 @@ class EngineCore:
         self._constraints: weakref.WeakValueDictionary[str, StructuredOutputsParams] = (
             weakref.WeakValueDictionary()
         )
+        self._last_constraint: tuple[Callable[[], object], str] = (lambda: None, "")
         self.scheduler = Scheduler(config.scheduler, kv, config.speculative, self.structured)
         self.depth = config.max_concurrent_batches
         self.batch_queue: deque = deque()
@@ -122,14 +121,29 @@ class EngineCore:
         request.add_seq, request.incarnation = seq, req.incarnation
         constraint = req.sampling_params.structured_outputs  # request.use_grammar
         if constraint is not None:  # compiles off the busy loop; admitted once ready
-            constraint = self._shared_constraint(constraint)
+            constraint, key = self._shared_constraint(constraint)
             request.sampling_params.structured_outputs = constraint
-            request.grammar_future = self.structured.submit(constraint)
+            request.grammar_future = self.structured.submit(constraint, key)
         self.scheduler.add_request(request)
 
-    def _shared_constraint(self, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
-        key = constraint_digest(*grammar_source(constraint))
-        return self._constraints.setdefault(key, constraint)
+    def _shared_constraint(
+        self, constraint: StructuredOutputsParams
+    ) -> tuple[StructuredOutputsParams, str]:
+        """The one copy of this constraint, and its digest (hashed once for the children of
+        a prompt, which arrive holding the same object)."""
+        last, key = self._last_constraint
+        if last() is not constraint:
+            key = constraint_digest(*grammar_source(constraint))
+            self._last_constraint = (weakref.ref(constraint), key)
+        return self._constraints.setdefault(key, constraint), key
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is live (waiting or running)."""
+        return request_id in self.scheduler.requests
+
+    def abort_now(self, request_ids: list[str]) -> None:
+        """Finish these requests as aborted at once (on the thread that runs the steps)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def abort_requests(self, request_ids: list[str], num_adds: float = math.inf) -> None:
         """Thread-safe: applied before the next commit (or at once by the busy loop), to the

@@ -14,7 +14,7 @@ so it never finishes a later request that reuses the id.
 Isolation: a frame that fails to decode, or an ADD for an id that is still live, becomes an
 error output for that request; a frame whose request cannot be told, or any unexpected error
 in the I/O threads, is fatal and reported (DEAD), never a silently stopped thread. A lifeline
-thread (`vserve.lifeline`) exits the process, workers included, when the front end is gone,
+thread (`vserve.host.lifeline`) exits the process, workers included, when the front end is gone,
 whatever the other threads are doing.
 """
 
@@ -33,13 +33,13 @@ from typing import Any
 import msgspec
 import zmq
 
-from vserve import heap
 from vserve.config import EngineConfig
-from vserve.core.request import RequestStatus
-from vserve.cpu_affinity import yield_on_wakeup
 from vserve.engine.core import EngineCore
-from vserve.engine.dp_transport import secure_client, watch_disconnect
+from vserve.engine.dp.transport import secure_client, watch_disconnect
 from vserve.engine.messages import (
+    FRAME_DEAD,
+    FRAME_OUTPUTS,
+    FRAME_READY,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -48,11 +48,10 @@ from vserve.engine.messages import (
     unpack_requests,
 )
 from vserve.envs import read_env
-from vserve.lifeline import exit_with_parent
+from vserve.host.lifeline import exit_with_parent
+from vserve.host.policy import HostPolicy
 
 logger = logging.getLogger("vserve.engine")
-
-FRAME_READY, FRAME_OUTPUTS, FRAME_DEAD = b"R", b"O", b"D"
 
 
 def run_engine_core(
@@ -112,18 +111,7 @@ class EngineCoreProc:
         self.core.structured.on_compiled = lambda: self.input_queue.put((LocalInput.WAKE, None))
         executor = self.core.executor
         executor.on_failure = lambda msg: self.input_queue.put((LocalInput.FATAL, msg))
-        if config.data_parallel.size_local <= 1 and not self.remote:
-            executor.add_host_process(parent_pid)  # the front end works beside the forward
-        if config.async_scheduling and config.parallel.distributed_executor_backend != "uni":
-            # this process works while the workers run a forward: woken by a reply, it
-            # preempted the worker's forward thread on its core (a spinning OpenMP thread held
-            # the other), which waited 0.4-0.8 ms a step for the update and schedule (embedded
-            # model, batch 1: from the reply to the next step's start 0.69-1.15 ms, 0.31-0.34
-            # under SCHED_BATCH). Its own process only (an engine core inside the caller's
-            # process leaves the caller's policy alone); the workers, started above, keep theirs
-            # and the threads started from here on inherit it.
-            yield_on_wakeup(os.getpid())
-        heap.startup_over()
+        HostPolicy.of(config, remote=self.remote).apply_to_engine_core(executor, parent_pid)
         self._send_now(
             FRAME_READY,
             self.encoder.encode({"num_kv_blocks": self.core.num_kv_blocks, "pid": os.getpid()}),
@@ -191,7 +179,7 @@ class EngineCoreProc:
             elif kind == RequestType.ADD:
                 self._add_request(*payload)
             elif kind == RequestType.ABORT:
-                self.core.scheduler.finish_requests(payload, RequestStatus.FINISHED_ABORTED)
+                self.core.abort_now(payload)
             elif kind == RequestType.UTILITY:
                 self._run_utility(*payload)
             elif kind == LocalInput.FATAL:
@@ -203,7 +191,7 @@ class EngineCoreProc:
         """Admit a request; one that cannot be admitted (its id is still live) gets an error
         output of its own and the engine carries on."""
         request_id = request.request_id
-        if request_id in self.core.scheduler.requests:
+        if self.core.has_request(request_id):
             self._fail_request(
                 request_id, f"request id {request_id!r} is already running", request.incarnation
             )

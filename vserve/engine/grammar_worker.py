@@ -23,7 +23,7 @@ The memory bound is watched from outside (the worker's resident memory, every 50
 past its resident size when ready plus the budget) and, as a backstop for allocations faster
 than that, set inside as an address-space limit.
 
-The worker exits with its engine core (a lifeline thread: `vserve.lifeline`), on end of input,
+The worker exits with its engine core (a lifeline thread: `vserve.host.lifeline`), on end of input,
 and after an out-of-memory failure (the engine side starts a new one for the next job).
 """
 
@@ -93,7 +93,11 @@ class CompileWorker:
         if reply is None:  # over its memory, out of address space, or killed by `kill`
             self._stop(proc)
             return Verdict(False, f"the grammar needs more than {self.memory_mb} MiB to compile")
-        verdict = msgspec.msgpack.decode(reply, type=Verdict)
+        try:
+            verdict = msgspec.msgpack.decode(reply, type=Verdict)
+        except msgspec.DecodeError:  # the channel is out of step: start afresh
+            self._stop(proc)
+            raise RuntimeError("the grammar compile worker sent a reply it cannot read") from None
         if verdict.error is not None and "memory" in verdict.error:
             self._stop(proc)  # a native out-of-memory leaves nothing worth keeping
         return verdict
@@ -205,7 +209,7 @@ def _serve(stdin, stdout) -> None:
 
     import xgrammar as xgr
 
-    from vserve import heap
+    from vserve.host import heap
 
     first = _recv(stdin)
     if first is None:
@@ -230,8 +234,8 @@ def _serve(stdin, stdout) -> None:
 
 
 def _compile(compiler, job: Job) -> Verdict:
-    from vserve import heap
-    from vserve.engine.structured_output import compile_source, xgrammar_reason
+    from vserve.engine.grammars import compile_source, xgrammar_reason
+    from vserve.host import heap
 
     try:
         compiled = compile_source(compiler, job.kind, job.source)
@@ -273,12 +277,15 @@ def _send(stream, verdict: Verdict) -> None:
 
 
 def main() -> None:
-    from vserve.lifeline import exit_with_parent
+    from vserve.host.lifeline import exit_with_parent
 
     exit_with_parent(int(sys.argv[1]))
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing else may write into the reply channel
-    _serve(stdin, stdout)
+    # the replies get a descriptor of their own; fd 1 (what native code may print to) and
+    # Python's stdout go to stderr, so nothing else can write into the reply channel
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _serve(sys.stdin.buffer, replies)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from vserve.config import EngineConfig
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.messages import SchedulerStats
-from vserve.engine.output_processor import OutputKind, OutputProcessor
+from vserve.engine.output_processor import OutputProcessor
 from vserve.engine.processor import InputProcessor, Prompt
 from vserve.engine.recorder import StepRecord
-from vserve.outputs import RequestOutput
+from vserve.outputs import OutputKind, RequestOutput
 from vserve.sampling_params import SamplingParams
 from vserve.startup import phase, resident_bytes, start_with_tokenizer
 
@@ -113,7 +113,7 @@ class LLMEngine:
 
 def _make_client(config: EngineConfig, multiprocess: bool) -> EngineCoreClient:
     if multiprocess:
-        from vserve.engine.dp_client import make_sync_client
+        from vserve.engine.dp.client import make_sync_client
 
         return make_sync_client(config)
     if config.data_parallel.size > 1 and config.data_parallel.rank is None:

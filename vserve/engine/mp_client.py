@@ -1,10 +1,9 @@
 """Clients for an engine core in its own process: `SyncMPClient` (used by `LLM`) and
 `AsyncMPClient` (used by the HTTP server through `AsyncLLM`).
 
-The front end binds two ZMQ sockets on `ipc://` paths inside a private temporary directory
-(mode 0700), spawns `EngineCoreProc`, and waits for its READY frame (with a timeout, watching
-the process). A monitor thread watches the process sentinel: if the engine core dies, every
-pending call gets `EngineDeadError` within moments.
+The process itself (its start, the READY handshake, its stop) is `core_launcher.py`'s. A
+monitor thread watches the process sentinel: if the engine core dies, every pending call gets
+`EngineDeadError` within moments.
 
 The watchdog (`watchdog_timeout` > 0) pings the engine core; the busy loop answers between
 steps. A ping unanswered for `watchdog_timeout` + `WATCHDOG_GRACE_S` seconds (a stuck main
@@ -19,17 +18,9 @@ import abc
 import asyncio
 import itertools
 import logging
-import os
-import pickle
 import queue
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,18 +29,17 @@ import zmq
 import zmq.asyncio
 
 from vserve.config import EngineConfig
-from vserve.cpu_affinity import pin_process, process_cpus
-from vserve.engine.core_proc import FRAME_DEAD, FRAME_OUTPUTS, FRAME_READY
+from vserve.engine.core_launcher import EngineProcess
 from vserve.engine.messages import (
+    FRAME_DEAD,
+    FRAME_OUTPUTS,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
     pack_requests,
 )
-from vserve.envs import ENV
 
 logger = logging.getLogger("vserve")
-READY_TIMEOUT_S = ENV.engine_ready_timeout
 WATCHDOG_GRACE_S = 2.0  # lets the engine core's own step deadline report first
 SEND_RETRY_S = 0.002  # a send finds no engine socket connected (start-up, or it is gone)
 PING_WAIT_S = 1.0  # the watchdog looks at its ping at least this often
@@ -68,188 +58,11 @@ class EngineDeadError(RuntimeError):
         self.outputs = outputs or []
 
 
-class _EngineProcess:
-    """Starts the engine core, owns the socket paths, does the handshake and cleans up.
-
-    The core starts as a fresh interpreter (`python -m vserve.engine.core_proc`) that reads its
-    config from stdin: a spawn that never re-imports the user's script, so `LLM(...)` works in
-    scripts without a `__main__` guard, in notebooks and under `python -c`."""
-
-    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
-        self.name = _engine_name(config)
-        self._cpus = process_cpus(os.getpid())  # the engine core may pin us beside it
-        self.tmpdir = tempfile.mkdtemp(prefix="vserve-")
-        os.chmod(self.tmpdir, 0o700)
-        input_addr = f"ipc://{self.tmpdir}/input"
-        output_addr = f"ipc://{self.tmpdir}/output"
-        self.input_sock = ctx.socket(zmq.PUSH)
-        self.input_sock.bind(input_addr)
-        self.output_sock = ctx.socket(zmq.PULL)
-        self.output_sock.bind(output_addr)
-        self.proc = spawn_engine_core(config, input_addr, output_addr)
-        self.stopping = threading.Event()  # set once we stop it: its exit is no error
-        # stop the engine core when the client is collected or the interpreter exits
-        self._finalizer = weakref.finalize(
-            self, _stop_process, self.proc, self.tmpdir, self.stopping
-        )
-        self.info = self._handshake(ctx, output_addr)
-
-    @property
-    def closing(self) -> bool:
-        return self.stopping.is_set()
-
-    def _handshake(self, ctx, output_addr):
-        # a plain socket for the handshake, so async clients need no running loop yet
-        sock = self.output_sock
-        if isinstance(sock, zmq.asyncio.Socket):
-            raise AssertionError("handshake needs a sync socket")
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if sock.poll(200):
-                frame, payload = sock.recv_multipart()
-                if frame == FRAME_READY:
-                    return msgspec.msgpack.decode(payload)
-                if frame == FRAME_DEAD:
-                    self.close()
-                    raise RuntimeError(payload.decode())
-            if not self.alive():
-                self.close()
-                raise RuntimeError(
-                    f"{self.name} exited during start-up (exit code "
-                    f"{self.proc.returncode}); see the log above"
-                )
-        self.close()
-        raise TimeoutError(f"{self.name} was not ready within {READY_TIMEOUT_S:.0f} s")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait_gone(self) -> str:
-        """Block until the engine core is gone; returns what to report if that was no stop."""
-        self.proc.wait()
-        return f"{self.name} process died (exit code {self.exitcode})"
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.proc.poll()
-
-    def kill(self) -> None:
-        """SIGKILL the engine core and every process it started (a hang: nothing polite)."""
-        _kill_group(self.proc)
-
-    def close(self) -> None:
-        self.stopping.set()
-        if self.alive():
-            try:
-                self.input_sock.send_multipart(
-                    [bytes([RequestType.SHUTDOWN]), b""], flags=zmq.NOBLOCK
-                )
-            except zmq.ZMQError:
-                pass
-            _wait(self.proc, 20)
-        if self.alive():
-            self.proc.terminate()
-            _wait(self.proc, 5)
-        if self.alive():
-            _kill_group(self.proc)
-            self.proc.wait()
-        self.input_sock.close(linger=0)
-        self.output_sock.close(linger=0)
-        self._finalizer()
-        self.restore_cpus()
-
-    def restore_cpus(self) -> None:
-        """Our CPUs as before the engine core pinned us beside it: it gives them back when it
-        shuts down, but not when it dies (or is killed by the watchdog). Call once it is gone."""
-        if self._cpus and process_cpus(os.getpid()) != self._cpus:
-            pin_process(os.getpid(), self._cpus)
-
-
-def spawn_engine_core(
-    config: EngineConfig, input_addr: str, output_addr: str
-) -> subprocess.Popen[bytes]:
-    """`python -m vserve.engine.core_proc` with the config on its stdin (a local pipe), in
-    its own process group, which its workers join: one signal ends the whole tree."""
-    level = logging.getLevelName(logging.getLogger("vserve").getEffectiveLevel())
-    proc: subprocess.Popen[bytes] = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vserve.engine.core_proc",
-            input_addr,
-            output_addr,
-            str(os.getpid()),
-            level,
-        ],
-        stdin=subprocess.PIPE,
-        **_NEW_GROUP,
-    )
-    share = cpu_share(config)
-    if share:  # before the core starts any thread: they and its workers inherit it
-        pin_process(proc.pid, share)
-    stdin = proc.stdin
-    assert stdin is not None  # stdin=PIPE
-    stdin.write(pickle.dumps(config))
-    stdin.close()
-    return proc
-
-
-def _engine_name(config: EngineConfig) -> str:
-    dp = config.data_parallel
-    return "the engine core" if dp.size == 1 else f"data-parallel engine {dp.engine_index}"
-
-
-def cpu_share(config: EngineConfig) -> tuple[int, ...]:
-    """The CPUs of one of several engines on this host: the host's CPUs in equal parts, one
-    per local engine (none when there are fewer CPUs than engines: the OS shares them)."""
-    dp = config.data_parallel
-    cpus = process_cpus(os.getpid())
-    if dp.size_local <= 1 or len(cpus) < dp.size_local:
-        return ()
-    part = len(cpus) // dp.size_local
-    index = dp.engine_index - dp.start_rank
-    return cpus[index * part : (index + 1) * part]
-
-
-def _stop_process(proc: subprocess.Popen, tmpdir: str, stopping: threading.Event) -> None:
-    stopping.set()
-    if proc.poll() is None:
-        proc.terminate()
-        _wait(proc, 10)
-        if proc.poll() is None:
-            _kill_group(proc)
-            proc.wait()
-    shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-# Python 3.11 names it; before, a new session does the same for a non-interactive child
-_NEW_GROUP: dict[str, Any] = (
-    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
-)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group led by `proc` (its workers included). A group id stays
-    reserved while any member lives, so this never reaches a stranger's group."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> None:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-EngineFactory = Callable[[zmq.Context], Any]  # a context -> an engine like `_EngineProcess`
+EngineFactory = Callable[[zmq.Context], Any]  # a context -> an engine like `EngineProcess`
 
 
 class _ClientBase(abc.ABC):
-    engine: _EngineProcess
+    engine: EngineProcess
     watchdog_timeout: float
     engine_index: int = 0  # the engine's data-parallel rank, stamped on what it sends
 
@@ -335,7 +148,7 @@ class SyncMPClient(_ClientBase):
         self.ctx = zmq.Context()
         self.outputs: queue.Queue[EngineCoreOutputs] = outputs or queue.Queue()
         try:
-            self.engine = (engine or (lambda ctx: _EngineProcess(config, ctx)))(self.ctx)
+            self.engine = (engine or (lambda ctx: EngineProcess(config, ctx)))(self.ctx)
         except BaseException:
             self.ctx.term()
             raise
@@ -470,7 +283,7 @@ class AsyncMPClient(_ClientBase):
         self.engine_index = config.data_parallel.engine_index
         sync_ctx = zmq.Context()
         try:
-            self.engine = (engine or (lambda ctx: _EngineProcess(config, ctx)))(sync_ctx)
+            self.engine = (engine or (lambda ctx: EngineProcess(config, ctx)))(sync_ctx)
         except BaseException:
             sync_ctx.term()
             raise
@@ -515,10 +328,12 @@ class AsyncMPClient(_ClientBase):
                 return
 
     async def _ping(self, limit: float) -> bool:
-        """Whether the engine core answers a ping within `limit` seconds of its own time.
-        A wait at whose end the engine's reply (or any frame of it) sits unread in our
-        socket does not count: then this loop was busy elsewhere, not the engine (a stall
-        of the event loop must never get a live engine killed)."""
+        """Whether the engine core answers a ping within `limit` seconds of waiting. Each
+        look at the reply counts at most `PING_WAIT_S`, however late the loop woke for it: a
+        loop held up elsewhere (by anything that blocked it) must never get a live engine
+        killed, and once it runs again its reader takes the reply that waits in the socket.
+        The reply future is never cancelled (a timed-out `wait_for` would, on Python 3.12,
+        even with the reply already read)."""
         assert self._loop is not None, "start() first"
         call_id = next(self._call_ids)
         fut = self._loop.create_future()
@@ -534,17 +349,10 @@ class AsyncMPClient(_ClientBase):
                     if outs.engine_error:
                         raise EngineDeadError(outs.engine_error)
                     return True
-                if not self._frames_waiting():
-                    waited += self._loop.time() - started
+                waited += min(self._loop.time() - started, PING_WAIT_S)
             return False
         finally:
             self._utility.pop(call_id, None)
-
-    def _frames_waiting(self) -> bool:
-        try:
-            return bool(int(self._out.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-        except zmq.ZMQError:
-            return False
 
     async def _read_loop(self) -> None:
         while not self.engine.closing:

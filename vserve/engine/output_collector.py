@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from vserve.engine.output_processor import OutputKind
-from vserve.outputs import CompletionOutput, RequestOutput
+from vserve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 Item = RequestOutput | BaseException
 

@@ -7,24 +7,17 @@ and asks the engine to abort it), logprob dictionaries and per-request timestamp
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vserve.engine.detokenizer import IncrementalDetokenizer
 from vserve.engine.messages import EngineCoreOutput, LogprobsDelta
-from vserve.outputs import CompletionOutput, Logprob, RequestOutput
+from vserve.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
 from vserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the collector imports this module
+if TYPE_CHECKING:
     from vserve.engine.output_collector import OutputCollector
-
-
-class OutputKind(enum.Enum):
-    CUMULATIVE = 0  # every output carries everything so far
-    DELTA = 1  # every output carries only what is new (streaming)
-    FINAL_ONLY = 2  # one output, when the request finished
 
 
 @dataclass
@@ -147,12 +140,17 @@ class OutputProcessor:
                 to_abort.append(out.request_id)  # stopped by a stop string
             touched[state.request_id] = state
         for state in touched.values():
-            ro = self._make_output(state)
+            ro = self.make_output(state)
             if ro is not None:
                 delivered.append((state, ro))
             if state.finished:
                 self.abort_request(state.request_id)
         return delivered, to_abort
+
+    def clear(self) -> None:
+        """Forget every request (the engine died: their consumers were told)."""
+        self.requests.clear()
+        self.child_to_parent.clear()
 
     def fail_all(self, message: str) -> list[tuple[RequestState, RequestOutput]]:
         """The engine died: finish every request with reason 'error'."""
@@ -161,7 +159,7 @@ class OutputProcessor:
             for child in state.children.values():
                 if child.finish_reason is None:
                     child.finish_reason, child.stop_reason = "error", message
-            ro = self._make_output(state)
+            ro = self.make_output(state)
             assert ro is not None  # every choice is finished
             delivered.append((state, ro))
         self.requests.clear()
@@ -210,7 +208,7 @@ class OutputProcessor:
             entries.append(entry)
         return entries
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished
         if state.kind == OutputKind.FINAL_ONLY and not finished:
             return None

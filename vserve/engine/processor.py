@@ -15,8 +15,8 @@ import msgspec
 
 from vserve.config import EngineConfig
 from vserve.core.seeds import splitmix64
+from vserve.engine.grammars import check_grammar, grammar_source
 from vserve.engine.messages import EngineCoreRequest
-from vserve.engine.structured_output import check_grammar, grammar_source
 from vserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _CONSTRAINT_NAMES = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar"}
@@ -138,6 +138,7 @@ class InputProcessor:
         if params.n > 1 and not self.config.cache.enable_prefix_caching:
             salt = request_id
         out = []
+        ids = list(prompt_ids)  # one list for every child: its frame carries it once
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             seed = base_seed if i == 0 else splitmix64((base_seed + i) & ((1 << 64) - 1))
@@ -146,7 +147,7 @@ class InputProcessor:
             out.append(
                 EngineCoreRequest(
                     child_id,
-                    list(prompt_ids),
+                    ids,
                     child_params,
                     eos,
                     seed & ((1 << 63) - 1),

@@ -10,13 +10,10 @@ matcher is therefore already where its recomputation starts.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,14 +25,13 @@ from vserve.config import StructuredOutputConfig
 from vserve.core.outputs import ERROR_BUSY, ERROR_INVALID, RequestError
 from vserve.core.structured import GrammarMatcher
 from vserve.engine.grammar_worker import CompileWorker, Job
+from vserve.engine.grammars import BytesLRU, compile_source, constraint_digest, grammar_source
 from vserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:  # imported when first used
     import xgrammar as xgr
 
 logger = logging.getLogger("vserve.engine")
-
-MAX_SCHEMA_DEPTH = 128  # nesting of a JSON schema; compile time grows ~ depth**3
 
 
 class GrammarState:
@@ -70,6 +66,8 @@ class StructuredOutputManager:
     | a compile's time and memory        | `compile_timeout`, `compile_memory_mb`  |
     | distinct compiles waiting          | `MAX_PENDING_COMPILES` (more: busy)     |
     | compiled grammars kept             | `CACHE_BYTES` of xgrammar's own count   |
+    | compiled grammars requests hold    | `LIVE_FACTOR` x `compile_memory_mb`     |
+    |                                    | (a new one past it: busy)               |
     """
 
     MAX_PENDING_COMPILES = 64
@@ -95,6 +93,8 @@ class StructuredOutputManager:
         self._queue: deque[_Job] = deque()
         self._wake = threading.Condition(self._lock)
         self._cache = BytesLRU(self.CACHE_BYTES)
+        self._live = _LiveGrammars()  # the grammars requests hold, and their bytes
+        self._live_limit = LIVE_FACTOR * (self.config.compile_memory_mb << 20)
         self._local = ThreadPoolExecutor(1, thread_name_prefix="vserve-grammar")
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -103,52 +103,55 @@ class StructuredOutputManager:
         self._compile_delay = _injected_delay()
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, params: StructuredOutputsParams) -> Future:
+    def submit(self, params: StructuredOutputsParams, key: str | None = None) -> Future:
+        """The future of `params`' compiled grammar, for one request (`key`: its digest,
+        when the caller has it)."""
         kind, source = grammar_source(params)
-        key = constraint_digest(kind, source)
+        key = key or constraint_digest(kind, source)
         with self._lock:
-            job = self._jobs.get(key)
-            if job is not None:
-                job.holders += 1
-                return job.future
-            future: Future = Future()
-            compiled = self._cache.get(key)
-            if compiled is not None:
-                future.set_result(compiled)
-            elif len(self._jobs) >= self.MAX_PENDING_COMPILES:
-                future.set_exception(
-                    RequestError(
-                        f"structured outputs: {self.MAX_PENDING_COMPILES} grammars are "
-                        "compiling; retry later",
-                        ERROR_BUSY,
-                    )
-                )
-            else:
-                job = _Job(key, kind, source, future)
-                self._jobs[key] = self._of_future[future] = job
-                self._queue.append(job)
-                self._start()
-                self._wake.notify()
+            future = self._future_for(key, kind, source)
+            self._live.hold(future, key)
         future.add_done_callback(self._done)
         return future
 
+    def _future_for(self, key: str, kind: str, source: str) -> Future:
+        """(Under the lock.) A running job's future, a cached grammar's, or a new job's."""
+        job = self._jobs.get(key)
+        if job is not None:
+            job.holders += 1
+            return job.future
+        future: Future = Future()
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._live.sized(key, self._cache.size(key))
+            future.set_result(compiled)
+        elif len(self._jobs) >= self.MAX_PENDING_COMPILES:
+            message = f"{self.MAX_PENDING_COMPILES} grammars are compiling; retry later"
+            future.set_exception(RequestError(f"structured outputs: {message}", ERROR_BUSY))
+        else:
+            job = _Job(key, kind, source, future)
+            self._jobs[key] = self._of_future[future] = job
+            self._queue.append(job)
+            self._start()
+            self._wake.notify()
+        return future
+
     def release(self, compiling: Future) -> None:
-        kill = False
         with self._lock:
+            self._live.drop(compiling)
             job = self._of_future.get(compiling)
             if job is None:
                 return
             job.holders -= 1
             if job.holders > 0:
                 return
+            self._forget(job)  # a request of the same constraint from now on starts afresh
             if job.state == _QUEUED:
                 self._queue.remove(job)
-                self._forget(job)
                 job.future.cancel()
-            elif job.state == _TRIAL:
-                job.state, kill = _ABANDONED, True
-        if kill and self._worker is not None:
-            self._worker.kill()
+            elif job.state == _TRIAL and self._worker is not None:
+                job.state = _ABANDONED
+                self._worker.kill()  # under the lock: the next job cannot have started
 
     def _done(self, _: Future) -> None:
         self._compiled.set()
@@ -206,11 +209,18 @@ class StructuredOutputManager:
         worker = self._get_worker()
         verdict = worker.check(Job(job.kind, job.source), self.config.compile_timeout)
         with self._lock:
-            if job.state == _ABANDONED:
-                self._forget(job)
+            if job.state == _ABANDONED or job.holders == 0:
                 job.future.cancel()
                 return
             job.state = _LOCAL
+            over = self._live.num_bytes + verdict.memory_bytes > self._live_limit
+        if verdict.ok and over:
+            message = (
+                f"structured outputs: the grammars of running requests hold "
+                f"{self._live.num_bytes >> 20} MiB; retry later"
+            )
+            self._finish(job, error=RequestError(message, ERROR_BUSY))
+            return
         if not verdict.ok:
             flag = (
                 "--grammar-compile-timeout"
@@ -234,7 +244,10 @@ class StructuredOutputManager:
             logger.exception("structured outputs: a grammar that passed its trial failed")
             self._finish(job, error=e)
             return
-        self._cache.put(job.key, compiled, compiled.memory_size_bytes or size)
+        size = compiled.memory_size_bytes or size
+        self._cache.put(job.key, compiled, size)
+        with self._lock:
+            self._live.sized(job.key, size)
         self._finish(job, result=compiled)
 
     def _finish(self, job: _Job, result=None, error: BaseException | None = None) -> None:
@@ -293,6 +306,41 @@ class StructuredOutputManager:
 
 
 _QUEUED, _TRIAL, _ABANDONED, _LOCAL = "queued", "trial", "abandoned", "local"
+LIVE_FACTOR = 2  # compiled grammars held by requests: at most this many compile budgets
+
+
+class _LiveGrammars:
+    """(Under the manager's lock.) Per constraint, the requests that hold its grammar (or
+    wait for it) and its size once known; the total of those sizes."""
+
+    def __init__(self) -> None:
+        self.num_bytes = 0
+        self._holders: dict[str, list[int]] = {}  # digest -> [requests, bytes]
+        self._uses: dict[Future, list] = {}  # future -> [digest, requests using it]
+
+    def hold(self, future: Future, key: str) -> None:
+        self._holders.setdefault(key, [0, 0])[0] += 1
+        self._uses.setdefault(future, [key, 0])[1] += 1
+
+    def sized(self, key: str, size: int) -> None:
+        entry = self._holders.get(key)
+        if entry is not None and entry[1] == 0:
+            entry[1] = size
+            self.num_bytes += size
+
+    def drop(self, future: Future) -> None:
+        use = self._uses.get(future)
+        if use is None:
+            return
+        key = use[0]
+        use[1] -= 1
+        if use[1] == 0:
+            del self._uses[future]
+        entry = self._holders[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.num_bytes -= entry[1]
+            del self._holders[key]
 
 
 @dataclass(eq=False)
@@ -305,180 +353,9 @@ class _Job:
     state: str = _QUEUED
 
 
-class BytesLRU:
-    """Least recently used values, at most `max_bytes` of them by their given sizes."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.num_bytes = 0
-        self._items: OrderedDict[str, tuple[Any, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str):
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                return None
-            self._items.move_to_end(key)
-            return item[0]
-
-    def put(self, key: str, value, size: int) -> None:
-        if size > self.max_bytes:
-            return  # bigger than the whole cache: used once, never kept
-        with self._lock:
-            old = self._items.pop(key, None)
-            self.num_bytes += size - (old[1] if old else 0)
-            self._items[key] = (value, size)
-            while self.num_bytes > self.max_bytes:
-                _, (_, dropped) = self._items.popitem(last=False)
-                self.num_bytes -= dropped
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-def compile_source(compiler, kind: str, source: str):
-    """xgrammar's compiled grammar for a constraint (`grammar_source`'s kind and text)."""
-    if kind == "json":
-        return compiler.compile_grammar(json_schema_grammar(source))
-    if kind == "regex":
-        return compiler.compile_regex(source)
-    return compiler.compile_grammar(source)
-
-
-def constraint_digest(kind: str, source: str) -> str:
-    """The key of a constraint in every cache (never its text, which may be long)."""
-    data = source.encode("utf-8", "surrogatepass")
-    return hashlib.sha256(kind.encode() + b"\0" + data).hexdigest()
-
-
 def _injected_delay() -> float:
     """VSERVE_FAULT_INJECT="grammar_compile_delay:SECONDS": slow compiles (a test hook)."""
     from vserve.envs import read_env
 
     spec = read_env().fault_inject or ""
     return float(spec.split(":", 1)[1]) if spec.startswith("grammar_compile_delay:") else 0.0
-
-
-def grammar_source(params: StructuredOutputsParams) -> tuple[str, str]:
-    """What xgrammar builds for a constraint: ("json" | "regex" | "ebnf", its text)."""
-    kind, value = params.key
-    if kind == "json_object":
-        return "json", '{"type": "object"}'
-    if kind == "choice":
-        assert params.choice is not None  # what `key` said
-        return "regex", "|".join(_regex_escape(c) for c in params.choice)
-    return ("ebnf", value) if kind == "grammar" else (kind, value)
-
-
-def check_grammar(params: StructuredOutputsParams) -> None:
-    """Raise ValueError for a constraint that cannot compile (an invalid regex, schema or
-    grammar, or a schema nested too deep), before the request is admitted. It parses the
-    constraint without the tokenizer (milliseconds; the engine's compile takes longer) and
-    remembers, by digest, what passed. Thread-safe: the server runs it off its event loop."""
-    kind, source = grammar_source(params)
-    key = constraint_digest(kind, source)
-    if _passed.get(key) is None:
-        _check_source(kind, source)
-        _passed.put(key, True, 1)
-
-
-_passed = BytesLRU(4096)  # digests of constraints that parsed
-
-
-def xgrammar_reason(e: BaseException) -> str:
-    """What an xgrammar error says is wrong, without its source file and time stamp."""
-    text = str(e).strip()
-    if not text:
-        return type(e).__name__
-    return text.splitlines()[-1].split("] ", 1)[-1].split(": ", 1)[-1][:300]
-
-
-# xgrammar (0.2.9) writes a string with minLength / maxLength as a bounded repeat of this
-# character class: it lets raw control characters in (JSON parsers refuse them) and escapes out.
-_BOUNDED_CLASS = r"[^\"\\\r\n]"
-_BOUNDED_STRING_CHAR = f"(({_BOUNDED_CLASS}))"
-# what a JSON string character is: anything but a control character, quote or backslash, or
-# an escape (one character of the string, as minLength / maxLength count it)
-_JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" vserve_json_escape))'
-_JSON_ESCAPE_RULE = (
-    r"vserve_json_escape ::= (([\"\\/bfnrt]) | "
-    r'("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
-)
-
-
-def json_schema_grammar(source: str):
-    """The grammar of a JSON schema's compact JSON (a weak model cannot wander off into
-    endless whitespace), with the length-bounded strings mended to JSON's string rules."""
-    import xgrammar as xgr
-
-    grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
-    lines = str(grammar).splitlines()
-    bad = " ::= " + _BOUNDED_STRING_CHAR
-    mended = [
-        line[: -len(_BOUNDED_STRING_CHAR)] + _JSON_STRING_CHAR if line.endswith(bad) else line
-        for line in lines
-    ]
-    if any(_BOUNDED_CLASS in line for line in mended):  # the class in another form
-        _warn_unmended()
-    if mended == lines:
-        return grammar
-    return xgr.Grammar.from_ebnf("\n".join([*mended, _JSON_ESCAPE_RULE]))
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_unmended() -> None:
-    from importlib.metadata import version
-
-    logger.warning(
-        "xgrammar %s wrote the length-bounded string class in a form vserve does not mend: "
-        "such strings may admit raw control characters (invalid JSON)",
-        version("xgrammar"),
-    )
-
-
-def _check_source(kind: str, source: str) -> None:
-    import xgrammar as xgr
-
-    if kind == "json" and _depth(_json_value(source)) > MAX_SCHEMA_DEPTH:
-        raise ValueError(
-            f"structured outputs: the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels"
-        )
-    builds: dict[str, Callable[[str], Any]] = {
-        "json": json_schema_grammar,
-        "regex": xgr.Grammar.from_regex,
-        "ebnf": xgr.Grammar.from_ebnf,
-    }
-    build = builds[kind]
-    try:
-        build(source)
-    except UnicodeError:
-        raise ValueError("structured outputs: the constraint is not valid Unicode") from None
-    except RuntimeError as e:  # xgrammar's parse errors; the last line says what is wrong
-        reason = xgrammar_reason(e)
-        name = {"json": "JSON schema", "regex": "regex", "ebnf": "grammar"}[kind]
-        raise ValueError(f"structured outputs: invalid {name}: {reason}") from None
-
-
-def _json_value(source: str):
-    try:
-        return json.loads(source)
-    except RecursionError:
-        raise ValueError(
-            f"structured outputs: the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels"
-        ) from None
-    except ValueError as e:
-        raise ValueError(f"structured outputs: the JSON schema is not valid JSON: {e}") from None
-
-
-def _depth(value, limit: int = MAX_SCHEMA_DEPTH + 1) -> int:
-    """Nesting depth of a JSON value, counted up to `limit` (no deeper recursion)."""
-    if limit <= 0 or not isinstance(value, (dict, list)):
-        return 0
-    children = value.values() if isinstance(value, dict) else value
-    return 1 + max((_depth(c, limit - 1) for c in children), default=0)
-
-
-def _regex_escape(text: str) -> str:
-    special = set("\\.^$|?*+()[]{}")
-    return "".join("\\" + c if c in special else c for c in text)

@@ -24,8 +24,8 @@ from vserve.config import EngineConfig
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
 from vserve.distributed.grid import local_ranks
 from vserve.executor.base import Executor, StepFuture
-from vserve.executor.placement import layer_shares
-from vserve.executor.placement_control import PlacementController, overrides_from_env
+from vserve.host.placement import layer_shares
+from vserve.host.placement_control import PlacementController, overrides_from_env
 from vserve.workers import messages as wire
 from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.worker_proc import RankSetup, worker_main

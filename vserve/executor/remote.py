@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 from vserve.config import EngineConfig
-from vserve.cpu_affinity import available_cpus
 from vserve.distributed.grid import local_ranks
-from vserve.executor.placement import layer_shares, plan_placement
+from vserve.host.affinity import available_cpus
+from vserve.host.placement import layer_shares, plan_placement
 from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.worker_proc import RankSetup, worker_main
 

@@ -113,7 +113,7 @@ def _check_api_keys(keys: list[str] | None) -> None:
 def _headless(args: argparse.Namespace) -> int:
     import logging
 
-    from vserve.engine.dp_headless import run_headless
+    from vserve.engine.dp.headless import run_headless
     from vserve.entrypoints.cli_args import engine_args_from
 
     logging.getLogger("vserve").setLevel(str(args.log_level).upper())

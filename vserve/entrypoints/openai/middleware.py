@@ -9,11 +9,12 @@ were same-origin; see `HostPolicy`); while draining (SIGTERM) everything but `/m
 `/ping`, `/metrics`, `/version` and CORS preflights stay open); a body longer than
 `--max-request-body-bytes` gets 413, from its Content-Length before it is read, or as soon
 as the bytes received pass the limit; a body that takes longer than `--request-body-timeout`
-to arrive gets 408; bodies beyond their first `FREE_BODY_BYTES` share `--max-pending-body-bytes`
-while they arrive (past it: 503 + Retry-After), so stalled uploads cannot hold unbounded
-memory and small requests are never refused for them; every request gets an id -- the
-client's `X-Request-Id` when it sends a usable one -- which the handlers use as the base of
-the engine request id and which is echoed in the response.
+to arrive gets 408; bodies beyond their first `FREE_BODY_BYTES` share
+`--max-pending-body-bytes` while they arrive and until they are parsed (past it: 503 +
+Retry-After), so stalled uploads and queued parses cannot hold unbounded memory, and small
+requests are never refused for them; every request gets an id -- the client's
+`X-Request-Id` when it sends a usable one -- which the handlers use as the base of the engine
+request id and which is echoed in the response.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def host_policy(bind_host: str, allowed: list[str] | None) -> HostPolicy:
     names = set(LOOPBACK_NAMES)
     bind = bind_host.strip("[]").lower()
     if not (bind in LOOPBACK_NAMES or bind.startswith("127.")):
-        names |= {bind, socket.gethostname().lower(), socket.getfqdn().lower()}
+        names |= {bind, socket.gethostname().lower()}  # no DNS lookup at start-up
         names.discard("")
     return HostPolicy(frozenset(names))
 
@@ -99,7 +100,7 @@ class FrontDoor:
     ) -> None:
         self.app = app
         self.ctx = ctx
-        self.digests = [_digest(k) for k in api_keys or []]
+        self.digests = [_digest(k.strip()) for k in api_keys or []]  # as tokens are read
         self.hosts = hosts or HostPolicy(None)
         self.max_body = ctx.limits.max_request_body_bytes
         self.pending_bytes = 0  # of bodies arriving, beyond each one's FREE_BODY_BYTES
@@ -134,7 +135,9 @@ class FrontDoor:
             return
         body = _Body(self)
         request_id = _client_request_id(scope) or random_id()
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["body_budget"] = body  # the body parser gives its share back once parsed
         header = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message) -> None:
@@ -167,8 +170,9 @@ class FrontDoor:
 class _Body:
     """One request's body as it arrives: 413 past --max-request-body-bytes (whatever its
     Content-Length said), 408 past --request-body-timeout, 503 when the bytes beyond its
-    first FREE_BODY_BYTES would take all bodies past --max-pending-body-bytes. Nothing beyond
-    a limit is kept; once the body is complete, `receive` (disconnect waits) is untimed."""
+    first FREE_BODY_BYTES would take all bodies past --max-pending-body-bytes. Its bytes count
+    until the body is parsed (`release`, by the parser) or the request ends. Nothing beyond a
+    limit is kept; once the body is complete, `receive` (disconnect waits) is untimed."""
 
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
@@ -197,9 +201,8 @@ class _Body:
             if message["type"] == "http.request":
                 self._add(len(message.get("body", b"")))
                 self.done = not message.get("more_body", False)
-            else:
+            else:  # the client left: nothing more arrives, and nothing will be parsed
                 self.done = True
-            if self.done:
                 self.release()
             return message
 

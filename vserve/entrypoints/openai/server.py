@@ -23,7 +23,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 import vserve
-from vserve import heap
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.mp_client import EngineDeadError
 from vserve.entrypoints.chat import load_chat_template
@@ -37,7 +36,7 @@ from vserve.entrypoints.openai.errors import (
 from vserve.entrypoints.openai.launcher import serve, watchdog
 from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.metrics import ServerMetrics
-from vserve.entrypoints.openai.middleware import FrontDoor, host_policy
+from vserve.entrypoints.openai.middleware import LOOPBACK_NAMES, FrontDoor, host_policy
 from vserve.entrypoints.openai.openapi import body_doc, document_bodies
 from vserve.entrypoints.openai.protocol import (
     ChatCompletionChunk,
@@ -58,6 +57,7 @@ from vserve.entrypoints.openai.serving_chat import ChatServer
 from vserve.entrypoints.openai.serving_completion import CompletionServer
 from vserve.entrypoints.openai.tool_calls import ToolSettings, template_tools
 from vserve.envs import ENV
+from vserve.host import heap
 from vserve.startup import log_memory, log_ready
 
 logger = logging.getLogger("vserve.server")
@@ -93,6 +93,12 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app.state.ctx, app.state.metrics = ctx, metrics
     keys = getattr(args, "api_key", None) or ([ENV.api_key] if ENV.api_key else [])
     hosts = host_policy(getattr(args, "host", "127.0.0.1"), getattr(args, "allowed_hosts", None))
+    if hosts.names is not None and hosts.names != frozenset(LOOPBACK_NAMES):
+        logger.info(
+            "serving Host names %s and IP addresses; add others (a service or ingress name) "
+            "with --allowed-hosts, or '*' for any",
+            ", ".join(sorted(hosts.names)),
+        )
     app.add_middleware(
         FrontDoor, ctx=ctx, api_keys=[keys] if isinstance(keys, str) else keys, hosts=hosts
     )

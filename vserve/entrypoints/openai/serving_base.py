@@ -1,7 +1,6 @@
-"""What the completion and chat handlers share: the server context, SSE events, admission
-(model name, the limits of `limits.py`, context length, queue limit), tokenization on the
-tokenizer thread, sampling parameters from a request, submitting prompts to the engine, and
-reading their outputs until done or disconnected.
+"""What the completion and chat handlers share once a request is prepared
+(`request_prep.py`): the server context, SSE events, admission to the engine (the queue
+limit), submitting prompts, and reading their outputs until done or disconnected.
 
 Every request registered here is aborted in the engine when its handler ends for any reason
 (finished, client gone, error, server drain, `--request-timeout`), so no KV block outlives
@@ -21,16 +20,14 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel
 
-from vserve.core.outputs import ERROR_BUSY, ERROR_DEAD, ERROR_INVALID
 from vserve.engine.async_llm import AsyncLLM
-from vserve.engine.output_processor import OutputKind, RequestState
-from vserve.engine.processor import check_text
+from vserve.engine.output_processor import RequestState
 from vserve.entrypoints.openai.errors import APIError, error_body, error_status
 from vserve.entrypoints.openai.limits import AdmissionLimits
-from vserve.entrypoints.openai.protocol import SamplingRequest, random_id
+from vserve.entrypoints.openai.protocol import random_id
 from vserve.entrypoints.openai.tool_calls import ToolSettings
-from vserve.outputs import CompletionOutput, RequestOutput
-from vserve.sampling_params import SamplingParams, StructuredOutputsParams
+from vserve.outputs import OutputKind, RequestOutput
+from vserve.sampling_params import SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
 logger = logging.getLogger("vserve.server")
@@ -116,202 +113,6 @@ class ServerContext:
                 f"({limit} requests). Retry later.",
                 headers={"Retry-After": "1"},
             )
-
-
-def check_request(ctx: ServerContext, req: SamplingRequest, num_prompts: int) -> None:
-    """What can be refused from the parsed body alone, before any tokenization."""
-    ctx.check_model(req.model)
-    ctx.limits.check_fan_out(num_prompts, req.n)
-    ctx.limits.check_stops(req.stop, req.stop_token_ids)
-    ctx.limits.check_logit_bias(req.logit_bias)
-
-
-def data_parallel_rank(raw: Request) -> int | None:
-    """The engine a request names in its `X-data-parallel-rank` header (vLLM's), if any."""
-    value = raw.headers.get("x-data-parallel-rank")
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise APIError(400, f"X-data-parallel-rank must be an integer, got {value!r:.40}") from None
-
-
-def base_request_id(raw: Request) -> str:
-    return getattr(raw.state, "request_id", None) or random_id()
-
-
-def check_context(ctx: ServerContext, prompt_len: int, max_tokens: int | None) -> int:
-    """The number of tokens a request may generate; 400 when prompt + output does not fit."""
-    limit = ctx.max_model_len
-    if max_tokens is None:
-        if prompt_len >= limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. "
-                f"However, your prompt contains {prompt_len} tokens, which leaves "
-                "no room for output. Please reduce the length of the input.",
-                "messages",
-            )
-        return limit - prompt_len
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-    if prompt_len + max_tokens > limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, "
-            f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
-            f"input, {max_tokens} in the completion). Please reduce the length of "
-            "the input or the completion.",
-            "max_tokens",
-        )
-    return max_tokens
-
-
-_PARAM_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-)
-
-
-def make_sampling_params(
-    req: SamplingRequest,
-    max_tokens: int,
-    logprobs: int | None,
-    constraint: StructuredOutputsParams | None = None,
-) -> SamplingParams:
-    """The request's sampling params; `constraint` (made once per request by
-    `prepare_constraint`) is shared by every prompt's params, never copied."""
-    kwargs = {name: getattr(req, name) for name in _PARAM_FIELDS if getattr(req, name) is not None}
-    kwargs.update(
-        n=req.n,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens,
-        logit_bias=_logit_bias(req.logit_bias),
-        structured_outputs=constraint,
-    )
-    try:
-        return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as e:
-        param = str(e).split(" ", 1)[0]
-        raise APIError(400, str(e), param if param in type(req).model_fields else None) from e
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    try:
-        return {int(k): v for k, v in bias.items()}
-    except ValueError as e:
-        raise APIError(
-            400, "logit_bias keys must be token ids (integers written as strings)", "logit_bias"
-        ) from e
-
-
-async def prepare_constraint(
-    ctx: ServerContext, make: Callable[[], StructuredOutputsParams | None]
-) -> StructuredOutputsParams | None:
-    """A request's structured-output constraint, made and checked once (its size against
-    --max-constraint-chars, then that it parses) on a worker thread: its text may be long."""
-
-    def prepare() -> StructuredOutputsParams | None:
-        try:
-            constraint = make()
-            if constraint is not None:
-                ctx.engine.processor.check_constraint(constraint)
-            return constraint
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), "structured_outputs") from e
-
-    return await asyncio.to_thread(prepare)
-
-
-def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) -> None:
-    """The engine's own checks (logprobs cap, token ids in vocabulary); the constraint was
-    checked once by `prepare_constraint`, so this costs no more than the small params."""
-    try:
-        ctx.engine.processor.check_params(params, prompt_len)
-    except ValueError as e:
-        raise APIError(400, str(e)) from e
-
-
-def check_prompt_sizes(ctx: ServerContext, prompts: list[str | list[int]]) -> None:
-    """What the prompts' sizes alone decide, before any is tokenized: no empty prompt, each
-    text within --max-prompt-chars, all texts within --max-request-chars, all token ids
-    within --max-request-tokens."""
-    limits, max_len = ctx.limits, ctx.max_model_len
-    num_chars = num_ids = 0
-    for prompt in prompts:
-        if not prompt:
-            what = "must not be empty" if isinstance(prompt, str) else "must be a non-empty list"
-            raise APIError(400, f"prompt {what}", "prompt")
-        if isinstance(prompt, str):
-            limits.check_prompt_chars(len(prompt), max_len, "prompt")
-            num_chars += len(prompt)
-        else:
-            if len(prompt) >= max_len:
-                check_context(ctx, len(prompt), None)  # raises: no room for output
-            num_ids += len(prompt)
-    limits.check_request_chars(num_chars, max_len, "prompt")
-    limits.check_request_tokens(num_ids, max_len)
-
-
-def tokenize_all(
-    ctx: ServerContext,
-    prompts: list[str | list[int]],
-    add_special_tokens: bool,
-    max_tokens: int | None,
-) -> list[tuple[str | None, list[int]]]:
-    """Every prompt tokenized (or its ids checked) in turn, each checked against the context
-    (with `max_tokens` of output) and the request's token budget as soon as it is known, so
-    a request that cannot fit stops at its first prompt that does not. Runs on the
-    tokenizer thread (`ServerContext.off_loop`)."""
-    processor, limits, max_len = ctx.engine.processor, ctx.limits, ctx.max_model_len
-    out: list[tuple[str | None, list[int]]] = []
-    num_tokens = 0
-    for prompt in prompts:
-        try:
-            if isinstance(prompt, str):
-                check_text(prompt, "prompt")
-                ids = ctx.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-                text: str | None = prompt
-            else:
-                text, ids = processor.tokenize_prompt(prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "prompt") from e
-        check_context(ctx, len(ids), max_tokens)
-        num_tokens += len(ids)
-        limits.check_request_tokens(num_tokens, max_len)
-        out.append((text, ids))
-    return out
-
-
-def raise_if_error(c: CompletionOutput) -> None:
-    """A choice that failed in the engine: 400 when its input was at fault, 503 when a retry
-    may succeed, else 500 without the engine's words (they go to the log)."""
-    if c.finish_reason != "error":
-        return
-    if c.error_kind == ERROR_INVALID:
-        raise APIError(400, str(c.stop_reason))
-    if c.error_kind == ERROR_BUSY:
-        raise APIError(503, str(c.stop_reason), headers={"Retry-After": "1"})
-    if c.error_kind == ERROR_DEAD:  # the front end's own words on which engine died
-        raise APIError(500, f"The engine is dead: {c.stop_reason}")
-    logger.error("a request failed in the engine: %s", c.stop_reason)
-    raise APIError(500, "The request failed in the engine; the server's log has the details.")
 
 
 async def submit(

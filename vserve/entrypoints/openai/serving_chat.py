@@ -11,7 +11,6 @@ text goes through its tool-call parser: content deltas and `delta.tool_calls` co
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 
@@ -35,19 +34,24 @@ from vserve.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from vserve.entrypoints.openai.serving_base import (
-    SSE_DONE,
-    ServerContext,
-    TokenStrings,
+from vserve.entrypoints.openai.request_prep import (
     base_request_id,
     check_context,
     check_params,
     check_request,
+    check_template_kwargs,
+    conversation_chars,
     data_parallel_rank,
-    iterate,
     make_sampling_params,
     prepare_constraint,
     raise_if_error,
+    template_kwargs_chars,
+)
+from vserve.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    ServerContext,
+    TokenStrings,
+    iterate,
     release,
     sse_error,
     sse_event,
@@ -328,63 +332,3 @@ def _usage(num_prompt: int, num_out: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out
     )
-
-
-# template variables a request may not set: the tokenizer's special tokens (which
-# transformers passes in) and what the server passes itself
-_RESERVED_TEMPLATE_VARS = frozenset(
-    {
-        "messages",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "continue_final_message",
-        "chat_template",
-        "tokenize",
-        "return_dict",
-        "raise_exception",
-    }
-)
-
-
-def check_template_kwargs(kwargs: dict, tokenizer) -> None:
-    """400 for a chat_template_kwargs key that would replace a special token (`bos_token`)
-    or a variable the server sets."""
-    special = set(getattr(tokenizer, "special_tokens_map", None) or {})
-    for key in kwargs:
-        if key in _RESERVED_TEMPLATE_VARS or key in special:
-            raise APIError(
-                400,
-                f"chat_template_kwargs may not set {key[:40]!r}: it is the tokenizer's or the "
-                "server's own",
-                "chat_template_kwargs",
-            )
-
-
-def template_kwargs_chars(kwargs: dict) -> int:
-    """Characters the template variables add (their JSON: what a template can print)."""
-    if not kwargs:
-        return 0
-    try:
-        return len(json.dumps(kwargs))
-    except (TypeError, ValueError, RecursionError):
-        raise APIError(
-            400, "chat_template_kwargs must be plain JSON", "chat_template_kwargs"
-        ) from None
-
-
-def conversation_chars(messages: list[ChatMessage]) -> int:
-    """Characters of a conversation as the template may print them: roles, contents, names,
-    tool-call ids, names and arguments."""
-    total = 0
-    for m in messages:
-        total += len(m.role) + len(m.text()) + len(m.name or "") + len(m.tool_call_id or "")
-        for call in m.tool_calls or []:
-            arguments = call.function.arguments
-            total += len(call.id or "") + len(call.function.name)
-            total += (
-                len(arguments)
-                if isinstance(arguments, str)
-                else template_kwargs_chars(arguments or {})
-            )
-    return total

@@ -28,25 +28,27 @@ from vserve.entrypoints.openai.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from vserve.entrypoints.openai.serving_base import (
-    SSE_DONE,
-    ServerContext,
-    TokenStrings,
+from vserve.entrypoints.openai.request_prep import (
     base_request_id,
     check_context,
     check_params,
     check_prompt_sizes,
     check_request,
     data_parallel_rank,
-    iterate,
     make_sampling_params,
     prepare_constraint,
     raise_if_error,
+    tokenize_all,
+)
+from vserve.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    ServerContext,
+    TokenStrings,
+    iterate,
     release,
     sse_error,
     sse_event,
     submit,
-    tokenize_all,
     until_disconnect,
 )
 from vserve.outputs import CompletionOutput, Logprob
@@ -97,7 +99,7 @@ class CompletionServer:
         ctx.limits.check_response_logprobs(_logprob_entries(req, prompts, budgets), "logprobs")
         if echo_only and prompt_lp is None:  # only the prompt back, no generation
             body = await ctx.off_loop(self._echo_only, req, prompts, base_request_id(raw))
-            return json_response(body)
+            return Response(body, media_type="application/json")
         params = []
         for (_, ids), budget in zip(prompts, budgets):
             sp = make_sampling_params(req, budget, req.logprobs, constraint)
@@ -116,7 +118,7 @@ class CompletionServer:
             body = await until_disconnect(raw, self._collect(req, response_id, prompts, states))
         finally:
             release(ctx, states)
-        return json_response(body)
+        return Response(body, media_type="application/json")
 
     def _tables(
         self, req: CompletionRequest, prompt: Prompt, entries: PromptLogprobs | None
@@ -138,7 +140,7 @@ class CompletionServer:
         response_id: str,
         prompts: list[Prompt],
         states: list[RequestState],
-    ) -> CompletionResponse:
+    ) -> bytes:
         choices = [_Choice() for _ in range(len(prompts) * req.n)]
         prompt_lps: list[PromptLogprobs | None] = [None] * len(prompts)
         async for prompt_idx, out in iterate(self.ctx, states):
@@ -156,33 +158,36 @@ class CompletionServer:
         prompts: list[Prompt],
         prompt_lps: list[PromptLogprobs | None],
         choices: list[_Choice],
-    ) -> CompletionResponse:
-        """The whole body, prompt tables built once per prompt (the tokenizer thread)."""
+    ) -> bytes:
+        """The whole body, prompt tables built once per prompt, encoded (the tokenizer
+        thread: its size grows with the prompts and n)."""
         tables = [self._tables(req, p, lps) for p, lps in zip(prompts, prompt_lps)]
         if req.echo:
             for i, choice in enumerate(choices):
                 self._echo(choice, req, tables[i // req.n])
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_out = sum(c.num_tokens for c in choices)
-        return CompletionResponse(
-            id=response_id,
-            model=self.ctx.model_name,
-            choices=[
-                CompletionChoice.model_construct(
-                    index=i,
-                    text=c.text,
-                    logprobs=c.logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    prompt_logprobs=tables[i // req.n].vllm,
-                )
-                for i, c in enumerate(choices)
-            ],
-            usage=UsageInfo(
-                prompt_tokens=num_prompt,
-                completion_tokens=num_out,
-                total_tokens=num_prompt + num_out,
-            ),
+        return _encode(
+            CompletionResponse(
+                id=response_id,
+                model=self.ctx.model_name,
+                choices=[
+                    CompletionChoice.model_construct(
+                        index=i,
+                        text=c.text,
+                        logprobs=c.logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        prompt_logprobs=tables[i // req.n].vllm,
+                    )
+                    for i, c in enumerate(choices)
+                ],
+                usage=UsageInfo(
+                    prompt_tokens=num_prompt,
+                    completion_tokens=num_out,
+                    total_tokens=num_prompt + num_out,
+                ),
+            )
         )
 
     def _accumulate(self, choice: _Choice, c: CompletionOutput, req: CompletionRequest) -> None:
@@ -255,9 +260,7 @@ class CompletionServer:
             for tid, e in zip(prompt[1], entries)
         ]
 
-    def _echo_only(
-        self, req: CompletionRequest, prompts: list[Prompt], base: str
-    ) -> CompletionResponse:
+    def _echo_only(self, req: CompletionRequest, prompts: list[Prompt], base: str) -> bytes:
         """Each prompt decoded once, whatever `n` (the tokenizer thread)."""
         texts = [
             text if text is not None else self.ctx.engine.tokenizer.decode(ids)
@@ -268,11 +271,13 @@ class CompletionServer:
             for i in range(len(prompts) * req.n)
         ]
         num_prompt = sum(len(ids) for _, ids in prompts)
-        return CompletionResponse(
-            id=f"cmpl-{base}",
-            model=self.ctx.model_name,
-            choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt),
+        return _encode(
+            CompletionResponse(
+                id=f"cmpl-{base}",
+                model=self.ctx.model_name,
+                choices=choices,
+                usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt),
+            )
         )
 
     # -- streaming -----------------------------------------------------------------------------
@@ -413,6 +418,6 @@ def _shifted(head: CompletionLogprobs, tail: CompletionLogprobs, shift: int) -> 
     )
 
 
-def json_response(model: BaseModel) -> Response:
-    """A response model encoded by pydantic's serializer (no intermediate dicts)."""
-    return Response(model.model_dump_json().encode(), media_type="application/json")
+def _encode(model: BaseModel) -> bytes:
+    """A response model as JSON, by pydantic's serializer (no intermediate dicts)."""
+    return model.model_dump_json().encode()

@@ -1,7 +1,7 @@
 """Data parallel: one client over N independent engine cores (`--data-parallel-size N`).
 
 Each engine is an ordinary `SyncMPClient` / `AsyncMPClient` (local: its own process over
-`ipc://`; remote: a `--headless` host's engine over TCP, `dp_remote.py`); their outputs go to
+`ipc://`; remote: a `--headless` host's engine over TCP, `dp/remote.py`); their outputs go to
 one shared queue, stamped with the engine's rank. A request goes to the engine the
 `LoadRouter` picks (or the one it names), and its aborts follow it there.
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from vserve.config import EngineConfig
 from vserve.core.outputs import ERROR_DEAD
-from vserve.engine.dp_router import LoadRouter
+from vserve.engine.dp.router import LoadRouter
 from vserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vserve.engine.mp_client import AsyncMPClient, EngineDeadError, SyncMPClient
 
@@ -50,7 +50,7 @@ def start_engines(
     """Start every engine at once (each handshake waits for its own core); if one fails, the
     others are shut down and its error raised. Returns the clients by rank, and the remote
     engines' handshake server (None without remote ranks)."""
-    from vserve.engine.dp_remote import RemoteEngines
+    from vserve.engine.dp.remote import RemoteEngines
 
     configs = engine_configs(config)
     remote = RemoteEngines(config) if config.data_parallel.remote_ranks else None

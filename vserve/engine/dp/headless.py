@@ -27,7 +27,8 @@ import msgspec
 import zmq
 
 from vserve.config import EngineConfig
-from vserve.engine.dp_transport import (
+from vserve.engine.core_launcher import spawn_engine_core
+from vserve.engine.dp.transport import (
     HEARTBEAT_S,
     Beat,
     Hello,
@@ -37,7 +38,6 @@ from vserve.engine.dp_transport import (
     secure_client,
     tcp_endpoint,
 )
-from vserve.engine.mp_client import spawn_engine_core
 from vserve.envs import read_env
 
 logger = logging.getLogger("vserve")
@@ -83,6 +83,7 @@ class HeadLink:
         self.secret: str | None = None  # the one the socket's keys derive from
         self.confirmed = False  # the head answered: the keys are right
         self.ctx = zmq.Context()
+        self.identity = b"host-" + os.urandom(8).hex().encode()
         self.sock: zmq.Socket | None = None
         self._next_beat = 0.0
 
@@ -94,6 +95,9 @@ class HeadLink:
         if self.sock is not None:
             self.sock.close(linger=0)
         self.sock = self.ctx.socket(zmq.DEALER)
+        # one identity for this host's run: a connection that drops and comes back is still
+        # the host that took its ranks (the head hands the identity over to it)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
         secure_client(self.sock, secret)
         self.sock.connect(tcp_endpoint(self.address, self.port))
         self.secret = secret
@@ -198,7 +202,7 @@ def _supervise(
 
 
 def _stop_all(procs: dict[int, subprocess.Popen]) -> None:
-    from vserve.engine.mp_client import _kill_group
+    from vserve.engine.core_launcher import kill_group
 
     for proc in procs.values():
         if proc.poll() is None:
@@ -210,5 +214,5 @@ def _stop_all(procs: dict[int, subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             pass
         if proc.poll() is None:
-            _kill_group(proc)
+            kill_group(proc)
             proc.wait()

@@ -2,7 +2,7 @@
 reserved for the host work (engine core and front end) that runs beside each forward.
 
 Pure functions of the CPU list, the number of local workers, the user's overrides and
-measured per-step figures; `vserve.executor.placement_control` applies them. Why reserve:
+measured per-step figures; `vserve.host.placement_control` applies them. Why reserve:
 torch's OpenMP team stalls whenever the engine core or the front end takes one of its cores
 in the middle of a parallel region, so host work that is large next to the forward makes
 every forward slower; on its own core it runs beside the forward instead. Reserving costs

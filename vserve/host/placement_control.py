@@ -16,8 +16,8 @@ import os
 import time
 from collections.abc import Callable
 
-from vserve.cpu_affinity import available_cpus, pin_process, process_cpu_seconds, process_cpus
-from vserve.executor.placement import (
+from vserve.host.affinity import available_cpus, pin_process, process_cpu_seconds, process_cpus
+from vserve.host.placement import (
     Placement,
     PlacementOverrides,
     choose_num_reserved,

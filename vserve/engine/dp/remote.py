@@ -1,9 +1,9 @@
 """The head's side of remote data-parallel engines: per remote rank, two TCP sockets its
 engine core connects to, and the socket where `--headless` hosts ask for their ranks and then
-report on their engine cores (`dp_transport.py` has the wire rules and the trust model).
+report on their engine cores (`dp/transport.py` has the wire rules and the trust model).
 
 `RemoteEngine` is what `SyncMPClient` / `AsyncMPClient` drive instead of a local
-`_EngineProcess`: the same sockets and frames. There is no process to watch here: the engine
+`EngineProcess`: the same sockets and frames. There is no process to watch here: the engine
 is gone when its host says its engine core exited, or when its host falls silent.
 """
 
@@ -20,8 +20,7 @@ import msgspec
 import zmq
 
 from vserve.config import EngineConfig
-from vserve.engine.core_proc import FRAME_DEAD, FRAME_READY
-from vserve.engine.dp_transport import (
+from vserve.engine.dp.transport import (
     LIVENESS_TIMEOUT_S,
     Beat,
     HostMessage,
@@ -33,7 +32,7 @@ from vserve.engine.dp_transport import (
     secure_server,
     write_run_secret,
 )
-from vserve.engine.messages import RequestType
+from vserve.engine.messages import FRAME_DEAD, FRAME_READY, RequestType
 from vserve.envs import ENV, read_env
 
 logger = logging.getLogger("vserve")
@@ -62,6 +61,7 @@ class RemoteEngines:
         self._taking.set()
         self._stop = threading.Event()
         self._sock = self.ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a host that reconnects keeps its ranks
         try:
             secure_server(self._sock, self.secret)
             endpoint = bind_tcp(self._sock, dp.address, dp.rpc_port)
@@ -188,7 +188,7 @@ class RemoteEngines:
 
 
 class RemoteEngine:
-    """One remote engine core, seen like a local `_EngineProcess`."""
+    """One remote engine core, seen like a local `EngineProcess`."""
 
     def __init__(self, config: EngineConfig, remote: RemoteEngines) -> None:
         self.rank = config.data_parallel.engine_index
