@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -162,6 +163,24 @@ def run_bench(
             sys.stderr.write(proc.stderr[-5000:])
             raise SystemExit(f"vserve bench {kind} failed with exit status {proc.returncode}")
         return json.loads(out.read_text())
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_tail=lambda: "") -> None:
+    """Until `vserve serve` at `url` answers /health with 200; an error if it exits first or
+    takes longer than `timeout` seconds (`log_tail()`: the end of its log, for the message)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log_tail()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server was not ready in {timeout} s:\n{log_tail()}")
 
 
 def write_json(path: Path, data: dict) -> None:

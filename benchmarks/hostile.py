@@ -33,10 +33,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from common import wait_healthy  # benchmarks/common.py (this script's folder)
 
 from vserve.bench.hostile import CATALOGUE, ENTRIES, Entry
 from vserve.bench.hostile_clients import ProbeOptions
@@ -46,9 +45,9 @@ from vserve.bench.hostile_probe import (
     kill_tree,
     listening_pid,
     probe,
+    server_alive,
     warm_up,
 )
-from vserve.host.proc_tree import is_running
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = {"frontend": "fe", "engine_core": "ec", "worker": "w", "grammar_worker": "gw"}
@@ -92,17 +91,8 @@ class ManagedServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the server was not ready in {self.ready_timeout} s")
+        assert self.proc is not None  # started
+        wait_healthy(self.url, self.proc, self.ready_timeout, self.log_tail)
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL for the whole tree after 60 s; the exit code."""
@@ -129,15 +119,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive(url: str, pid: int | None) -> bool:
-    if pid is not None and not is_running(pid):
-        return False
-    try:
-        return httpx.get(url + "/health", timeout=10).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def run_entries(entries: list[Entry], args, server: ManagedServer | None) -> list[dict]:
     """Probe each entry in turn, under the RSS guard; restart a managed server that died."""
     url = args.url or (server.url if server else "")
@@ -145,7 +126,7 @@ def run_entries(entries: list[Entry], args, server: ManagedServer | None) -> lis
     out = []
     with RssGuard(pid or 0, int(args.rss_cap_gb * 2**30)) as guard:
         for entry in entries:
-            if server is None and not _alive(url, pid):
+            if server is None and not server_alive(url, pid):
                 out.append({"name": entry.name, "expected": entry.expect_label, "skipped": True})
                 print(f"  {entry.name}: skipped, the server at {url} is down", flush=True)
                 continue
@@ -156,7 +137,7 @@ def run_entries(entries: list[Entry], args, server: ManagedServer | None) -> lis
                 row["killed"], row["ok"] = guard.tripped, False
             out.append(row)
             print(f"    {_line(row)}", flush=True)
-            if server is not None and not _alive(server.url, server.pid):
+            if server is not None and not server_alive(server.url, server.pid):
                 row["server_died"] = True
                 row["exit_code"] = server.stop()
                 server.start()

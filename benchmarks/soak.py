@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+from common import wait_healthy  # benchmarks/common.py (this script's folder)
 
 from vserve.bench.hostile import repeatable_entries
 from vserve.bench.sse import sse_lines
@@ -352,17 +353,7 @@ class Server:
         self.tree: set[int] = set()
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
+        wait_healthy(self.url, self.proc, timeout, self.log_tail)
 
     def stop(self) -> tuple[int, list[int]]:
         """SIGTERM; (exit code, processes of the tree still alive 10 s later, then killed)."""

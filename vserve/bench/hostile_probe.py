@@ -311,7 +311,7 @@ def probe(
         rss=sampler.table() if sampler else {},
         ordinary_ok=ordinary.status == 200,
         ordinary_s=round(ordinary.seconds, 3),
-        alive=_alive(url, pid),
+        alive=server_alive(url, pid),
         log_max_line=_longest_new_line(log_path, log_start),
         extra=outcome.extra,
     )
@@ -320,7 +320,8 @@ def probe(
     return result
 
 
-def _alive(url: str, pid: int | None) -> bool:
+def server_alive(url: str, pid: int | None) -> bool:
+    """The server's process runs (when known) and its /health answers 200."""
     if pid is not None and not is_running(pid):
         return False
     try:
