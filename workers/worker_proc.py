@@ -29,10 +29,12 @@ from vserve.host.lifeline import exit_with_parent
 from vserve.host.policy import HostPolicy
 from vserve.workers import messages as wire
 from vserve.workers.pp_prefetch import Prefetched, RequestPrefetch
+from vserve.workers.reply_pipe import ReplyPipe
 
 logger = logging.getLogger("vserve.worker")
 
 IDLE_TRIM_S = 1.0  # no request for this long: the worker is idle and trims its heap
+REPLY_DRAIN_S = 10.0  # an exiting rank 0 waits this long for the engine core to read its replies
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ def worker_main(runner_config, setup: RankSetup, req_conn=None, resp_conn=None) 
         _report_startup_failure(resp_conn, setup.rank)
         sys.exit(1)
     code = loop.run()
+    loop.close_replies()
     os._exit(code)
 
 
@@ -87,9 +90,8 @@ class _RankLoop:
         grid = GridRank(setup.rank, runner_config.pp_size, runner_config.tp_size)
         assert grid.world_size == self.world, (grid, self.world)
         self.is_sampler = grid.is_sampler
-        self.req_conn, self.resp_conn = req_conn, resp_conn
+        self.req_conn = req_conn
         self.busy = False  # a request came since the heap was last trimmed
-        self._send_lock = threading.Lock()
         self.pp = None
         if self.world > 1:
             from vserve.models.hf_config import load_hf_config
@@ -127,6 +129,9 @@ class _RankLoop:
         self.held_reply = None  # the step's output, sent first thing in the next gap
         self.gap = HostGap(runner_config.device, enabled=host.park_gaps)
         self.gap.pinned = bool(setup.cpus)
+        # rank 0's replies: written without ever waiting for the engine core to read them,
+        # which may be writing the next request at the same time (workers/reply_pipe.py)
+        self.reply_pipe = ReplyPipe(resp_conn) if resp_conn is not None else None
         self.replies: queue.Queue = queue.Queue()
         self.reply_thread = threading.Thread(
             target=self._reply_loop, daemon=True, name="vserve-reply"
@@ -273,11 +278,16 @@ class _RankLoop:
                 logger.error("worker rank %d reply failed:\n%s", self.rank, traceback.format_exc())
                 if self.rank == 0:
                     self._send(wire.encode(wire.Error(traceback.format_exc())))
+                    self.close_replies()
                 os._exit(1)
 
     def _send(self, data: bytes) -> None:
-        with self._send_lock:
-            self.resp_conn.send_bytes(data)
+        self.reply_pipe.send(data)
+
+    def close_replies(self) -> None:
+        """Deliver what is still queued for the engine core (a final error) before exiting."""
+        if self.reply_pipe is not None:
+            self.reply_pipe.close(timeout=REPLY_DRAIN_S)
 
     def _close(self) -> None:
         self.replies.put(None)
