@@ -79,6 +79,8 @@ def test_host_check_stays_on_for_every_interface():
 def test_host_check_on_loopback_and_by_flag():
     loopback = host_policy("127.0.0.1", None)
     assert loopback.allows("localhost:8000") and not loopback.allows("evil.example")
+    assert loopback.allows("127.0.0.2:8000") and loopback.allows("[::1]")
+    assert not loopback.allows("[::2]:8000") and not loopback.allows("10.1.2.3")
     assert host_policy("0.0.0.0", ["*"]).allows("evil.example")
     named = host_policy("0.0.0.0", ["api.example"])
     assert named.allows("API.example:443") and not named.allows("evil.example")

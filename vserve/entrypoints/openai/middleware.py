@@ -41,41 +41,46 @@ FREE_BODY_BYTES = 64 * 1024  # of each body, not counted against --max-pending-b
 @dataclass(frozen=True)
 class HostPolicy:
     """The `Host` values the server answers to. DNS rebinding needs a name the attacker
-    controls, so an IP address is always safe to accept; names must be known: the loopback
-    names, the machine's own names, and `--allowed-hosts` ('*': any)."""
+    controls, so an IP address is safe to accept: a loopback address always, any address when
+    the server listens beyond loopback; names must be known: the loopback names, the
+    machine's own names, and `--allowed-hosts` ('*': any)."""
 
     names: frozenset[str] | None  # None: any Host
-    ip_literals: bool = True
+    any_ip: bool = True  # False: loopback addresses only
 
     def allows(self, host: str | None) -> bool:
         if self.names is None or host is None:  # no Host header: no browser sent it
             return True
         name = _host_name(host)
-        return name in self.names or (self.ip_literals and _is_ip(name))
+        if name in self.names:
+            return True
+        ip = _ip(name)
+        return ip is not None and (self.any_ip or ip.is_loopback)
 
 
 def host_policy(bind_host: str, allowed: list[str] | None) -> HostPolicy:
     """`--allowed-hosts` when given ('*': any); else the loopback names, and when the server
-    listens beyond loopback (`0.0.0.0`, an interface) also this machine's names and the
-    bind address, with IP addresses always accepted."""
+    listens beyond loopback (`0.0.0.0`, an interface) also this machine's names, the bind
+    address and any IP address; a loopback server takes loopback addresses only."""
     if allowed:
         if "*" in allowed:
             return HostPolicy(None)
         return HostPolicy(frozenset(_host_name(h) for h in allowed))
     names = set(LOOPBACK_NAMES)
     bind = bind_host.strip("[]").lower()
-    if not (bind in LOOPBACK_NAMES or bind.startswith("127.")):
-        names |= {bind, socket.gethostname().lower()}  # no DNS lookup at start-up
-        names.discard("")
+    ip = _ip(bind)
+    if bind in LOOPBACK_NAMES or (ip is not None and ip.is_loopback):
+        return HostPolicy(frozenset(names), any_ip=False)
+    names |= {bind, socket.gethostname().lower()}  # no DNS lookup at start-up
+    names.discard("")
     return HostPolicy(frozenset(names))
 
 
-def _is_ip(name: str) -> bool:
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        ipaddress.ip_address(name)
-        return True
+        return ipaddress.ip_address(name)
     except ValueError:
-        return False
+        return None
 
 
 def _host_name(value: str) -> str:
