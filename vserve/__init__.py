@@ -4,8 +4,13 @@
 from vserve import source_layout  # noqa: F401
 from vserve.engine.arg_utils import EngineArgs
 from vserve.entrypoints.llm import LLM
+from vserve.host import isa
 from vserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+# VSERVE_CPU_ISA holds torch's kernels too (read when first run, and inherited by the processes
+# started from here: the workers)
+isa.pin_torch()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from vserve.core.scheduler import SchedulerConfig
 from vserve.core.sliding_window import local_block_cap
 from vserve.core.spec_decode import SpeculativeConfig
+from vserve.host import isa
 
 
 @dataclass(frozen=True)
@@ -163,13 +164,9 @@ class EngineConfig:
 
 
 def cpu_flags() -> set[str]:
-    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
+    """The instruction sets vserve's CPU kernels may use: this CPU's, less what
+    `VSERVE_CPU_ISA` turns off (vserve/host/isa.py)."""
+    return isa.cpu_flags()
 
 
 def cpu_has_bf16() -> bool:

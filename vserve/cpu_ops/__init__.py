@@ -30,12 +30,13 @@ workers/cpu_sampling.py) and `parked` (workers/host_gap.py).
 The extension is built the first time a CPU model loads (about 70 s on 2 cores), into
 `$XDG_CACHE_HOME/vserve/cpu_ops/` (default `~/.cache`), in a folder keyed by the sources and
 headers, the compiler flags, the torch and Python versions and the CPU's instruction sets;
-later loads reuse it. Every file is compiled with the same flags (`CFLAGS`: -march=native
-picks each kernel's instruction set). Only bindings.cpp includes torch/extension.h (about 25 s
-to compile here); the kernels include the ATen headers they use. Without a compiler, or with
-`VSERVE_CPU_OPS=0`, models keep the eager torch path. The quantized kernels' switches
-(vserve/envs.py: `quant_exact`, `quant_amx`) are read once and handed to the extension when it
-loads (`quant.set_options`).
+later loads reuse it. Every file is compiled with the same flags (`cflags()`: -march=native
+picks each kernel's instruction set; `VSERVE_CPU_ISA=avx2` or `portable` builds, in a folder
+of its own, the kernels of a CPU with fewer: vserve/host/isa.py). Only bindings.cpp includes
+torch/extension.h (about 25 s to compile here); the kernels include the ATen headers they use.
+Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. The
+quantized kernels' switches (vserve/envs.py: `quant_exact`, `quant_amx`) are read once and
+handed to the extension when it loads (`quant.set_options`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import torch
 
 from vserve.cache_files import cache_dir
 from vserve.envs import ENV, read_env
+from vserve.host import isa
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +70,8 @@ def enabled_by_env() -> bool:
 def _cpu_flags() -> bytes:
     """The instruction sets the build targets (-march=native): a cache shared by different
     CPUs must not hand one a binary built for the other."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "").encode()
-    except OSError:
-        return platform.processor().encode()
+    flags = isa.raw_cpu_flags()
+    return " ".join(sorted(flags)).encode() if flags else platform.processor().encode()
 
 
 # every translation unit of the extension, the longest to compile first (ninja runs a few at
@@ -92,7 +91,11 @@ SOURCES = tuple(
         "sample.cpp",
     )
 )
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+CFLAGS = ["-O3", "-fopenmp"]  # and the ISA's -march (cflags)
+
+
+def cflags() -> list[str]:
+    return [*CFLAGS, *isa.compiler_flags()]
 
 
 def build_dir(sources: tuple[Path, ...] = SOURCES) -> Path:
@@ -103,7 +106,7 @@ def build_dir(sources: tuple[Path, ...] = SOURCES) -> Path:
         + torch.__version__.encode()
         + sys.version.encode()
         + _cpu_flags()
-        + " ".join(CFLAGS).encode()  # a flag changed is a new build
+        + " ".join(cflags()).encode()  # a flag changed (or the ISA) is a new build
     )
     digest = hashlib.sha256(key).hexdigest()[:12]
     return cache_dir("cpu_ops") / digest
@@ -169,7 +172,7 @@ def _compile(sources: tuple[Path, ...], name: str):
         return load_extension(
             f"{name}_{folder.name}",
             [str(s) for s in _staged(sources, folder)],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             verbose=False,

@@ -11,4 +11,5 @@ and how they live and die together.
 | `heap.py`              | the C heap's policy: keep freed pages while stepping, trim idle |
 | `lifeline.py`          | a process that ends with its parent                             |
 | `proc_tree.py`         | a process's descendants (from /proc)                            |
+| `isa.py`               | the instruction sets the CPU kernels target (`VSERVE_CPU_ISA`)  |
 """

@@ -1,0 +1,168 @@
+"""VSERVE_CPU_ISA: the instruction sets the CPU kernels target, fewer than the CPU's on request.
+
+The unit tests pin /proc/cpuinfo's flags; the build tests compile the kernels for the AVX2
+and the portable targets in a fresh process (each in its own cache folder, about a minute
+each on 2 cores) and check that each build runs the path it should, against the
+dequantized reference.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vserve import envs
+from vserve.host import isa
+
+ROOT = Path(__file__).resolve().parents[2]
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+ZEN4 = {"sse4_2", "pni", "ssse3", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw"}
+SAPPHIRE_RAPIDS = ZEN4 | {"avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"}
+
+
+@pytest.fixture
+def flags(monkeypatch):
+    def use(found: set[str], choice: str) -> None:
+        monkeypatch.setattr(isa, "raw_cpu_flags", lambda: set(found))
+        monkeypatch.setenv("VSERVE_CPU_ISA", choice)
+
+    return use
+
+
+def test_native_keeps_every_flag(flags):
+    flags(SAPPHIRE_RAPIDS, "native")
+    assert isa.cpu_flags() == SAPPHIRE_RAPIDS
+    assert isa.compiler_flags() == ["-march=native"] and isa.torch_env() == {}
+
+
+def test_avx2_drops_avx512_vnni_and_amx(flags):
+    flags(SAPPHIRE_RAPIDS, "avx2")
+    assert isa.cpu_flags() == {"sse4_2", "pni", "ssse3", "avx", "avx2", "fma", "f16c"}
+    if X86:
+        assert isa.compiler_flags() == ["-march=x86-64-v3", "-mtune=native"]
+        assert isa.torch_env()["ATEN_CPU_CAPABILITY"] == "avx2"
+        assert isa.torch_env()["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_portable_drops_every_vector_extension(flags):
+    flags(SAPPHIRE_RAPIDS | {"sse", "sse2", "fpu"}, "portable")
+    assert isa.cpu_flags() == {"sse", "sse2", "fpu"}
+    if X86:
+        assert isa.compiler_flags() == ["-march=x86-64", "-mtune=native"]
+        assert isa.torch_env()["ATEN_CPU_CAPABILITY"] == "default"
+
+
+def test_what_asks_for_flags_sees_the_choice(flags):
+    """The dtype `auto` resolves to and the int8 gemv's presence follow the switch."""
+    from vserve.config import cpu_has_bf16, cpu_has_int8_gemv
+
+    flags(SAPPHIRE_RAPIDS, "native")
+    assert cpu_has_bf16() and cpu_has_int8_gemv()
+    flags(SAPPHIRE_RAPIDS, "avx2")
+    assert not cpu_has_bf16() and cpu_has_int8_gemv()
+    flags(SAPPHIRE_RAPIDS, "portable")
+    assert not cpu_has_bf16() and not cpu_has_int8_gemv()
+
+
+def test_each_isa_builds_in_its_own_folder(flags):
+    from vserve import cpu_ops
+
+    flags(SAPPHIRE_RAPIDS, "native")
+    native = cpu_ops.build_dir()
+    flags(SAPPHIRE_RAPIDS, "avx2")
+    assert cpu_ops.build_dir() != native
+
+
+def test_unknown_isa_is_refused(monkeypatch):
+    monkeypatch.setenv("VSERVE_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="VSERVE_CPU_ISA must be native, avx2 or portable"):
+        envs.read_env()
+
+
+def test_pin_torch_keeps_what_the_user_set(flags, monkeypatch):
+    if not X86:
+        pytest.skip("torch's ISA switches are x86's")
+    flags(ZEN4, "avx2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    isa.pin_torch()
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "default"
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+# A fresh process under VSERVE_CPU_ISA: the build, its int8 gemv, and matmul at 1 and 24 rows
+# on each block format against the dequantized reference (fp32 sums of the int8 products on
+# AVX2, the exact products on the portable build).
+CHILD = textwrap.dedent(
+    """
+    import json, sys, numpy as np, torch
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+    from vserve import cpu_ops
+    from vserve.config import cpu_has_bf16
+    quant = cpu_ops.load_quant()
+    out = {"int8_gemv": quant.int8_gemv(), "amx": quant.amx_gemm(), "bf16": cpu_has_bf16(),
+           "capability": torch.backends.cpu.get_cpu_capability(), "errors": {}}
+    rng = np.random.default_rng(0)
+    # random valid blocks: random bytes, small fp16 scales at each format's scale fields
+    layout = {Q.Q4_0: (32, 18, [0]), Q.Q5_0: (32, 22, [0]), Q.Q8_0: (32, 34, [0]),
+              Q.Q4_K: (256, 144, [0, 2]), Q.Q5_K: (256, 176, [0, 2]), Q.Q6_K: (256, 210, [208])}
+    for qtype, (block, size, halves) in layout.items():
+        raw = rng.integers(0, 256, size=(40, 512 // block, size), dtype=np.uint8)
+        for off in halves:
+            half = (rng.standard_normal((40, 512 // block)) * 0.01).astype(np.float16)
+            raw[:, :, off : off + 2] = half.view(np.uint8).reshape(40, 512 // block, 2)
+        data = raw.reshape(40, -1)
+        ref = torch.from_numpy(dequantize(data, qtype)).double()
+        for m in (1, 24):
+            x = torch.randn(m, 512).to(torch.bfloat16)
+            y = quant.matmul(x, torch.from_numpy(data), int(qtype), 512).double()
+            exact = x.double() @ ref.T
+            scale = (x.double().abs() @ ref.abs().T).max().item()
+            out["errors"][f"{qtype.name}-{m}"] = ((y - exact).abs().max() / scale).item()
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="the AVX2 and portable targets are x86's")
+@pytest.mark.parametrize("choice", ["avx2", "portable"])
+def test_forced_isa_builds_and_multiplies(choice):
+    """The kernels built for fewer instruction sets than this CPU has: AVX2 takes the AVX2
+    int8 gemv and GEMM (no VNNI, no AMX; torch held to AVX2 too), portable takes none and the
+    exact path; both within their bounds of the dequantized product, relative to the sum of
+    |x| |w| (the bf16 result's rounding, and on AVX2 the activations' int8 rounding)."""
+    import json
+
+    env = {**os.environ, "VSERVE_CPU_ISA": choice}
+    for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        env.pop(key, None)
+    # a package import, as a user's process makes it, sets torch's switches before its kernels
+    code = "import vserve\n" + CHILD
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["amx"] is False and got["bf16"] is False
+    if choice == "avx2":
+        if not {"avx2", "fma", "f16c"} <= isa.raw_cpu_flags():
+            pytest.skip("this CPU has no AVX2")
+        assert got["int8_gemv"] == "avx2" and got["capability"] == "AVX2"
+        bound = 1 / 254 + 2**-9  # each activation within d_x / 2 = amax / 254, bf16 out
+    else:
+        assert got["int8_gemv"] == "" and got["capability"] == "DEFAULT"
+        bound = 2**-9 + 1e-4  # the bf16 result's rounding, fp32 sums
+    assert max(got["errors"].values()) < bound, got["errors"]

@@ -1,0 +1,90 @@
+"""The instruction sets vserve's CPU kernels target: all this CPU has, or fewer on request.
+
+`VSERVE_CPU_ISA` (vserve/envs.py) picks one:
+
+| value              | vserve's kernels (vserve/cpu_ops)     | torch's own kernels               |
+|--------------------|---------------------------------------|-----------------------------------|
+| `native` (default) | `-march=native`: every path this CPU  | as torch chooses                  |
+|                    | has (AVX-512, VNNI, AMX, AVX2)        |                                   |
+| `avx2`             | `-march=x86-64-v3`: AVX2, FMA, F16C,  | ATen, oneDNN and MKL held to AVX2 |
+|                    | no AVX-512, VNNI or AMX               |                                   |
+| `portable`         | `-march=x86-64` on x86: no x86 vector | ATen's default kernels, oneDNN    |
+|                    | path (the code aarch64 compiles)      | and MKL held to SSE4              |
+
+so that the AVX2 kernels, which most laptops and many cloud VMs run, can be tested and timed on
+an AVX-512 machine, and the portable ones on any. Everything that asks which instructions the
+CPU has asks `cpu_flags()`, which leaves out what the switch turns off: the dtype `auto`
+resolves to, the kernel tests' choices, the build's cache key. Each build has its own cache
+folder (the compiler flags are part of its key). `pin_torch()` sets torch's own switches in the
+environment of this process and the ones it starts (`vserve/__init__.py` calls it on import,
+before any kernel runs: ATen, oneDNN and MKL read them when first used).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from vserve.envs import read_env
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+# the flags (as /proc/cpuinfo names them) each choice turns off
+_ABOVE_AVX2 = ("avx512", "amx", "avx_", "avx10")
+_ABOVE_SSE2 = (*_ABOVE_AVX2, "avx", "fma", "f16c", "sse3", "ssse3", "sse4", "pni")
+_TORCH_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+    "portable": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    },
+}
+
+
+def chosen() -> str:
+    return read_env().cpu_isa  # read when asked: tests change it for a while
+
+
+def raw_cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def cpu_flags(isa: str | None = None) -> set[str]:
+    """This CPU's flags less those the chosen ISA (default: `VSERVE_CPU_ISA`) turns off."""
+    isa = isa or chosen()
+    flags = raw_cpu_flags()
+    if isa == "native":
+        return flags
+    off = _ABOVE_AVX2 if isa == "avx2" else _ABOVE_SSE2
+    return {f for f in flags if not f.startswith(off)}
+
+
+def compiler_flags(isa: str | None = None) -> list[str]:
+    """The -march (and -mtune) a CPU kernel build uses for the chosen ISA."""
+    isa = isa or chosen()
+    if not _X86 or isa == "native":
+        return ["-march=native"]
+    return ["-march=x86-64-v3" if isa == "avx2" else "-march=x86-64", "-mtune=native"]
+
+
+def torch_env(isa: str | None = None) -> dict[str, str]:
+    """The environment that holds torch's own kernels to the chosen ISA (x86 only)."""
+    isa = isa or chosen()
+    return dict(_TORCH_ENV.get(isa, {})) if _X86 else {}
+
+
+def pin_torch() -> None:
+    """Set `torch_env()` here (and so in every process started from here); a value the user
+    set stays."""
+    for key, value in torch_env().items():
+        os.environ.setdefault(key, value)
