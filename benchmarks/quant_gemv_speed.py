@@ -9,6 +9,12 @@ repeats).
 
     python benchmarks/quant_gemv_speed.py [--formats Q5_0,Q5_0R,Q4_K] [--m 1,8] [--threads 1,2]
     python benchmarks/quant_gemv_speed.py --compare /work/main /work/wt-x [--pairs 2]
+    python benchmarks/quant_gemv_speed.py --gemm [--m 16,64] [--formats ...]
+
+`--gemm` times `quant.matmul` past 8 rows instead (the int8 GEMM this build has: VNNI, AMX
+tiles or AVX2; VSERVE_CPU_ISA=avx2 for the AVX2 one on any x86 machine) against the exact path
+of the same build (weights dequantized in tiles, `at::mm`), on the 4 MB weights, all threads:
+G op/s (2 M N K per call) of each and their ratio.
 
 `--compare A B` runs the measurement in subprocesses with PYTHONPATH=A, B, A, B, ... (each
 tree's own kernel build: the cache folder is keyed by the sources) and prints each format's
@@ -91,6 +97,34 @@ def measure(formats: list[str], ms: list[int], threads: list[int], repeats: int)
     return results
 
 
+def measure_gemm(formats: list[str], ms: list[int], repeats: int) -> dict:
+    from vserve import cpu_ops
+
+    quant = cpu_ops.load_quant()
+    assert quant is not None, "the quantized kernels failed to build"
+    results = {}
+    for name in formats:
+        qtype = FORMATS[name]
+        block, size, _ = LAYOUT[qtype]
+        k = K[qtype]
+        w = random_weight(qtype, (4 << 20) // (k // block * size), k)
+        for m in ms:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            rates = {}
+            for path, exact in (("int8", False), ("exact", True)):
+                quant.set_options(exact=exact)
+                quant.matmul(x, w, qtype, k)
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    quant.matmul(x, w, qtype, k)
+                    best = min(best, time.perf_counter() - start)
+                rates[path] = 2 * m * w.shape[0] * k / best / 1e9
+            quant.set_options(exact=False)
+            results[f"{name} M={m}"] = rates
+    return results
+
+
 def compare(trees: list[str], pairs: int, argv: list[str]) -> None:
     runs: dict[str, list[dict]] = {tree: [] for tree in trees}
     for _ in range(pairs):
@@ -122,7 +156,16 @@ def main() -> None:
     p.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"))
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--gemm", action="store_true")
     args = p.parse_args()
+    if args.gemm:
+        ms = [int(v) for v in args.m.split(",")] if args.m != "1,8" else [16, 64]
+        gemm = measure_gemm(args.formats.split(","), ms, args.repeats)
+        print("| format, rows | int8 GEMM G op/s | exact path G op/s | ratio |")
+        print("|---|---|---|---|")
+        for key, r in gemm.items():
+            print(f"| {key} | {r['int8']:.1f} | {r['exact']:.1f} | {r['int8'] / r['exact']:.2f} |")
+        return
     if args.compare:
         argv = [
             "--formats",

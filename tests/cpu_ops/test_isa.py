@@ -126,6 +126,9 @@ CHILD = textwrap.dedent(
             exact = x.double() @ ref.T
             scale = (x.double().abs() @ ref.abs().T).max().item()
             out["errors"][f"{qtype.name}-{m}"] = ((y - exact).abs().max() / scale).item()
+            if m > 8 and quant.int8_gemv() == "avx2":  # matmul's path past 8 rows
+                gemm = quant.gemm_avx2(x, torch.from_numpy(data), int(qtype), 512).double()
+                out.setdefault("took_gemm", []).append(bool(torch.equal(y, gemm)))
     print(json.dumps(out))
     """
 )
@@ -161,6 +164,7 @@ def test_forced_isa_builds_and_multiplies(choice):
         if not {"avx2", "fma", "f16c"} <= isa.raw_cpu_flags():
             pytest.skip("this CPU has no AVX2")
         assert got["int8_gemv"] == "avx2" and got["capability"] == "AVX2"
+        assert got["took_gemm"] == [True] * 6  # the AVX2 int8 GEMM, each format
         bound = 1 / 254 + 2**-9  # each activation within d_x / 2 = amax / 254, bf16 out
     else:
         assert got["int8_gemv"] == "" and got["capability"] == "DEFAULT"

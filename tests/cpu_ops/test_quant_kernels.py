@@ -674,10 +674,60 @@ def test_avx2_gemv_tail_group_propagates_nan_and_reads_only_its_row(quant, qtype
     assert torch.isfinite(y[rows][:, :5]).all() and not torch.isfinite(y[rows][:, 5]).all()
 
 
+@needs_avx2
+@pytest.mark.parametrize(("qtype", "n", "k"), CASES, ids=CASE_IDS)
+def test_avx2_int8_gemm_is_the_product(quant, qtype, n, k):
+    """The AVX2 GEMM over panels of 8 rows (full and partial, fp32 and bf16): within the
+    activations' int8 rounding of the exact product, and each panel's rows bit for bit the
+    gemv's of those rows (the same arithmetic, tile by tile)."""
+    data = random_weight(qtype, n, k, seed=12)
+    w = reference(data, qtype)
+    weight = torch.from_numpy(data)
+    torch.manual_seed(4)
+    for dtype in (torch.float32, BF):
+        for m in (1, 9, 16, 21):
+            x = activations(m, k, dtype)
+            y = quant.gemm_avx2(x, weight, int(qtype), k)
+            assert_int8_close(y, x, w, False)
+            for p in range(0, m, 8):
+                panel = x[p : p + 8]
+                assert torch.equal(y[p : p + 8], quant.gemv_avx2(panel, weight, int(qtype), k))
+
+
+@needs_avx2
+@pytest.mark.parametrize("name", list(GGUF_TENSORS))
+def test_avx2_int8_gemm_on_real_gguf_tensors(quant, gguf_slices, name):
+    """192 rows of each real tensor: tiles of several sizes (16 KB of weights each) and the
+    thread shares of a 2-core run, 70 activation rows."""
+    data, qtype, k = gguf_slices[name]
+    torch.manual_seed(5)
+    x = activations(70, k, BF)
+    assert_int8_close(
+        quant.gemm_avx2(x, torch.from_numpy(data), int(qtype), k), x, reference(data, qtype), False
+    )
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_avx2_int8_gemm_propagates_nan_to_its_row_only(quant, qtype):
+    k = 256
+    data = torch.from_numpy(random_weight(qtype, 40, k, seed=9))
+    w = reference(data.numpy(), qtype)
+    x = activations(19, k, BF)
+    x[10, 100] = float("inf")  # the second panel's third row
+    y = quant.gemm_avx2(x, data, int(qtype), k)
+    assert torch.isnan(y[10]).all()
+    keep = torch.tensor([i for i in range(19) if i != 10])
+    assert_int8_close(y[keep], x[keep], w, False)
+    assert quant.gemm_avx2(x[:0], data, int(qtype), k).shape == (0, 40)
+    with pytest.raises(RuntimeError, match="K = "):
+        quant.gemm_avx2(torch.randn(12, 2 * k), data, int(qtype), k)
+
+
 def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, switch):
     """VNNI where the CPU has it, else AVX2, else none; for bf16 activations only (fp32 is the
-    exact mode), and on an AVX2 CPU without VNNI gemv's result is the AVX2 kernel's, bit for
-    bit."""
+    exact mode), and on an AVX2 CPU without VNNI (or VSERVE_CPU_ISA=avx2) gemv's and matmul's
+    results are the AVX2 kernels', bit for bit."""
     flags = cpu_flags()
     if {"avx512_vnni", "avx512bw", "avx512dq"} <= flags:
         expected = "vnni"
@@ -696,6 +746,13 @@ def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, switch):
         x = activations(5, 512, BF)
         y = quant.gemv(x, data, int(qtype), 512)
         assert torch.equal(y, quant.gemv_avx2(x, data, int(qtype), 512))
+        x = activations(30, 512, BF)  # matmul from 9 to 47 rows: the AVX2 GEMM
+        y = quant.matmul(x, data, int(qtype), 512)
+        assert torch.equal(y, quant.gemm_avx2(x, data, int(qtype), 512))
+        x = activations(48, 512, BF)  # and from 48 the exact path (fp32 products)
+        assert not torch.equal(
+            quant.matmul(x, data, int(qtype), 512), quant.gemm_avx2(x, data, int(qtype), 512)
+        )
 
 
 @pytest.mark.skipif(cpu_has_bf16(), reason="bf16 instructions: the exact matmul runs in bf16")

@@ -114,6 +114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   quant.def("int8_activations", &vserve_quant::int8_activations, py::arg("dtype"));
   quant.def("gemv_avx2", &vserve_quant::gemv_avx2_checked, py::arg("x"), py::arg("data"),
             py::arg("qtype"), py::arg("k"));
+  quant.def("gemm_avx2", &vserve_quant::gemm_avx2_checked, py::arg("x"), py::arg("data"),
+            py::arg("qtype"), py::arg("k"));
   quant.def("embedding", &vserve_quant::embedding, py::arg("data"), py::arg("qtype"),
             py::arg("k"), py::arg("ids"), py::arg("dtype") = at::kFloat);
   quant.def(

@@ -43,6 +43,9 @@ bool int8_activations(at::ScalarType dtype);
 // the AVX2 int8 gemv whatever int8_gemv() says (builds with AVX2, FMA and F16C), checked
 at::Tensor gemv_avx2_checked(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                              int64_t k);
+// and its GEMM, any number of rows (the panels of 8 even below 9)
+at::Tensor gemm_avx2_checked(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                             int64_t k);
 int64_t row_bytes_of(int64_t qtype, int64_t k);  // -1 when k is not a whole number of blocks
 // whether this build's gemv reads Q5_0R (the quad gemv: AVX512-VNNI, VBMI and BITALG)
 bool q5_0r_supported();

@@ -16,7 +16,8 @@
 //             multiply-adds them into fp32 accumulators; exact but for the order of the sums
 //   matmul(x [M, K], data, qtype, k) -> [M, N]: gemv (either path) for M <= 8; else, with
 //             AVX512-VNNI and bf16 activations, the int8 GEMM (quant_gemm.cpp: the
-//             gemv's int8 arithmetic as an outer product over tiles of 32 output rows), and on
+//             gemv's int8 arithmetic as an outer product over tiles of 32 output rows; with
+//             AVX2 alone quant_avx2.cpp's, the gemv's over panels of 8 rows), and on
 //             a CPU with AMX from 48 rows the tile GEMM (quant_amx.cpp: weights
 //             dequantized to bf16 a tile at a time, the exact path's products); on the exact
 //             path, and on AMX from 512 rows, each thread dequantizes tiles of output rows into
@@ -99,6 +100,9 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& data, int64_t qtype, in
   const bool amx = false;
 #endif
   if (fast && !amx) return gemm_int8(x, data, qtype, k);
+#elif defined(QUANT_AVX2_INT8)
+  if (!options().exact && x.scalar_type() == at::kBFloat16 && m < kAvx2GemmMaxRows)
+    return gemm_avx2(x, data, qtype, k);
 #endif
   // the exact path; and on a CPU with AMX, from kAmxMaxRows bf16 rows on, oneDNN's GEMM.
   // Without bf16 instructions a bf16 at::mm is emulated (7x slower than fp32 on an
@@ -168,6 +172,18 @@ at::Tensor gemv_avx2_checked(const at::Tensor& x, const at::Tensor& data, int64_
   return gemv_avx2(x, data, qtype, k);
 #else
   TORCH_CHECK(false, "gemv_avx2: built for a CPU without AVX2, FMA and F16C");
+#endif
+}
+
+at::Tensor gemm_avx2_checked(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                             int64_t k) {
+  check_weight(data, qtype, k);
+  check_activations(x, k);
+#ifdef QUANT_AVX2_INT8
+  if (x.size(0) == 0) return at::empty({0, data.size(0)}, x.options());
+  return gemm_avx2(x, data, qtype, k);
+#else
+  TORCH_CHECK(false, "gemm_avx2: built for a CPU without AVX2, FMA and F16C");
 #endif
 }
 

@@ -25,6 +25,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -449,6 +450,45 @@ void avx2_rows(const uint8_t* buf, int64_t m, int64_t k, int64_t qtype, const ui
   with_format_of<Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K>(qtype, [&](auto fmt) {
     dispatch<decltype(fmt)>(m, w, row_bytes, xr, y, bf16_out, ldy, r0, r1);
   });
+}
+
+// The GEMM, M > 8 rows: the rows quantized once, in panels of kPanel rows (each its own
+// XRows); each thread takes tiles of output rows small enough to stay in L1 (kTileBytes of
+// weights) and runs every panel over a tile before the next, so a weight row is read from
+// memory once and unpacked once per panel, not once per activation row.
+constexpr int64_t kPanel = 8, kTileBytes = 16 << 10;
+
+at::Tensor gemm_avx2(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {
+  const int64_t m = x.size(0), n = data.size(0), row_bytes = data.size(1);
+  const int64_t panels = (m + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = (avx2_x_bytes(kPanel, k) + 63) / 64 * 64;
+  auto buf = at::empty({panels * panel_bytes}, data.options());  // 64-byte aligned
+  uint8_t* bp = buf.data_ptr<uint8_t>();
+  const bool bf16_out = x.scalar_type() == at::kBFloat16;
+  auto rows_of = [&](int64_t p) { return std::min(kPanel, m - p * kPanel); };
+  for (int64_t p = 0; p < panels; ++p) {
+    if (bf16_out)
+      avx2_prepare(x.data_ptr<bf16>() + p * kPanel * k, rows_of(p), k, bp + p * panel_bytes);
+    else
+      avx2_prepare(x.data_ptr<float>() + p * kPanel * k, rows_of(p), k, bp + p * panel_bytes);
+  }
+  auto out = at::empty({m, n}, x.options());
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  auto* yp = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t y_panel = kPanel * n * x.element_size();
+  const int64_t tile = std::max<int64_t>(4, kTileBytes / row_bytes);
+  vserve_rows::stream_rows(
+      n, row_bytes,
+      [&](int64_t lo, int64_t hi) {
+        for (int64_t r0 = lo; r0 < hi; r0 += tile) {
+          const int64_t r1 = std::min(hi, r0 + tile);
+          for (int64_t p = 0; p < panels; ++p)
+            avx2_rows(bp + p * panel_bytes, rows_of(p), k, qtype, w, row_bytes,
+                      yp + p * y_panel, bf16_out, n, r0, r1);
+        }
+      },
+      tile * row_bytes);
+  return out;
 }
 
 at::Tensor gemv_avx2(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k) {

@@ -1,5 +1,5 @@
-// The int8 gemv in 256-bit registers (quant_avx2.cpp), for quant_api.cpp's `gemv` on CPUs
-// with AVX2 but without AVX512-VNNI.
+// The int8 gemv and GEMM in 256-bit registers (quant_avx2.cpp), for quant_api.cpp's `gemv`
+// and `matmul` on CPUs with AVX2 but without AVX512-VNNI.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +16,16 @@ namespace vserve_quant {
 // format qtype (shapes checked by the caller): activations quantized to int8 per block of 32
 // as the VNNI gemv does, integer block dots, fp32 sums. Defined only with QUANT_AVX2_INT8.
 at::Tensor gemv_avx2(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k);
+
+// the same for M > 8 rows: the rows in panels of 8, each weight tile multiplied with every
+// panel while it is in cache (the GEMM of a CPU with AVX2 and no AVX512-VNNI). matmul takes it
+// below kAvx2GemmMaxRows rows: it runs at ~100 G op/s whatever M, where fp32 at::mm over
+// dequantized tiles gains with M. Measured with VSERVE_CPU_ISA=avx2 on a 2-core Xeon VM
+// (benchmarks/quant_gemv_speed.py --gemm), the embedded model's shapes, exact path time /
+// this one's: at 16 rows 1.5-1.8, at 32 1.15-1.28, at 48 0.94-1.19, at 64 0.84-1.10, at
+// 256 0.72-0.92.
+constexpr int64_t kAvx2GemmMaxRows = 48;
+at::Tensor gemm_avx2(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k);
 
 // the same in two halves (GemvInput's, quant.h): the activations quantized into a buffer of
 // avx2_x_bytes(m, k) bytes (32-byte aligned), then output rows [r0, r1) from it into y (row
