@@ -96,6 +96,28 @@ def test_pin_torch_keeps_what_the_user_set(flags, monkeypatch):
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
 
 
+def attention(module):
+    """The paged decode attention of seeded bf16 and fp32 inputs: 16 rows of 4 query heads on
+    one KV head of 256 (the embedded model's), and a sliding window of 8 heads on 2 of 64."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    outs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, heads, kv_heads, dim, length, window in (
+            (16, 4, 1, 256, 200, -1),
+            (3, 8, 2, 64, 77, 32),
+        ):
+            blocks = (length + 15) // 16
+            k = torch.randn(rows * blocks + 1, 16, kv_heads, dim, generator=gen).to(dtype)
+            v = torch.randn(k.shape, generator=gen).to(dtype)
+            q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+            tables = torch.arange(rows * blocks).view(rows, blocks)
+            lengths = torch.full((rows,), length, dtype=torch.long)
+            outs.append(module.decode_attention(q, k, v, tables, lengths, window, 0.0625, 0.0))
+    return outs
+
+
 # A fresh process under VSERVE_CPU_ISA: the build, its int8 gemv, and matmul at 1 and 24 rows
 # on each block format against the dequantized reference (fp32 sums of the int8 products on
 # AVX2, the exact products on the portable build).
@@ -106,6 +128,7 @@ CHILD = textwrap.dedent(
     from gguf.quants import dequantize
     from vserve import cpu_ops
     from vserve.config import cpu_has_bf16
+    from tests.cpu_ops.test_isa import attention
     quant = cpu_ops.load_quant()
     out = {"int8_gemv": quant.int8_gemv(), "amx": quant.amx_gemm(), "bf16": cpu_has_bf16(),
            "capability": torch.backends.cpu.get_cpu_capability(), "errors": {}}
@@ -129,6 +152,7 @@ CHILD = textwrap.dedent(
             if m > 8 and quant.int8_gemv() == "avx2":  # matmul's path past 8 rows
                 gemm = quant.gemm_avx2(x, torch.from_numpy(data), int(qtype), 512).double()
                 out.setdefault("took_gemm", []).append(bool(torch.equal(y, gemm)))
+    torch.save(attention(cpu_ops.load()), sys.argv[1])
     print(json.dumps(out))
     """
 )
@@ -137,11 +161,13 @@ CHILD = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.skipif(not X86, reason="the AVX2 and portable targets are x86's")
 @pytest.mark.parametrize("choice", ["avx2", "portable"])
-def test_forced_isa_builds_and_multiplies(choice):
+def test_forced_isa_builds_and_multiplies(choice, tmp_path):
     """The kernels built for fewer instruction sets than this CPU has: AVX2 takes the AVX2
     int8 gemv and GEMM (no VNNI, no AMX; torch held to AVX2 too), portable takes none and the
     exact path; both within their bounds of the dequantized product, relative to the sum of
-    |x| |w| (the bf16 result's rounding, and on AVX2 the activations' int8 rounding)."""
+    |x| |w| (the bf16 result's rounding, and on AVX2 the activations' int8 rounding). The
+    decode attention of the AVX2 build is this machine's own, bit for bit (the same lanes and
+    order of sums); the portable build's, without fused multiply-adds, within a rounding."""
     import json
 
     env = {**os.environ, "VSERVE_CPU_ISA": choice}
@@ -149,8 +175,9 @@ def test_forced_isa_builds_and_multiplies(choice):
         env.pop(key, None)
     # a package import, as a user's process makes it, sets torch's switches before its kernels
     code = "import vserve\n" + CHILD
+    saved = tmp_path / "attention.pt"
     run = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, str(saved)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -170,3 +197,13 @@ def test_forced_isa_builds_and_multiplies(choice):
         assert got["int8_gemv"] == "" and got["capability"] == "DEFAULT"
         bound = 2**-9 + 1e-4  # the bf16 result's rounding, fp32 sums
     assert max(got["errors"].values()) < bound, got["errors"]
+    import torch
+
+    from vserve import cpu_ops
+
+    native = attention(cpu_ops.load())
+    for theirs, ours in zip(torch.load(saved), native):
+        if choice == "avx2":
+            assert torch.equal(theirs, ours)
+        else:
+            torch.testing.assert_close(theirs.float(), ours.float(), rtol=2**-7, atol=1e-3)

@@ -19,6 +19,7 @@
 | row_shares.h          | row shares of a streamed weight         | models/test_shared_head.py     |
 | sample.{h,cpp}        | fused sampling, logprobs, argmax        | workers/test_sampler_kernel.py |
 | vec16.h               | 16-lane fp32 vectors and their exp      | workers/test_sampler_kernel.py |
+| vec16_avx2.h          | the same lanes as two AVX2 halves       | workers/test_cpu_ops.py        |
 | park.h                | a worker's idle threads asleep          | cpu_ops/test_park.py           |
 | __init__.py           | the build, its cache and lock; loading  | cpu_ops/test_build_lock.py     |
 

@@ -30,6 +30,7 @@
 #include "row_shares.h"
 #include "quant.h"
 #include "vec16.h"
+#include "vec16_avx2.h"
 
 namespace {
 
@@ -180,15 +181,31 @@ inline float hsum(vf v) {  // a tree of four shuffles
 // q . k for a head dim that is a multiple of 16, q already fp32
 template <typename T>
 inline float dot16(const T* k, const float* q, int64_t d) {
+#ifdef VEC16_HALVES
+  vf2 acc = mul2(load2(k), load2(q));
+  for (int64_t i = 16; i < d; i += 16) acc = fma2(load2(k + i), load2(q + i), acc);
+  return hsum2(acc);
+#else
   vf acc = load16(k) * load16(q);
   for (int64_t i = 16; i < d; i += 16) acc += load16(k + i) * load16(q + i);
   return hsum(acc);
+#endif
 }
 
 // dot16 of one key with G query heads (q: G rows of d), each sum in dot16's order: G
 // independent chains instead of one (a lone chain waits on its multiply-add latency)
 template <int G, typename T>
 inline void dot16_heads(const T* k, const float* q, int64_t d, float* out) {
+#ifdef VEC16_HALVES
+  vf2 acc[G];
+  const vf2 k0 = load2(k);
+  for (int g = 0; g < G; ++g) acc[g] = mul2(k0, load2(q + g * d));
+  for (int64_t i = 16; i < d; i += 16) {
+    const vf2 ki = load2(k + i);
+    for (int g = 0; g < G; ++g) acc[g] = fma2(ki, load2(q + g * d + i), acc[g]);
+  }
+  for (int g = 0; g < G; ++g) out[g] = hsum2(acc[g]);
+#else
   vf acc[G];
   vf k0 = load16(k);
   for (int g = 0; g < G; ++g) acc[g] = k0 * load16(q + g * d);
@@ -197,6 +214,7 @@ inline void dot16_heads(const T* k, const float* q, int64_t d, float* out) {
     for (int g = 0; g < G; ++g) acc[g] += ki * load16(q + g * d + i);
   }
   for (int g = 0; g < G; ++g) out[g] = hsum(acc[g]);
+#endif
 }
 
 // the dot16 of k with each of `groups` query heads, 4 at a time
@@ -329,6 +347,15 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
           const float* pr = scores.data() + qh * n;
           float* out = acc.data() + qh * d + c;
           if (w == 4) {
+#ifdef VEC16_HALVES
+            vf2 a[4] = {};
+            each_position(vp, 0, n, [&](int64_t j, const T* vr) {
+              const T* v = vr + c;
+              for (int t = 0; t < 4; ++t) a[t] = fma2(pr[j], load2(v + 16 * t), a[t]);
+            }, [&](const T* vr) { prefetch_lines(vr + c, (64 * sizeof(T) + 63) / 64); });
+            for (int t = 0; t < 4; ++t) store2(out + 16 * t, a[t]);
+            continue;
+#endif
             vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
             each_position(vp, 0, n, [&](int64_t j, const T* vr) {
               const T* v = vr + c;
