@@ -640,20 +640,32 @@ def test_avx2_int8_gemv_on_real_gguf_tensors(quant, gguf_slices, name):
 
 @needs_avx2
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_avx2_int8_gemv_propagates_nan_and_checks_inputs(quant, qtype):
+@pytest.mark.parametrize(("kernel", "rows", "bad"), [("gemv_avx2", 3, 1), ("gemm_avx2", 19, 10)])
+def test_avx2_int8_products_keep_nan_to_its_row(quant, qtype, kernel, rows, bad):
+    """An infinity in one activation row makes that row NaN and leaves the others the product
+    (the GEMM's bad row: its second panel's third)."""
+    k = 256
+    data = torch.from_numpy(random_weight(qtype, 40, k, seed=6))
+    w = reference(data.numpy(), qtype)
+    x = activations(rows, k, BF)
+    x[bad, 100] = float("inf")
+    y = getattr(quant, kernel)(x, data, int(qtype), k)
+    assert torch.isnan(y[bad]).all()
+    keep = torch.tensor([i for i in range(rows) if i != bad])
+    assert_int8_close(y[keep], x[keep], w, False)
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_avx2_int8_products_check_inputs(quant, qtype):
     k = 256
     data = torch.from_numpy(random_weight(qtype, 16, k, seed=6))
-    w = reference(data.numpy(), qtype)
-    x = activations(3, k, BF)
-    x[1, 100] = float("inf")
-    y = quant.gemv_avx2(x, data, int(qtype), k)
-    assert torch.isnan(y[1]).all()
-    keep = torch.tensor([0, 2])
-    assert_int8_close(y[keep], x[keep], w, False)
     with pytest.raises(RuntimeError, match="1 to 8"):
         quant.gemv_avx2(torch.randn(9, k), data, int(qtype), k)
-    with pytest.raises(RuntimeError, match="K = "):
-        quant.gemv_avx2(torch.randn(1, 2 * k), data, int(qtype), k)
+    for kernel in (quant.gemv_avx2, quant.gemm_avx2):
+        with pytest.raises(RuntimeError, match="K = "):
+            kernel(torch.randn(1, 2 * k), data, int(qtype), k)
+    assert quant.gemm_avx2(torch.randn(0, k), data, int(qtype), k).shape == (0, 16)
 
 
 @needs_avx2
@@ -705,23 +717,6 @@ def test_avx2_int8_gemm_on_real_gguf_tensors(quant, gguf_slices, name):
     assert_int8_close(
         quant.gemm_avx2(x, torch.from_numpy(data), int(qtype), k), x, reference(data, qtype), False
     )
-
-
-@needs_avx2
-@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_avx2_int8_gemm_propagates_nan_to_its_row_only(quant, qtype):
-    k = 256
-    data = torch.from_numpy(random_weight(qtype, 40, k, seed=9))
-    w = reference(data.numpy(), qtype)
-    x = activations(19, k, BF)
-    x[10, 100] = float("inf")  # the second panel's third row
-    y = quant.gemm_avx2(x, data, int(qtype), k)
-    assert torch.isnan(y[10]).all()
-    keep = torch.tensor([i for i in range(19) if i != 10])
-    assert_int8_close(y[keep], x[keep], w, False)
-    assert quant.gemm_avx2(x[:0], data, int(qtype), k).shape == (0, 40)
-    with pytest.raises(RuntimeError, match="K = "):
-        quant.gemm_avx2(torch.randn(12, 2 * k), data, int(qtype), k)
 
 
 def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, switch):
