@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import MutableMapping
 
 from vserve.envs import read_env
 
@@ -83,8 +84,9 @@ def torch_env(isa: str | None = None) -> dict[str, str]:
     return dict(_TORCH_ENV.get(isa, {})) if _X86 else {}
 
 
-def pin_torch() -> None:
-    """Set `torch_env()` here (and so in every process started from here); a value the user
-    set stays."""
+def pin_torch(environ: MutableMapping[str, str] | None = None) -> None:
+    """Set `torch_env()` in `environ` (default: this process's, and so every process started
+    from here); a value the user set stays."""
+    environ = os.environ if environ is None else environ
     for key, value in torch_env().items():
-        os.environ.setdefault(key, value)
+        environ.setdefault(key, value)
