@@ -354,8 +354,7 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
               for (int t = 0; t < 4; ++t) a[t] = fma2(pr[j], load2(v + 16 * t), a[t]);
             }, [&](const T* vr) { prefetch_lines(vr + c, (64 * sizeof(T) + 63) / 64); });
             for (int t = 0; t < 4; ++t) store2(out + 16 * t, a[t]);
-            continue;
-#endif
+#else
             vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
             each_position(vp, 0, n, [&](int64_t j, const T* vr) {
               const T* v = vr + c;
@@ -368,6 +367,7 @@ void decode_attention_rows(const T* qp, const T* kp, const T* vp, T* op, const i
             std::memcpy(out + 16, &a1, sizeof(a1));
             std::memcpy(out + 32, &a2, sizeof(a2));
             std::memcpy(out + 48, &a3, sizeof(a3));
+#endif
           } else {
             vf a = {};
             each_position(vp, 0, n, [&](int64_t j, const T* vr) { a += pr[j] * load16(vr + c); },
