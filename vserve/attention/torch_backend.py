@@ -6,15 +6,19 @@ Per step, `prepare` sorts the batch into groups that each need one attention cal
   the block tables and attention is two batched matmuls (GQA without copying K/V). With the
   fused CPU kernels (bf16, `kernel` set by the model runner) one kernel call reads the paged
   cache in place instead;
-* prefills without earlier context, grouped by length: one `scaled_dot_product_attention` per
-  length on this step's own K/V (nothing to gather);
-* prefill chunks with context (chunked prefill, prefix hits): one call per request against
-  its gathered context.
+* prefills without earlier context, grouped by length: attention on this step's own K/V
+  (nothing to gather);
+* prefill chunks with context (chunked prefill, prefix hits): per request, against its
+  gathered context.
 
-Masks are causal and, for sliding-window layers, `k_pos > q_pos - window`. When those layers
-have their own KV group (`meta.local_block_tables`), they gather through its block tables, in
-which blocks that left the window point at a null block of zeros (masked out like any slot
-past the window).
+Masks are causal and, for sliding-window layers, `k_pos > q_pos - window`. A prefill's queries
+run in tiles of `PREFILL_TILE` rows, each one `scaled_dot_product_attention` over the keys it
+can see (`_Tile`): a sliding-window layer's work grows with window x length, not length^2,
+and a chunk after earlier context is not charged for keys it cannot see; a prefill of a layer
+without a window and without context is one causal call. When sliding-window layers have
+their own KV group (`meta.local_block_tables`), they gather through its block tables, in which
+blocks that left the window point at a null block of zeros (masked out like any slot past the
+window); a chunk gathers only from the first block its window reaches.
 """
 
 from __future__ import annotations
@@ -27,6 +31,22 @@ import torch.nn.functional as F
 
 from vserve.attention.base import AttentionLayerSpec, AttentionMetadata, write_kv
 
+# query rows per attention call in a prefill: a sliding-window layer then computes
+# (PREFILL_TILE + window) keys a query at most, and a tile's causal triangle is small
+PREFILL_TILE = 128
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """Query rows [q0, q1) of a prefill against the keys at positions [k0, k1); mask
+    [1, 1, q1 - q0, k1 - k0] True = visible, None: causal with q1 - q0 == k1 - k0."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: torch.Tensor | None
+
 
 @dataclass
 class _Group:
@@ -36,9 +56,11 @@ class _Group:
     q_len: int
     blocks: torch.Tensor | None  # [B, num_blocks] block ids to gather (None: direct)
     local_blocks: torch.Tensor | None  # the same in the sliding-window KV group (or None)
-    # per window: [B|1, 1, Q, L]; True = visible, except decode groups: True = hidden
+    # decode groups, per window: [B, 1, 1, L] True = hidden (None with the fused kernel)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     seq_lens: torch.Tensor | None = None  # decode groups: [B] int64 context lengths
+    # prefill groups, per window: the query tiles (key positions from 0, before `first`)
+    tiles: dict[int | None, list[_Tile]] = field(default_factory=dict)
 
 
 class TorchAttentionBackend:
@@ -107,23 +129,14 @@ class TorchAttentionBackend:
         device = meta.block_tables.device
         starts = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=device)
         token_idx = (starts.unsqueeze(1) + torch.arange(q_len, device=device)).reshape(-1)
-        pos = torch.arange(q_len, device=device).view(1, 1, -1, 1)
-        # a window at least as long as the prompt is plain causal: no mask tensor needed
-        masks = {
-            w: None
-            if w is None or w >= q_len
-            else _visible(pos, torch.arange(q_len, device=device), w)
-            for w in windows
-        }
-        return _Group("direct", token_idx, len(rows), q_len, None, None, masks)
+        tiles = {w: _prefill_tiles(0, q_len, w, device) for w in windows}
+        return _Group("direct", token_idx, len(rows), q_len, None, None, tiles=tiles)
 
     def _context_group(self, meta, row, q_len, windows) -> _Group:
         device = meta.block_tables.device
         seq_len, start = meta.seq_lens_cpu[row], meta.query_start_loc_cpu[row]
         nb = self._num_blocks(seq_len)
-        pos = torch.arange(seq_len - q_len, seq_len, device=device).view(1, 1, -1, 1)
-        j = torch.arange(nb * self.block_size, device=device)
-        masks = {w: _visible(pos, j, w) for w in windows}
+        tiles = {w: _prefill_tiles(seq_len - q_len, q_len, w, device) for w in windows}
         token_idx = torch.arange(start, start + q_len, device=device)
         local = meta.local_block_tables
         return _Group(
@@ -133,7 +146,7 @@ class TorchAttentionBackend:
             q_len,
             meta.block_tables[row, :nb].long().unsqueeze(0),
             None if local is None else local[row, :nb].long().unsqueeze(0),
-            masks,
+            tiles=tiles,
         )
 
     # -- per layer -----------------------------------------------------------------------------
@@ -171,16 +184,21 @@ class TorchAttentionBackend:
             )
         b, n = g.num_rows, g.q_len
         q = query.view(b, n, *query.shape[1:]).transpose(1, 2)  # [B,H,Q,D]
+        tiles = g.tiles.get(spec.sliding_window, [])
+        first = 0  # the position of the first key gathered
         if g.blocks is None:
             k, v = key.view(b, n, *key.shape[1:]), value.view(b, n, *value.shape[1:])
         else:
+            if g.kind != "decode":  # from the first block the earliest tile reaches
+                skip = tiles[0].k0 // self.block_size
+                blocks, first = blocks[:, skip:], skip * self.block_size
             k = _gather_blocks(kv_cache[0], blocks)  # [B,L,Hkv,D]
             v = _gather_blocks(kv_cache[1], blocks)
-        mask = g.masks[spec.sliding_window]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B,Hkv,L,D]
         if g.kind == "decode":
-            o = _attend_matmul(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)
+            o = _attend_matmul(q, k, v, g.masks[spec.sliding_window], spec)
         else:
-            o = _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, spec)  # [B,H,Q,D]
+            o = _attend_tiles(q, k, v, tiles, first, spec)  # [B,H,Q,D]
         return o.transpose(1, 2).reshape(b * n, *query.shape[1:])
 
 
@@ -188,6 +206,46 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
     """Causal (and sliding-window) visibility; q_pos broadcasts against k_pos [L]."""
     m = k_pos <= q_pos
     return m if window is None else m & (k_pos > q_pos - window)
+
+
+def _prefill_tiles(start: int, q_len: int, window: int | None, device) -> list[_Tile]:
+    """The tiles of q_len queries at positions start.. (keys from position 0): one causal tile
+    where the queries see exactly their own keys, else PREFILL_TILE rows each, against the
+    keys from the first one the tile's first query sees (its window) to the last query."""
+    if start == 0 and (window is None or window >= q_len):
+        return [_Tile(0, q_len, 0, q_len, None)]
+    tiles = []
+    for q0 in range(0, q_len, PREFILL_TILE):
+        q1 = min(q_len, q0 + PREFILL_TILE)
+        p0, p1 = start + q0, start + q1  # query positions [p0, p1)
+        k0 = 0 if window is None else max(0, p0 - window + 1)
+        if k0 == p0 and (window is None or window >= q1 - q0):
+            tiles.append(_Tile(q0, q1, k0, p1, None))  # its own keys alone: causal
+            continue
+        pos = torch.arange(p0, p1, device=device).view(1, 1, -1, 1)
+        mask = _visible(pos, torch.arange(k0, p1, device=device), window)
+        tiles.append(_Tile(q0, q1, k0, p1, mask))
+    return tiles
+
+
+def _attend_tiles(q, k, v, tiles: list[_Tile], first: int, spec) -> torch.Tensor:
+    """q [B, H, Q, D]; k/v [B, Hkv, L, D] the keys from position `first`."""
+    if len(tiles) == 1:
+        t = tiles[0]
+        return _attend(
+            q,
+            k[:, :, t.k0 - first : t.k1 - first],
+            v[:, :, t.k0 - first : t.k1 - first],
+            t.mask,
+            spec,
+        )
+    out = q.new_empty(q.shape)
+    for t in tiles:
+        ks = slice(t.k0 - first, t.k1 - first)
+        out[:, :, t.q0 : t.q1] = _attend(
+            q[:, :, t.q0 : t.q1], k[:, :, ks], v[:, :, ks], t.mask, spec
+        )
+    return out
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
