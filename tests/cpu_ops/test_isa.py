@@ -119,6 +119,25 @@ def attention(module):
     return outs
 
 
+def sampled(module):
+    """The fused sampler on seeded logits of the embedded model's vocabulary: 8 bf16 rows at
+    temperatures 0 (argmax), 0.7 and 1 and 2 fp32 rows, each with its own u, and the top 40
+    candidates of a filtered row; the tokens and candidate probabilities."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for dtype, rows in ((torch.bfloat16, 8), (torch.float32, 2)):
+        logits = (torch.randn(rows, 262144, generator=gen) * 5).to(dtype)
+        temps = torch.tensor([0.0, 0.7, 1.0, 1.0][:rows] * 2, dtype=torch.float32)[:rows]
+        u = torch.rand(rows, generator=gen, dtype=torch.float64)
+        counts = torch.zeros(rows, dtype=torch.long)
+        counts[1] = 40
+        tokens, ids, probs = module.sample(logits, temps, u, counts)
+        out += [tokens, ids[1, :40], probs[1, :40], module.argmax(logits)]
+    return out
+
+
 # A fresh process under VSERVE_CPU_ISA: the build, its int8 gemv, and matmul at 1 and 24 rows
 # on each block format against the dequantized reference (fp32 sums of the int8 products on
 # AVX2, the exact products on the portable build).
@@ -129,7 +148,7 @@ CHILD = textwrap.dedent(
     from gguf.quants import dequantize
     from vserve import cpu_ops
     from vserve.config import cpu_has_bf16
-    from tests.cpu_ops.test_isa import attention
+    from tests.cpu_ops.test_isa import attention, sampled
     quant = cpu_ops.load_quant()
     out = {"int8_gemv": quant.int8_gemv(), "amx": quant.amx_gemm(), "bf16": cpu_has_bf16(),
            "capability": torch.backends.cpu.get_cpu_capability(), "errors": {}}
@@ -154,6 +173,7 @@ CHILD = textwrap.dedent(
                 gemm = quant.gemm_avx2(x, torch.from_numpy(data), int(qtype), 512).double()
                 out.setdefault("took_gemm", []).append(bool(torch.equal(y, gemm)))
     torch.save(attention(cpu_ops.load()), sys.argv[1])
+    torch.save(sampled(cpu_ops.load_sampler()), sys.argv[1] + ".sample")
     print(json.dumps(out))
     """
 )
@@ -208,3 +228,12 @@ def test_forced_isa_builds_and_multiplies(choice, tmp_path):
             assert torch.equal(theirs, ours)
         else:
             torch.testing.assert_close(theirs.float(), ours.float(), rtol=2**-7, atol=1e-3)
+    # the sampler: 8 lanes a vector on AVX2 and portable builds, 16 on AVX-512: the same
+    # argmax, the same candidates, probabilities within fp32 sums' rounding, and (the CDF
+    # within that rounding of this build's, no u near an edge) the same tokens
+    native = sampled(cpu_ops.load_sampler())
+    for i, (theirs, ours) in enumerate(zip(torch.load(str(saved) + ".sample"), native)):
+        if i % 4 == 2:
+            torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=0)
+        else:
+            assert torch.equal(theirs, ours), i

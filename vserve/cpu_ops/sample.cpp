@@ -42,42 +42,72 @@
 
 namespace {
 
-using namespace vec16;  // vf, vi, load16, splat, vexp
-typedef double vd __attribute__((vector_size(128)));
+// kW lanes a vector: 16 (one register) with AVX-512, else 8. Without AVX-512 GCC has no
+// register for a 64-byte vector and keeps each one in memory between operations: the sampler
+// ran ~9x slower in the AVX2 build than in the AVX-512 one at 16 rows x 262144 logits
+// (benchmarks/sampler_speed.py), 8 lanes are one AVX2 register.
+#ifdef __AVX512F__
 constexpr int64_t kW = 16;
+#else
+constexpr int64_t kW = 8;
+#endif
+typedef float vf __attribute__((vector_size(kW * 4)));
+typedef int32_t vi __attribute__((vector_size(kW * 4)));
+typedef uint16_t vh __attribute__((vector_size(kW * 2)));
+typedef double vd __attribute__((vector_size(kW * 8)));
+
+inline vf loadw(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf loadw(const c10::BFloat16* p) {  // bf16 widens exactly: its bits, shifted
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vi) << 16);
+}
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf vexp(vf x) { return vec16::vexp_of<vf, vi>(x); }
 constexpr int64_t kBlock = 2048;   // elements per block sum of the inverse-CDF walk
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// one row of logits in its dtype; chunks of 16 past the end read -inf
+// one row of logits in its dtype; chunks of kW past the end read -inf
 template <typename T>
 struct Row {
   const T* data;
   int64_t vocab;
 
   vf load(int64_t i) const {
-    if (i + kW <= vocab) return load16(data + i);
+    if (i + kW <= vocab) return loadw(data + i);
     vf v;
     for (int64_t l = 0; l < kW; ++l) v[l] = i + l < vocab ? to_float(data[i + l]) : kNegInf;
     return v;
   }
 };
 
-// e_i of 16 logits from i: exp(x / T - m / T), the fp32 arguments softmax(x / T) uses
+// e_i of kW logits from i: exp(x / T - m / T), the fp32 arguments softmax(x / T) uses
 template <typename T>
-inline vf probs16(const Row<T>& row, int64_t i, float temp, float scaled_max) {
+inline vf probs_w(const Row<T>& row, int64_t i, float temp, float scaled_max) {
   // x / 1 is x: the default temperature skips a division per logit
   return vexp((temp == 1.0f ? row.load(i) : row.load(i) / temp) - scaled_max);
 }
 
 inline vf vmax(vf a, vf b) { return b > a ? b : a; }
 
-inline float hmax(vf v) {   // a tree: four shuffles instead of a chain of 15 selects
+inline float hmax(vf v) {   // a tree of shuffles instead of a chain of kW - 1 selects
+#ifdef __AVX512F__
   v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
   v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+#else
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+#endif
   return v[0] > v[1] ? v[0] : (v[1] > v[0] ? v[1] : v[0]);
 }
 
@@ -123,16 +153,16 @@ float row_max(const Row<T>& row) {
   vf m0 = splat(kNegInf), m1 = m0, m2 = m0, m3 = m0;
   int64_t i = 0;
   for (; i + 4 * kW <= row.vocab; i += 4 * kW) {
-    m0 = vmax(m0, load16(row.data + i));
-    m1 = vmax(m1, load16(row.data + i + kW));
-    m2 = vmax(m2, load16(row.data + i + 2 * kW));
-    m3 = vmax(m3, load16(row.data + i + 3 * kW));
+    m0 = vmax(m0, loadw(row.data + i));
+    m1 = vmax(m1, loadw(row.data + i + kW));
+    m2 = vmax(m2, loadw(row.data + i + 2 * kW));
+    m3 = vmax(m3, loadw(row.data + i + 3 * kW));
   }
   for (; i < row.vocab; i += kW) m0 = vmax(m0, row.load(i));
   return hmax(vmax(vmax(m0, m1), vmax(m2, m3)));
 }
 
-// block sums of e_i: each lane sums its 64 (of 2048) values in fp32, the lanes and blocks add
+// block sums of e_i: each lane sums its kBlock / kW (of 2048) values in fp32, the lanes and blocks add
 // up in double: a block's mass is off by at most ~4e-6 of itself (relative), which the walk
 // spreads over the block's own tokens (walk_cdf)
 template <typename T>
@@ -143,10 +173,10 @@ std::vector<double> block_sums(const Row<T>& row, float temp, float scaled_max) 
     int64_t i = static_cast<int64_t>(b) * kBlock;
     int64_t end = std::min(row.vocab, static_cast<int64_t>(b + 1) * kBlock);
     for (; i + 2 * kW <= end; i += 2 * kW) {
-      a0 += probs16(row, i, temp, scaled_max);
-      a1 += probs16(row, i + kW, temp, scaled_max);
+      a0 += probs_w(row, i, temp, scaled_max);
+      a1 += probs_w(row, i + kW, temp, scaled_max);
     }
-    for (; i < end; i += kW) a0 += probs16(row, i, temp, scaled_max);
+    for (; i < end; i += kW) a0 += probs_w(row, i, temp, scaled_max);
     sums[b] = hsum(a0) + hsum(a1);
   }
   return sums;
@@ -169,11 +199,11 @@ int64_t walk_cdf(const Row<T>& row, float temp, float scaled_max,
     const int64_t begin = static_cast<int64_t>(b) * kBlock;
     const int64_t end = std::min(row.vocab, begin + kBlock);
     double exact = 0;
-    for (int64_t i = begin; i < end; i += kW) exact += hsum(probs16(row, i, temp, scaled_max));
+    for (int64_t i = begin; i < end; i += kW) exact += hsum(probs_w(row, i, temp, scaled_max));
     double left = sums[b] > 0 ? (target - cum) * (exact / sums[b]) : 0.0, run = 0;
     int64_t last = -1;
     for (int64_t i = begin; i < end; i += kW) {
-      vf e = probs16(row, i, temp, scaled_max);
+      vf e = probs_w(row, i, temp, scaled_max);
       double chunk = hsum(e);
       for (int l = 0; l < kW && i + l < row.vocab; ++l)
         if (e[l] > 0.0f) last = i + l;
@@ -190,7 +220,7 @@ int64_t walk_cdf(const Row<T>& row, float temp, float scaled_max,
     cum += sums[b];
   }
   for (int64_t i = row.vocab - 1; i > 0; --i)
-    if (probs16(row, i, temp, scaled_max)[0] > 0.0f) return i;
+    if (probs_w(row, i, temp, scaled_max)[0] > 0.0f) return i;
   return 0;
 }
 
@@ -242,7 +272,7 @@ template <typename T>
 float estimated_threshold(const Row<T>& row, int64_t count) {
   std::vector<float> sample;
   sample.reserve(row.vocab / 64 + kW);
-  for (int64_t i = 0; i < row.vocab; i += 64 * kW) {   // 16 neighbours every 1024 tokens
+  for (int64_t i = 0; i < row.vocab; i += 64 * kW) {   // kW neighbours every 64 kW tokens
     vf v = row.load(i);
     for (int l = 0; l < kW; ++l)
       if (!std::isnan(v[l]) && i + l < row.vocab) sample.push_back(v[l]);

@@ -34,35 +34,48 @@ inline vf load16(const c10::BFloat16* p) {
 
 inline vf splat(float x) { return vf{} + x; }
 
-// exp for x <= 0 (Cephes' expf: within 2 ulp of std::exp), exactly 0 below -87.3 and at -inf
-inline vf vexp(vf x) {
+// exp for x <= 0 (Cephes' expf: within 2 ulp of std::exp), exactly 0 below -87.3 and at -inf,
+// of any vector V of fp32 lanes (VI: int32 lanes of the same count): vf, or sample.cpp's
+// narrower vector where a 64-byte one has no register
+template <class V, class VI>
+inline V vexp_of(V x) {
   const float lo = -87.33654f;
-  vf xc = x < lo ? splat(lo) : x;
-  vf fx = xc * 1.44269504088896341f + 0.5f;
+  V xc = x < lo ? V{} + lo : x;
+  V fx = xc * 1.44269504088896341f + 0.5f;
+  V t;
 #ifdef __AVX512F__
   // floor in one instruction, and 2^t applied by vscalefps: the same bits as the arithmetic
   // below (t integral; y * 2^t rounded once either way), in fewer instructions: the sampler
   // runs this on every logit
-  vf t = (vf)_mm512_roundscale_ps((__m512)fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-#else
-  vf t = (fx + 12582912.0f) - 12582912.0f;   // round to nearest, then floor
-  t = t > fx ? t - 1.0f : t;
+  if constexpr (sizeof(V) == 64) {
+    t = (V)_mm512_roundscale_ps((__m512)fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  } else
 #endif
-  vf r = xc - t * 0.693359375f;
+  {
+    t = (fx + 12582912.0f) - 12582912.0f;  // round to nearest, then floor
+    t = t > fx ? t - 1.0f : t;
+  }
+  V r = xc - t * 0.693359375f;
   r = r - t * -2.12194440e-4f;
-  vf y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  V y = r * 1.9875691500e-4f + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
+  V res;
 #ifdef __AVX512F__
-  vf res = (vf)_mm512_scalef_ps((__m512)y, (__m512)t);
-#else
-  vi e = (__builtin_convertvector(t, vi) + 127) << 23;
-  vf res = y * (vf)e;
+  if constexpr (sizeof(V) == 64) {
+    res = (V)_mm512_scalef_ps((__m512)y, (__m512)t);
+  } else
 #endif
-  return x < lo ? splat(0.0f) : res;
+  {
+    VI e = (__builtin_convertvector(t, VI) + 127) << 23;
+    res = y * (V)e;
+  }
+  return x < lo ? V{} : res;
 }
+
+inline vf vexp(vf x) { return vexp_of<vf, vi>(x); }
 
 }  // namespace vec16
