@@ -280,16 +280,22 @@ def _has_amx() -> bool:
     return module is not None and module.amx_gemm()
 
 
+AVX2_GEMM_MAX_ROWS = 48  # quant_avx2.h's kAvx2GemmMaxRows: the AVX2 int8 GEMM below it
 AMX_MIN_ROWS, AMX_MAX_ROWS = 48, 512  # quant_paths.h's kAmxMinRows, kAmxMaxRows
 
 
 def gemm_is_int8(m: int, dtype: torch.dtype, exact: bool) -> bool:
-    """Whether matmul over m > 8 rows runs the int8 GEMM (bf16 x on a VNNI CPU, the exact path
-    not forced) rather than a product of weights dequantized to x's dtype: at::mm over tiles,
-    or on an AMX CPU from AMX_MIN_ROWS rows on the tile GEMM (the same products, summed in
-    fp32 in another order), and at::mm again from AMX_MAX_ROWS."""
+    """Whether matmul over m > 8 rows runs an int8 GEMM (bf16 x, the exact path not forced: on
+    a VNNI CPU, or on AVX2 alone below AVX2_GEMM_MAX_ROWS rows) rather than a product of
+    weights dequantized to x's dtype: at::mm over tiles, or on an AMX CPU from AMX_MIN_ROWS
+    rows on the tile GEMM (the same products, summed in fp32 in another order), and at::mm
+    again from AMX_MAX_ROWS."""
+    if dtype != BF or exact:
+        return False
+    if not _has_vnni():
+        return cpu_ops.load_quant().int8_gemv() == "avx2" and m < AVX2_GEMM_MAX_ROWS
     amx = _has_amx() and m >= AMX_MIN_ROWS and cpu_ops.load_quant().options()["amx"]
-    return dtype == BF and not exact and _has_vnni() and not amx
+    return not amx
 
 
 def _has_vnni() -> bool:
