@@ -10,16 +10,14 @@ shows it has the power to fail: the same check rejects samples drawn at T = 1 wh
 was asked for, and samples drawn without the filter when a filter was asked for.
 """
 
-import math
-
 import pytest
 import torch
 
+from tests.support.distribution import chi_square_ok, reference_probs
 from vserve.workers.sampler import Sampler, SamplingMetadata
 
 VOCAB = 120
 DRAWS = 4000
-Z_999 = 3.0902  # standard normal quantile at 0.999
 
 
 def _row() -> torch.Tensor:
@@ -44,60 +42,11 @@ def _meta(n: int, temperature: float, top_k=0, top_p=1.0, min_p=0.0, seed=7) -> 
     )
 
 
-def reference_probs(
-    row: torch.Tensor, temperature: float, top_k=0, top_p=1.0, min_p=0.0
-) -> torch.Tensor:
-    """The distribution the parameters define, in float64 (vLLM's and the OpenAI API's rules:
-    top-k most likely; the smallest prefix by probability with mass >= top_p; tokens with
-    probability >= min_p x the largest), renormalised."""
-    p = (row.double() / temperature).softmax(dim=-1)
-    order = p.argsort(descending=True, stable=True)
-    sorted_p = p[order]
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_k > 0:
-        keep[top_k:] = False
-    keep &= (sorted_p.cumsum(0) - sorted_p) < top_p
-    keep &= sorted_p >= min_p * sorted_p[0]
-    out = torch.zeros_like(p)
-    out[order[keep]] = sorted_p[keep]
-    return out / out.sum()
-
-
 def draw(
     row: torch.Tensor, use_kernel: bool, dtype=torch.float32, seed=7, **params
 ) -> torch.Tensor:
     logits = row.to(dtype).unsqueeze(0).expand(DRAWS, -1).contiguous()
     return Sampler(use_kernel)(logits, _meta(DRAWS, seed=seed, **params)).token_ids
-
-
-def chi_square_ok(tokens: torch.Tensor, probs: torch.Tensor) -> bool:
-    """False when the counts of `tokens` reject `probs` at significance 0.001; a token drawn
-    where probs is 0 always rejects."""
-    counts = torch.bincount(tokens, minlength=VOCAB).double()
-    if counts[probs == 0].sum() > 0:
-        return False
-    expected = probs * len(tokens)
-    order = expected.argsort(descending=True)
-    bins_obs, bins_exp, acc_obs, acc_exp = [], [], 0.0, 0.0
-    for i in order.tolist():  # merge the smallest expectations until each bin has >= 5
-        if expected[i] == 0:
-            continue
-        acc_obs += counts[i].item()
-        acc_exp += expected[i].item()
-        if acc_exp >= 5:
-            bins_obs.append(acc_obs)
-            bins_exp.append(acc_exp)
-            acc_obs = acc_exp = 0.0
-    if acc_exp > 0:
-        bins_obs[-1] += acc_obs
-        bins_exp[-1] += acc_exp
-    df = len(bins_exp) - 1
-    if df == 0:
-        return True
-    stat = sum((o - e) ** 2 / e for o, e in zip(bins_obs, bins_exp))
-    # Wilson-Hilferty: the chi-square quantile from the normal one
-    critical = df * (1 - 2 / (9 * df) + Z_999 * math.sqrt(2 / (9 * df))) ** 3
-    return stat < critical
 
 
 CASES = [
