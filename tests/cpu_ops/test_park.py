@@ -85,10 +85,12 @@ def _cpu_while_asleep(how: str) -> float:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 threads")
 def test_parked_threads_use_no_cpu(ops):
+    """Relative to the same sleep without a park (the other thread spins through it: up to
+    0.4 CPU-s on an idle core, less on a loaded host), not to a wall-clock window."""
     spinning = _cpu_while_asleep("spin")
     parked = _cpu_while_asleep("parked")
-    assert spinning > 0.25, spinning  # the other thread spun through the whole sleep
-    assert parked < 0.1, parked
+    assert spinning > 0.02, spinning  # the measure sees a spinning thread at all
+    assert parked < 0.25 * spinning, (parked, spinning)
 
 
 def test_unpark_outside_a_park_does_nothing(ops, two_threads):
@@ -141,5 +143,5 @@ def test_unpark_wakes_the_team_before_the_work_ends():
     )
     assert out.returncode == 0, out.stderr
     asleep, woken = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 -- our own child
-    assert asleep < 0.1, asleep
-    assert woken > 0.15, woken  # the woken thread spun through the second sleep
+    assert woken > 0.02, woken  # the woken thread spun through the second sleep
+    assert asleep < 0.25 * woken, (asleep, woken)  # relative: a loaded host slows both

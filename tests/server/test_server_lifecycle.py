@@ -153,10 +153,12 @@ def test_sigterm_drains_then_exits_zero(model_dir):
             srv.remember_tree()
             assert not short.done()
             srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            # draining once /health says so (polled: a loaded host may take the signal late)
+            _poll_until(
+                lambda: httpx.get(srv.url + "/health", timeout=5).status_code == 503, timeout=10
+            )
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT}, timeout=5)
             assert r.status_code == 503  # no new work while draining
-            assert httpx.get(srv.url + "/health").status_code == 503
             done = short.result(timeout=30)
             events = long.result(timeout=30)
         assert done.status_code == 200  # in flight: finished

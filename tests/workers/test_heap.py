@@ -3,6 +3,7 @@ and when a worker is idle, and only then."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import platform
 
@@ -83,24 +84,29 @@ def test_tokenizer_load_is_followed_by_a_trim(monkeypatch, tiny_model_dir):
 
 
 def test_front_end_trims_once_after_each_busy_period(monkeypatch):
+    """Driven by the counter's value at each wake (a scripted sleep, no clock): no trim while
+    idle from the start or while outputs keep coming, one when they stop, none again until
+    the next busy period has ended."""
     import asyncio
 
     trims = []
     monkeypatch.setattr(heap, "trim", lambda: trims.append(count[0]) or True)
     count = [0]
+    # the counter at each wake: idle, busy, busy, idle (trim), idle, busy, idle (trim), idle
+    script = iter([0, 0, 4, 7, 7, 7, 9, 9, 9])
+
+    async def wake(_seconds) -> None:
+        try:
+            count[0] = next(script)
+        except StopIteration:
+            raise asyncio.CancelledError from None
 
     async def run() -> None:
-        task = asyncio.create_task(heap.trim_when_idle(lambda: count[0], idle_s=0.1))
-        await asyncio.sleep(0.25)  # idle from the start: nothing to give back
-        assert trims == []
-        for _ in range(10):  # busy: outputs keep coming (5 per interval), no trim
-            count[0] += 1
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.5)  # then idle: one trim, not one per interval
-        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await heap.trim_when_idle(lambda: count[0], idle_s=0.1, sleep=wake)
 
     asyncio.run(run())
-    assert trims == [10]
+    assert trims == [7, 9]
 
 
 def test_prompt_sized_bpe_memo_is_bounded():

@@ -28,7 +28,7 @@ import asyncio
 import ctypes
 import functools
 import gc
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 
@@ -65,12 +65,17 @@ def startup_over() -> None:
     trim()
 
 
-async def trim_when_idle(activity: Callable[[], int], idle_s: float = 1.0) -> None:
+async def trim_when_idle(
+    activity: Callable[[], int],
+    idle_s: float = 1.0,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+) -> None:
     """Trim once after each busy period: when `activity()` (a counter of work done) moved
-    since the last trim and then stood still for `idle_s`. Runs until cancelled."""
+    since the last trim and then stood still for `idle_s` (`sleep`: how it waits, asyncio's).
+    Runs until cancelled."""
     last, busy = activity(), False
     while True:
-        await asyncio.sleep(idle_s)
+        await sleep(idle_s)
         now = activity()
         if now != last:
             last, busy = now, True
