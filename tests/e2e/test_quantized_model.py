@@ -75,13 +75,15 @@ def test_gguf_native_is_the_same_model(embedded_fp32, dequantized):
     of the whole text's."""
     llm = embedded_fp32(None)
     ids = _greedy(llm, quantized=True)
-    ll = sum(_token_logprobs(llm, _text_ids(llm.get_tokenizer())[:SAME_MODEL_TOKENS]))
+    lps = _token_logprobs(llm, _text_ids(llm.get_tokenizer())[:SAME_MODEL_TOKENS])
     ref_ids, ref_lps = dequantized
-    ref_ll = sum(ref_lps[: SAME_MODEL_TOKENS - 1])
     assert ref_ids == REFERENCE_IDS
     assert ids == ref_ids
-    print("log-likelihood gguf fp32 / dequantized fp32:", ll, ref_ll)
-    assert math.isclose(ll, ref_ll, rel_tol=0.005)
+    # token by token: fp32 activations take the kernels' exact path (fp32 sums of the same
+    # dequantized weights, in another order), so each logprob agrees to fp32 rounding
+    worst = max(abs(a - b) for a, b in zip(lps, ref_lps[: SAME_MODEL_TOKENS - 1]))
+    print("gguf fp32 vs dequantized fp32, max |logprob difference|:", worst)
+    assert len(lps) == SAME_MODEL_TOKENS - 1 and worst < 1e-3
 
 
 def test_gguf_native_default_bf16(dequantized):
