@@ -279,3 +279,16 @@ def test_min_tokens_keeps_requests_from_drafting(model, tmp_path, min_tokens):
     r = json.loads(out_json.read_text())
     assert r["total_num_output_tokens"] == NUM_PROMPTS * SPEC_OUT_LEN
     assert (r.get("spec_num_drafts", 0) > 0) == (min_tokens == 0)
+
+
+def test_throughput_hf_backend_on_the_default_model(tmp_path):
+    """The embedded model's folder holds no weights (they stay in its GGUF): transformers
+    reads and dequantizes the GGUF itself."""
+    out_json = tmp_path / "hf.json"
+    _bench(
+        "throughput",
+        *("--num-prompts", "2", "--input-len", "8", "--output-len", "3"),
+        *("--backend", "hf", "--hf-max-batch-size", "2", "--output-json", str(out_json)),
+    )
+    r = json.loads(out_json.read_text())
+    assert r["backend"] == "hf" and r["total_num_output_tokens"] == 2 * 3

@@ -53,7 +53,7 @@ def hf_model(model_dir: str, dtype: torch.dtype):
     loads its GGUF through transformers, which dequantizes every tensor (with gguf's own
     `dequantize`). Its config and its weights each parse the file's metadata with
     `gguf.GGUFReader`, 25 s apiece for the embedded model's 262k-token vocabulary: they share
-    one reader whose values are plain views (`_gguf_parsed_once`, the same fields and tensors:
+    one reader whose values are plain views (`gguf_parsed_once`, the same fields and tensors:
     tests/models/test_gguf_source.py). The dequantized fp32 model is kept (the embedded one
     takes 8-16 s to load) and another dtype is a cast copy of it: transformers casts the same
     fp32 values when it loads a GGUF in that dtype (the embedded model in bf16: all 237
@@ -73,9 +73,9 @@ def hf_model(model_dir: str, dtype: torch.dtype):
 def _gguf_fp32_model(gguf: str):
     from transformers import AutoModelForCausalLM
 
-    from vserve.models.resolve import _gguf_parsed_once
+    from vserve.models.resolve import gguf_parsed_once
 
-    with _gguf_parsed_once():
+    with gguf_parsed_once():
         return AutoModelForCausalLM.from_pretrained(
             str(Path(gguf).parent), gguf_file=Path(gguf).name, dtype=torch.float32
         ).eval()

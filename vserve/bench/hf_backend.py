@@ -16,9 +16,7 @@ def run_hf(
     model_path: str, dtype: str, samples: list[Sample], max_batch_size: int, temperature: float
 ) -> tuple[float, int]:
     """Returns (elapsed seconds, output tokens)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).eval()
+    model = load_hf_model(model_path, _DTYPES[dtype])
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     num_out = 0
     bar = tqdm(total=len(samples), desc="transformers generate")
@@ -45,6 +43,23 @@ def run_hf(
         bar.update(len(batch))
     bar.close()
     return time.perf_counter() - start, num_out
+
+
+def load_hf_model(model_path: str, dtype: torch.dtype):
+    """transformers' model of a model folder; a GGUF's folder (the embedded model's) holds no
+    weights, so transformers reads and dequantizes the GGUF it names."""
+    from transformers import AutoModelForCausalLM
+
+    from vserve.models.gguf_source import gguf_file
+    from vserve.models.resolve import gguf_parsed_once
+
+    gguf = gguf_file(model_path)
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    with gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=dtype
+        ).eval()
 
 
 def _left_pad(prompts: list[list[int]], pad: int):

@@ -101,7 +101,7 @@ def convert_gguf(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        with _gguf_parsed_once():
+        with gguf_parsed_once():
             _describe(gguf, tmp, chat_template, bar, steps)
         bar.set_postfix_str(steps[3])
         if extra_eos:
@@ -139,7 +139,7 @@ def _describe(gguf: Path, folder: Path, chat_template: str | None, bar, steps) -
 
 
 @contextmanager
-def _gguf_parsed_once():
+def gguf_parsed_once():
     """transformers' config, its tokenizer's config and the special-token reader each parse the
     file with `gguf.GGUFReader` (8 s apiece for the embedded model's 262k-token vocabulary):
     while a folder is described, one reader per file serves them all (they only read it), and
