@@ -90,8 +90,9 @@ struct Q8_0 {
   static constexpr int kBlock = 32, kBytes = 34, kOffset = 0;
   static constexpr bool kSigned = true;
   static QUANT_INLINE __m256i quants(const uint8_t* b) { return load32(b + 2); }
-  // rows()'s form, one scale a block: measured faster for Q8_0 than rows32's (Q8_0 reads
-  // 34 bytes a block, so its scales are fewer of the work; 2 threads, 0.87-0.94x in rows32)
+  // rows()'s form, one scale a block, for a few rows: measured faster for Q8_0 than rows32's
+  // at one row (Q8_0 reads 34 bytes a block, so its scales are fewer of the work; 2 threads,
+  // 0.87-0.94x in rows32); from kQ8Rows32 rows rows32's
   template <class Emit, class Mins>
   static QUANT_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
     emit(C<0>{}, quants(b), _mm256_set1_ps(half_at(b)));
@@ -399,6 +400,10 @@ void rows32(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool b
   }
 }
 
+// Q8_0 takes rows32's form (eight blocks' d_w * d_x at once: one multiply fewer per block
+// and row) from this many rows; below, rows()'s (see Q8_0)
+constexpr int kQ8Rows32 = 4;
+
 template <class F, int M = 1>
 void dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const XRows& x, void* y,
               bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
@@ -408,7 +413,8 @@ void dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const XRows& x, vo
       return;
     }
   }
-  if constexpr (F::kBlock == 32 && !F::kSigned)  // Q4_0, Q5_0
+  // Q4_0, Q5_0; and Q8_0 from kQ8Rows32 rows, where the products outweigh the weight bytes
+  if constexpr (F::kBlock == 32 && (!F::kSigned || M >= kQ8Rows32))
     rows32<F, M>(w, row_bytes, x, y, bf16_out, n, r0, r1);
   else
     rows<F, M>(w, row_bytes, x, y, bf16_out, n, r0, r1);
