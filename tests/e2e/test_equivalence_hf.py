@@ -1,10 +1,13 @@
 """Greedy token ids equal transformers' `generate` (fp32 tiny random models) under plain
-batching, chunked prefill, prefix-cache hits and preemption by a tiny KV cache."""
+batching, chunked prefill, prefix-cache hits and preemption by a tiny KV cache. The later
+families (Granite, OLMo 2, SmolLM3, Phi-3, Gemma 2) differ from the first five in their layers
+only, not in how steps are scheduled: they run plain and chunked."""
 
 import pytest
 
 from tests.support.engines import make_llm
 from tests.support.hf_reference import PREFIX_PROMPTS, PROMPTS, hf_greedy
+from tests.support.tiny_models import FAMILY_KINDS
 from vserve import SamplingParams
 
 MAX_TOKENS = 24
@@ -26,8 +29,12 @@ def _generate(model_dir, prompts, **engine_kwargs):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("kind", KINDS)
+CASES = [(k, s) for k in KINDS for s in SCENARIOS] + [
+    (k, s) for k in FAMILY_KINDS for s in ("plain", "chunked")
+]
+
+
+@pytest.mark.parametrize("kind, scenario", CASES)
 def test_greedy_matches_transformers(tiny_model_dir, kind, scenario):
     model_dir = tiny_model_dir(kind)
     prompts = PREFIX_PROMPTS if scenario == "prefix" else PROMPTS

@@ -1,10 +1,11 @@
 """Tensor parallel produces the tokens of one rank (fp32, greedy and seeded sampling) on the
 modes-equivalence workload (staggered arrivals, chunked prefill, prefix hits, preemption by a
 small KV cache, aborts, stop strings): TP=2 sync and async, TP=2 x PP=2, and GQA with fewer KV
-heads than ranks (replicated KV heads) on dense weights, GGUF blocks and int8 blocks.
-Unsupported combinations are refused up front. In bf16 (the fused decode layers on each rank's
-shard, packed bf16 or GGUF blocks) TP=2's logprobs stay within bf16 rounding of one rank's,
-teacher-forced and at each decode step until the greedy runs part."""
+heads than ranks (replicated KV heads) on dense weights, GGUF blocks and int8 blocks, and on
+OLMo 2 (q/k norms over every rank's heads). Unsupported combinations are refused up front. In
+bf16 (the fused decode layers on each rank's shard, packed bf16 or GGUF blocks) TP=2's
+logprobs stay within bf16 rounding of one rank's, teacher-forced and at each decode step until
+the greedy runs part."""
 
 import pytest
 
@@ -64,6 +65,8 @@ KV1_CASES = {
     "llama": ("hf", "llama", {}),
     "gemma3-gguf": ("gguf", "gemma3", {}),  # each rank its slice of the blocks
     "llama-int8": ("hf", "llama", {"quantization": "int8"}),  # each rank quantizes its slice
+    # OLMo 2's q/k norms span every head: each rank gathers the whole projection
+    "olmo2": ("hf", "olmo2", {}),
 }
 
 

@@ -49,16 +49,52 @@ def build_tokenizer(folder: Path):
     return fast
 
 
-MODEL_KINDS = ["llama", "qwen2", "qwen3", "gemma3", "mistral"]
+FAMILY_KINDS = ["granite", "olmo2", "smollm3", "phi3", "gemma2"]  # beyond the first five
+MODEL_KINDS = ["llama", "qwen2", "qwen3", "gemma3", "mistral", *FAMILY_KINDS]
+# each family's own knobs away from their neutral values: Granite's multipliers, SmolLM3's
+# layers without rotary (every third), Gemma 2's soft-capping (small caps, so that they bite),
+# Phi-3's partial rotary and LongRoPE (the tests' contexts stay within its original 512
+# positions: its short factors, with the attention factor of the scaled context, not 1)
+FAMILY_KNOBS = {
+    "granite": dict(
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.15,
+        logits_scaling=1.5,
+    ),
+    "smollm3": dict(no_rope_layer_interval=3, tie_word_embeddings=True),
+    "gemma2": dict(  # Gemma 3's shape without q/k norms, soft-capped scores and logits
+        head_dim=32,
+        sliding_window=16,
+        query_pre_attn_scalar=32,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        tie_word_embeddings=True,
+    ),
+    "phi3": dict(
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=512,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.3, 2.0, 4.0],
+            "long_factor": [1.5, 3.0, 6.0, 12.0],
+        },
+    ),
+}
 
 
 def _config(kind: str, **overrides):
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        Olmo2Config,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        SmolLM3Config,
     )
 
     common = dict(
@@ -93,6 +129,15 @@ def _config(kind: str, **overrides):
                 "tie_word_embeddings": True,
             }
         )
+    elif kind in FAMILY_KINDS:
+        families = dict(
+            granite=GraniteConfig,
+            olmo2=Olmo2Config,
+            smollm3=SmolLM3Config,
+            phi3=Phi3Config,
+            gemma2=Gemma2Config,
+        )
+        cfg = families[kind](**{**common, **FAMILY_KNOBS.get(kind, {})})
     else:
         raise ValueError(kind)
     for k, v in overrides.items():
@@ -112,7 +157,7 @@ def build_model(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # weights large enough that greedy text varies (a model stuck on one token would hide
     # feedback bugs) and top-2 logit gaps stay far above fp32 rounding
-    gemma = kind == "gemma3"
+    gemma = kind.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "embed" in name and gemma:

@@ -285,7 +285,7 @@ def _fused_one_at_a_time(model_dir: str):
 
 
 @needs_packing
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "mistral", "phi3", "gemma2"])
 def test_fused_decode_is_bitwise_the_per_op_kernel_path(kind, tiny_model_dir, monkeypatch):
     # one request at a time: every decode step has one row, the gemv row count
     kernel, fused_steps, fused = _fused_one_at_a_time(tiny_model_dir(kind))

@@ -218,9 +218,12 @@ class EngineArgs:
         return spec
 
     def _model_config(self, model_path: str, hf_config, device: str) -> ModelConfig:
-        from vserve.models.registry import resolve_architecture
+        from vserve.models.gguf_source import gguf_file
+        from vserve.models.registry import check_gguf_architecture, resolve_architecture
 
         arch = resolve_architecture(getattr(hf_config, "architectures", None))
+        if gguf_file(model_path) is not None:
+            check_gguf_architecture(arch)
         _require(
             self.dtype in _DTYPES,
             f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}",

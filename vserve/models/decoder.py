@@ -1,10 +1,17 @@
-"""One parameterized decoder for Llama, Mistral, Qwen2 and Qwen3.
+"""One parameterized decoder for Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3 and Phi-3.
 
-The family differs only in flags: bias on q/k/v (Qwen2), RMS norms on q and k per head
-(Qwen3), sliding windows (Mistral, per-layer `layer_types`), tied embeddings.
+The families differ only in `Family` flags, read from the config: bias on q/k/v (Qwen2), RMS
+norms on q and k per head (Qwen3), sliding windows (Mistral, Phi-3, per-layer `layer_types`),
+tied embeddings, Granite's multipliers (embeddings, sublayer outputs, attention scale, logits
+divided), SmolLM3's layers without rotary. Phi-3 checkpoints hold q/k/v and gate/up fused;
+they are split on load (`split_fused`) and its partial rotary and LongRoPE come from the
+rotary tables (`rope_inv_freq`). Model classes whose layers differ in shape subclass
+`DecoderForCausalLM` and build their own layers (`olmo2.py`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,14 +52,44 @@ def head_dim_of(hf_config) -> int:
     )
 
 
+@dataclass(frozen=True)
+class Family:
+    """What sets a family's decoder apart from Llama's (the defaults: Llama)."""
+
+    qk_norm: bool = False  # Qwen3: RMS norms on q and k, per head
+    qkv_bias: bool = False  # Qwen2, or `attention_bias`
+    embedding_multiplier: float = 1.0  # Granite: embeddings scaled
+    residual_multiplier: float = 1.0  # Granite: sublayer outputs scaled before the residual
+    attention_scale: float | None = None  # Granite's attention_multiplier; None: d ** -0.5
+    logits_scaling: float = 1.0  # Granite: logits divided by it
+    rope_layers: tuple[bool, ...] | None = None  # SmolLM3: which layers rotate (None: all)
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer_idx]
+
+
+def family_of(hf_config) -> Family:
+    model_type = hf_config.model_type
+    granite = model_type == "granite"
+    no_rope = getattr(hf_config, "no_rope_layers", None) if model_type == "smollm3" else None
+    return Family(
+        qk_norm=model_type.startswith("qwen3"),
+        qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        embedding_multiplier=hf_config.embedding_multiplier if granite else 1.0,
+        residual_multiplier=hf_config.residual_multiplier if granite else 1.0,
+        attention_scale=hf_config.attention_multiplier if granite else None,
+        logits_scaling=hf_config.logits_scaling if granite else 1.0,
+        rope_layers=tuple(bool(x) for x in no_rope) if no_rope else None,  # 1: rotates
+    )
+
+
 class SelfAttention(nn.Module):
     def __init__(
         self,
         hf_config,
         spec: AttentionLayerSpec,
         layer_idx: int,
-        qk_norm: bool,
-        bias: bool,
+        family: Family,
         tp: TPShard = TPShard(),
     ) -> None:
         """`spec`: this rank's heads (all of them without tensor parallel)."""
@@ -60,7 +97,7 @@ class SelfAttention(nn.Module):
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         split = split_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
-        self.qkv_proj = qkv_linear(hf_config.hidden_size, split, d, bias, tp)
+        self.qkv_proj = qkv_linear(hf_config.hidden_size, split, d, family.qkv_bias, tp)
         self.o_proj = row_linear(
             hf_config.num_attention_heads * d,
             hf_config.hidden_size,
@@ -68,8 +105,9 @@ class SelfAttention(nn.Module):
             tp,
         )
         eps = hf_config.rms_norm_eps
-        self.q_norm = RMSNorm(d, eps) if qk_norm else None
-        self.k_norm = RMSNorm(d, eps) if qk_norm else None
+        self.q_norm = RMSNorm(d, eps) if family.qk_norm else None
+        self.k_norm = RMSNorm(d, eps) if family.qk_norm else None
+        self.rotates = family.uses_rope(layer_idx)
         self.attn = Attention(spec, layer_idx)
         self.kernel = None
 
@@ -81,16 +119,17 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope, self.kernel)
+        if self.rotates:
+            q, k = apply_rotary(q, k, rope, self.kernel)
         return self.o_proj(self.attn(q, k, v, kv_caches, meta, backend))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, spec, layer_idx, qk_norm, bias, tp: TPShard = TPShard()):
+    def __init__(self, hf_config, spec, layer_idx, family: Family, tp: TPShard = TPShard()):
         super().__init__()
         eps, hidden = hf_config.rms_norm_eps, hf_config.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = SelfAttention(hf_config, spec, layer_idx, qk_norm, bias, tp)
+        self.self_attn = SelfAttention(hf_config, spec, layer_idx, family, tp)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         mlp_bias = getattr(hf_config, "mlp_bias", False)
         inter = hf_config.intermediate_size
@@ -98,20 +137,29 @@ class DecoderLayer(nn.Module):
         self.mlp.gate_up_proj = gate_up_linear(hidden, inter, mlp_bias, tp)
         self.mlp.down_proj = row_linear(inter, hidden, mlp_bias, tp)
         self.act = getattr(hf_config, "hidden_act", "silu")
+        self.residual_multiplier = family.residual_multiplier
         self.kernel = None
 
     def forward(self, h, rope, kv_caches, meta, backend):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
-        return h + gated_mlp(
+        attn = self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
+        h = h + self._scaled(attn)
+        mlp = gated_mlp(
             self.post_attention_layernorm(h),
             self.mlp.gate_up_proj,
             self.mlp.down_proj,
             self.act,
             self.kernel,
         )
+        return h + self._scaled(mlp)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class DecoderForCausalLM(nn.Module):
+    norm_cls: type[nn.Module] = RMSNorm  # the final norm's
+    rope_in_fp32 = False  # rotate in float32 (OLMo 2), not in the model's dtype
+
     def __init__(
         self, hf_config, stage: StageInfo, max_positions: int, tp: TPShard = TPShard()
     ) -> None:
@@ -119,37 +167,52 @@ class DecoderForCausalLM(nn.Module):
         self.hf_config = hf_config
         self.stage = stage
         self.tp = tp
-        model_type = hf_config.model_type
-        qk_norm = model_type.startswith("qwen3")
-        bias = model_type == "qwen2" or getattr(hf_config, "attention_bias", False)
+        self.family = family_of(hf_config)
         self.tie = getattr(hf_config, "tie_word_embeddings", False)
-        d = head_dim_of(hf_config)
         self.windows = layer_windows(hf_config)
-        split = split_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
-        self.layer_specs = [  # this rank's heads
-            AttentionLayerSpec(
-                split.num_heads,
-                split.num_kv_heads,
-                d,
-                d**-0.5,
-                self.windows[i],
-            )
-            for i in range(hf_config.num_hidden_layers)
-        ]
+        self.layer_specs = self._layer_specs(hf_config, tp)  # this rank's heads
         self.model = nn.Module()
         if stage.is_first:
             self.model.embed_tokens = embedding(hf_config.vocab_size, hf_config.hidden_size, tp)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(hf_config, self.layer_specs[i], i, qk_norm, bias, tp)
+            self.make_layer(hf_config, self.layer_specs[i], i, tp)
             for i in range(stage.start_layer, stage.end_layer)
         )
         if stage.is_last:
-            self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+            self.model.norm = self.norm_cls(hf_config.hidden_size, hf_config.rms_norm_eps)
             self.lm_head = lm_head(hf_config.hidden_size, hf_config.vocab_size, tp)
-        inv_freq, scaling = rope_inv_freq(hf_config)
+        inv_freq, scaling = rope_inv_freq(hf_config, max_positions=max_positions)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
         self.kernel = None
         self.fused = None  # FusedDecode, set when the CPU kernels are attached
+
+    def _layer_specs(self, hf_config, tp: TPShard) -> list[AttentionLayerSpec]:
+        d = head_dim_of(hf_config)
+        scale = self.family.attention_scale
+        split = split_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
+        return [
+            AttentionLayerSpec(
+                split.num_heads,
+                split.num_kv_heads,
+                d,
+                d**-0.5 if scale is None else scale,
+                self.windows[i],
+            )
+            for i in range(hf_config.num_hidden_layers)
+        ]
+
+    def make_layer(self, hf_config, spec: AttentionLayerSpec, layer_idx: int, tp: TPShard):
+        return DecoderLayer(hf_config, spec, layer_idx, self.family, tp)
+
+    @property
+    def supports_fused_decode(self) -> bool:
+        """Whether the fused CPU decode layers (`fused_decode`, Llama's layer shape) compute
+        this model's layers: not with scaled residuals (Granite) or layers without rotary
+        (SmolLM3). A rotary over part of the head (Phi-3) is theirs too: their rotary takes
+        the table's width, as the per-op kernel does."""
+        family = self.family
+        all_rotate = family.rope_layers is None or all(family.rope_layers)
+        return family.residual_multiplier == 1.0 and all_rotate
 
     def forward(
         self,
@@ -160,14 +223,19 @@ class DecoderForCausalLM(nn.Module):
         backend,
     ) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, hidden states [T, hidden] otherwise."""
-        h = self.model.embed_tokens(inputs) if self.stage.is_first else inputs
-        rope = self.rotary.cos_sin(positions, h.dtype)
+        h = self._embed(inputs) if self.stage.is_first else inputs
+        rope = self.rotary.cos_sin(positions, torch.float32 if self.rope_in_fp32 else h.dtype)
         if self.fused is not None and self.fused.can_run(meta, backend):
             h = self.fused.run(h, [rope], kv_caches, meta)
         else:
             for layer in self.model.layers:
                 h = layer(h, rope, kv_caches, meta, backend)
         return self.model.norm(h) if self.stage.is_last else h
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(ids)
+        multiplier = self.family.embedding_multiplier
+        return h if multiplier == 1.0 else h * multiplier
 
     def fused_norms(self, layer: DecoderLayer):
         """Norm weights, norm style, rotary table and eps of `layer` for the fused kernel."""
@@ -177,16 +245,37 @@ class DecoderForCausalLM(nn.Module):
         return [n.weight for n in norms], 0, 0, norms[0].eps
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # model dtype: the sampler widens only when needed
+        logits = self.lm_head(hidden)  # model dtype: the sampler widens only when needed
+        scaling = self.family.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
 
     def load_weights(self, weights) -> None:
-        loaded = load_weights(
-            self, _tie(weights, self.tie, self.stage.is_last), STACKED, self._rename
-        )
+        weights = _tie(split_fused(weights, self.hf_config), self.tie, self.stage.is_last)
+        loaded = load_weights(self, weights, STACKED, self._rename)
         check_all_loaded(self, loaded)
 
     def _rename(self, name: str) -> str | None:
         return rename_layer(name, self.stage)
+
+
+def split_fused(weights, hf_config):
+    """Phi-3 checkpoints hold q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`) as one tensor
+    each: their parts go under the separate projections' names, which the fused layers load
+    (and shard) as they load any other checkpoint's."""
+    d = head_dim_of(hf_config)
+    q, kv = hf_config.num_attention_heads * d, hf_config.num_key_value_heads * d
+    parts = {
+        ".qkv_proj.": (("q_proj", "k_proj", "v_proj"), [q, kv, kv]),
+        ".gate_up_proj.": (("gate_proj", "up_proj"), [hf_config.intermediate_size] * 2),
+    }
+    for name, tensor in weights:
+        fused = next((key for key in parts if key in name), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        names, sizes = parts[fused]
+        for part, piece in zip(names, tensor.split(sizes)):
+            yield name.replace(fused, f".{part}."), piece
 
 
 def _tie(weights, tie: bool, is_last: bool):

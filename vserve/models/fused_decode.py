@@ -207,8 +207,10 @@ def build_fused(model, kernel) -> FusedDecode | None:
 
 
 def attach_kernel(model, kernel) -> None:
-    """Point every module that can use the CPU kernels at them, and plan fused decode."""
+    """Point every module that can use the CPU kernels at them, and plan fused decode where
+    `decoder_layer` computes the model's layers (`model.supports_fused_decode`: Llama's or
+    Gemma's layer shape)."""
     for module in model.modules():
         if hasattr(module, "kernel"):
             module.kernel = kernel
-    model.fused = build_fused(model, kernel)
+    model.fused = build_fused(model, kernel) if model.supports_fused_decode else None

@@ -1,5 +1,8 @@
 """Gemma 3 (text): interleaved sliding-window and global layers, q/k norms, one rope base per
-layer type, embeddings scaled by sqrt(hidden), four norms per layer, tied embeddings."""
+layer type, embeddings scaled by sqrt(hidden), four norms per layer, tied embeddings.
+
+Gemma 2 is the same model without the q/k norms, with one rope base and tanh soft-capping of
+the attention scores and of the logits (Gemma 3 configs may set those too)."""
 
 from __future__ import annotations
 
@@ -34,23 +37,26 @@ class Gemma3Attention(nn.Module):
     ) -> None:
         """`spec`: this rank's heads (all of them without tensor parallel)."""
         super().__init__()
+        qk_norm = hf_config.model_type != "gemma2"
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         bias = getattr(hf_config, "attention_bias", False)
         split = split_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp)
         self.qkv_proj = qkv_linear(hf_config.hidden_size, split, d, bias, tp)
         self.o_proj = row_linear(hf_config.num_attention_heads * d, hf_config.hidden_size, bias, tp)
-        self.q_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(d, hf_config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(spec, layer_idx)
         self.kernel = None
 
     def forward(self, x, rope, kv_caches, meta, backend):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope, self.kernel)
         return self.o_proj(self.attn(q, k, v, kv_caches, meta, backend))
 
@@ -89,6 +95,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    supports_fused_decode = True  # the fused CPU decode layers take Gemma's norms
+
     def __init__(
         self, hf_config, stage: StageInfo, max_positions: int, tp: TPShard = TPShard()
     ) -> None:
@@ -125,7 +133,7 @@ class Gemma3ForCausalLM(nn.Module):
             self.model.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
             self.lm_head = lm_head(hf_config.hidden_size, hf_config.vocab_size, tp)
         self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)
-        self.tie = True  # Gemma 3 always ties the head to the embedding
+        self.tie = True  # Gemma 2 and 3 always tie the head to the embedding
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(*rope_inv_freq(hf_config, t), max_positions)
             for t in ("full_attention", "sliding_attention")
@@ -161,9 +169,9 @@ class Gemma3ForCausalLM(nn.Module):
             layer.post_attention_layernorm,
             layer.pre_feedforward_layernorm,
             layer.post_feedforward_layernorm,
-            layer.self_attn.q_norm,
-            layer.self_attn.k_norm,
         ]
+        if layer.self_attn.q_norm is not None:
+            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         return [n.scale for n in norms], 1, int(layer.sliding), norms[0].eps
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,9 @@ class ModelHFConfig(SimpleNamespace):
     def to_dict(self) -> dict:
         return dict(vars(self))
 
+    def standardize_rope_params(self) -> None:
+        """transformers' rope functions call this; the resolved `rope_parameters` already are."""
+
 
 def load_hf_config(model_path: str):
     cache = _cache_path(Path(model_path))
@@ -93,6 +96,6 @@ def layer_windows(hf_config) -> list[int | None]:
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
-    if hf_config.model_type == "mistral" and window:
+    if hf_config.model_type in ("mistral", "phi3") and window:  # every layer
         return [window] * n
     return [None] * n

@@ -36,6 +36,8 @@ class GemmaRMSNorm(nn.Module):
     """Gemma-style: scale by (1 + weight) in float32, then cast back. The fp32 scale is
     computed once after loading and handed to the fused op (bitwise the separate multiply)."""
 
+    offset = 1.0  # the scale is offset + weight
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
@@ -44,17 +46,30 @@ class GemmaRMSNorm(nn.Module):
         self.kernel = None
 
     def post_load(self) -> None:
-        self.scale = 1.0 + self.weight.float()
+        self.scale = self.offset + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel.rms_norm(x, self.scale, 1, self.eps)
-        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        scale = self.scale if self.scale is not None else self.offset + self.weight.float()
         return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).type_as(x)
 
 
-def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling as transformers computes them."""
+class Fp32ScaleRMSNorm(GemmaRMSNorm):
+    """OLMo 2: scale by `weight` in float32, then cast back (Llama casts first, then
+    scales)."""
+
+    offset = 0.0
+
+
+def rope_inv_freq(
+    hf_config, layer_type: str | None = None, max_positions: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling as transformers computes them. LongRoPE
+    (Phi-3) takes one table for every position, as vLLM does: its long factors when the
+    context (`max_positions`) may pass the original training length, else its short ones
+    (transformers switches per call by the sequence's length, and recomputes its cache when
+    a sequence crosses that length)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(hf_config, "rope_parameters", None) or {}
@@ -70,7 +85,9 @@ def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tenso
         arange = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
         return 1.0 / (base ** (arange / dim)), 1.0
     fn = ROPE_INIT_FUNCTIONS[rope_type]
-    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    kwargs: dict = {"layer_type": layer_type} if layer_type is not None else {}
+    if rope_type == "longrope" and max_positions is not None:
+        kwargs["seq_len"] = max_positions
     inv, scaling = fn(hf_config, torch.device("cpu"), **kwargs)
     return inv.to("cpu"), scaling
 

@@ -9,12 +9,36 @@ _MODELS = {
     "MistralForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
     "Qwen2ForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
     "Qwen3ForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
+    "GraniteForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
+    "SmolLM3ForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
+    "Phi3ForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
+    "Olmo2ForCausalLM": ("vserve.models.olmo2", "Olmo2ForCausalLM"),
+    "Gemma2ForCausalLM": ("vserve.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForCausalLM": ("vserve.models.gemma3", "Gemma3ForCausalLM"),
 }
+# the architectures whose GGUF files load (their tensor names, llama.cpp's q/k row order and
+# norm storage: gguf_source); the others load from safetensors only
+_GGUF_MODELS = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def check_gguf_architecture(architecture: str) -> None:
+    """ValueError unless GGUF files of `architecture` load."""
+    if architecture not in _GGUF_MODELS:
+        raise ValueError(
+            f"GGUF files of {architecture} are not supported; vserve reads GGUF files of "
+            f"{', '.join(sorted(_GGUF_MODELS))} (load this model from its safetensors "
+            "checkpoint instead)"
+        )
 
 
 def resolve_architecture(architectures: list[str] | None) -> str:
