@@ -97,13 +97,14 @@ def test_seeded_sampling_with_drafts_equal_sync_and_async(model):
     assert outs[False] == outs[True]
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
-    """Draft d at position 0: the first emitted token follows p0 exactly, and after an
-    accepted draft the next one follows p1."""
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_rejection_sampling_keeps_the_target_distribution(temperature):
+    """Draft d at position 0: the first emitted token follows p0 = softmax(logits / T)
+    exactly, and after an accepted draft the next one follows p1."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 6, generator=gen) * 1.5
-    params = SP(temperature=1.0)
-    p = logits.softmax(-1)
+    params = SP(temperature=temperature)
+    p = (logits / temperature).softmax(-1)
     drafts = [int(p[0].argmax()), 2]
     n = 6000
     first, second = [0] * 6, [0] * 6
