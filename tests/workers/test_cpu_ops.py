@@ -301,7 +301,6 @@ def test_fused_decode_is_bitwise_the_per_op_kernel_path(kind, tiny_model_dir, mo
     assert fused_b == per_op_b
 
 
-@needs_packing
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_fused_decode_on_quantized_weights_is_bitwise_the_per_op_path(
     kind, tiny_model_dir, monkeypatch
