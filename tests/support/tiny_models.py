@@ -55,6 +55,10 @@ MODEL_KINDS = ["llama", "qwen2", "qwen3", "gemma3", "mistral", *FAMILY_KINDS]
 # layers without rotary (every third), Gemma 2's soft-capping (small caps, so that they bite),
 # Phi-3's partial rotary and LongRoPE (the tests' contexts stay within its original 512
 # positions: its short factors, with the attention factor of the scaled context, not 1)
+# what the tiny Gemma 2 and Gemma 3 share
+GEMMA_SHAPE = dict(
+    head_dim=32, sliding_window=16, query_pre_attn_scalar=32, tie_word_embeddings=True
+)
 FAMILY_KNOBS = {
     "granite": dict(
         embedding_multiplier=2.0,
@@ -64,12 +68,9 @@ FAMILY_KNOBS = {
     ),
     "smollm3": dict(no_rope_layer_interval=3, tie_word_embeddings=True),
     "gemma2": dict(  # Gemma 3's shape without q/k norms, soft-capped scores and logits
-        head_dim=32,
-        sliding_window=16,
-        query_pre_attn_scalar=32,
+        **GEMMA_SHAPE,
         attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0,
-        tie_word_embeddings=True,
     ),
     "phi3": dict(
         partial_rotary_factor=0.5,
@@ -119,16 +120,7 @@ def _config(kind: str, **overrides):
     elif kind == "qwen3":
         cfg = Qwen3Config(**{**common, "head_dim": 32})
     elif kind == "gemma3":
-        cfg = Gemma3TextConfig(
-            **{
-                **common,
-                "head_dim": 32,
-                "num_hidden_layers": 6,
-                "sliding_window": 16,
-                "query_pre_attn_scalar": 32,
-                "tie_word_embeddings": True,
-            }
-        )
+        cfg = Gemma3TextConfig(**{**common, **GEMMA_SHAPE, "num_hidden_layers": 6})
     elif kind in FAMILY_KINDS:
         families = dict(
             granite=GraniteConfig,

@@ -230,21 +230,16 @@ def _prefill_tiles(start: int, q_len: int, window: int | None, device) -> list[_
 
 def _attend_tiles(q, k, v, tiles: list[_Tile], first: int, spec) -> torch.Tensor:
     """q [B, H, Q, D]; k/v [B, Hkv, L, D] the keys from position `first`."""
-    if len(tiles) == 1:
-        t = tiles[0]
-        return _attend(
-            q,
-            k[:, :, t.k0 - first : t.k1 - first],
-            v[:, :, t.k0 - first : t.k1 - first],
-            t.mask,
-            spec,
-        )
+
+    def attend(t: _Tile) -> torch.Tensor:
+        ks = slice(t.k0 - first, t.k1 - first)
+        return _attend(q[:, :, t.q0 : t.q1], k[:, :, ks], v[:, :, ks], t.mask, spec)
+
+    if len(tiles) == 1:  # every query: its result is the output, no copy
+        return attend(tiles[0])
     out = q.new_empty(q.shape)
     for t in tiles:
-        ks = slice(t.k0 - first, t.k1 - first)
-        out[:, :, t.q0 : t.q1] = _attend(
-            q[:, :, t.q0 : t.q1], k[:, :, ks], v[:, :, ks], t.mask, spec
-        )
+        out[:, :, t.q0 : t.q1] = attend(t)
     return out
 
 
