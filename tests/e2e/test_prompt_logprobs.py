@@ -1,6 +1,7 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`) equal transformers' log-softmax of the
 same prompt (fp32 tiny models, 1e-4) under plain batching, chunked prefill (budget 7),
-prefix-cache hits, preemption and async scheduling; bad values fail before the engine."""
+prefix-cache hits and preemption, scheduled synchronously and asynchronously (the default),
+and PP=2; bad values fail before the engine."""
 
 import functools
 
@@ -15,12 +16,14 @@ pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
 TOP = 3
 SCENARIOS = {
-    "plain": dict(),
-    "chunked": dict(max_num_batched_tokens=7),
+    "plain": dict(async_scheduling=False),
+    "chunked": dict(max_num_batched_tokens=7, async_scheduling=False),
     "chunked-async": dict(max_num_batched_tokens=7, async_scheduling=True),
-    "prefix": dict(block_size=4),
+    "prefix": dict(block_size=4, async_scheduling=False),
     "prefix-async": dict(block_size=4, async_scheduling=True),
-    "preempt": dict(block_size=4, num_gpu_blocks_override=24, max_model_len=96),
+    "preempt": dict(
+        block_size=4, num_gpu_blocks_override=24, max_model_len=96, async_scheduling=False
+    ),
     "preempt-async": dict(
         block_size=4,
         num_gpu_blocks_override=24,

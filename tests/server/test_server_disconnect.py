@@ -110,7 +110,7 @@ def test_disconnect_storm_frees_everything(server):
     assert elapsed < 3, f"metrics took {elapsed:.1f} s to read idle"
     # every stream reached the engine before its client dropped it: each abort is counted
     # (the non-streaming ones may have been dropped before submission)
-    assert values["aborts"] >= NUM_STREAMS // 2, values
+    assert NUM_STREAMS <= values["aborts"] <= NUM_STREAMS + NUM_NON_STREAMING, values
     start = time.monotonic()
     r = httpx.post(
         server.url + "/v1/completions",
