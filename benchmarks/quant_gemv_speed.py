@@ -9,6 +9,7 @@ repeats).
 
     python benchmarks/quant_gemv_speed.py [--formats Q5_0,Q5_0R,Q4_K] [--m 1,8] [--threads 1,2]
     python benchmarks/quant_gemv_speed.py --compare /work/main /work/wt-x [--pairs 2]
+    python benchmarks/quant_gemv_speed.py --compare-isa avx2 avx_vnni [--gemm]
     python benchmarks/quant_gemv_speed.py --gemm [--m 16,64] [--formats ...]
 
 `--gemm` times `quant.matmul` past 8 rows instead (the int8 GEMM this build has: VNNI, AMX
@@ -18,7 +19,9 @@ G op/s (2 M N K per call) of each and their ratio.
 
 `--compare A B` runs the measurement in subprocesses with PYTHONPATH=A, B, A, B, ... (each
 tree's own kernel build: the cache folder is keyed by the sources) and prints each format's
-best GB/s under A and B and their ratio B / A.
+best GB/s under A and B and their ratio B / A; `--compare-isa A B` does the same with
+VSERVE_CPU_ISA=A and B on this tree (`--compare-isa avx2 avx_vnni`: the AVX2 kernels with
+and without AVX-VNNI's dots, on a CPU that has it). Either takes `--gemm` too.
 """
 
 from __future__ import annotations
@@ -125,11 +128,13 @@ def measure_gemm(formats: list[str], ms: list[int], repeats: int) -> dict:
     return results
 
 
-def compare(trees: list[str], pairs: int, argv: list[str]) -> None:
-    runs: dict[str, list[dict]] = {tree: [] for tree in trees}
+def compare(variants: dict[str, dict[str, str]], pairs: int, argv: list[str]) -> None:
+    """Run the measurement `pairs` times under each variant's environment, interleaved, and
+    print each case's best under A and B and their ratio."""
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(pairs):
-        for tree in trees:
-            env = dict(os.environ, PYTHONPATH=tree)
+        for name, overrides in variants.items():
+            env = dict(os.environ, **overrides)
             out = subprocess.run(
                 [sys.executable, __file__, "--json", *argv],
                 env=env,
@@ -137,14 +142,19 @@ def compare(trees: list[str], pairs: int, argv: list[str]) -> None:
                 capture_output=True,
                 text=True,
             ).stdout
-            runs[tree].append(json.loads(out.strip().splitlines()[-1]))
-    a, b = trees
-    print("| case | A GB/s | B GB/s | B / A |\n|---|---|---|---|")
+            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    a, b = variants
+    unit = "G op/s (int8 GEMM)" if "--gemm" in argv else "GB/s"
+    print(f"| case | A {unit} | B {unit} | B / A |\n|---|---|---|---|")
     print(f"<!-- A = {a}, B = {b}, best of {pairs} runs each, interleaved -->")
     for key in runs[a][0]:
-        ga = max(r[key] for r in runs[a])
-        gb = max(r[key] for r in runs[b])
+        ga = max(_rate(r[key]) for r in runs[a])
+        gb = max(_rate(r[key]) for r in runs[b])
         print(f"| {key} | {ga:.1f} | {gb:.1f} | {gb / ga:.2f} |")
+
+
+def _rate(value) -> float:
+    return value["int8"] if isinstance(value, dict) else value
 
 
 def main() -> None:
@@ -154,30 +164,30 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"))
+    p.add_argument("--compare-isa", nargs=2, default=None, metavar=("A", "B"))
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--json", action="store_true")
     p.add_argument("--gemm", action="store_true")
     args = p.parse_args()
+    if args.compare or args.compare_isa:
+        argv = ["--formats", args.formats, "--m", args.m, "--threads", args.threads]
+        argv += ["--repeats", str(args.repeats)] + (["--gemm"] if args.gemm else [])
+        if args.compare:
+            variants = {tree: {"PYTHONPATH": tree} for tree in args.compare}
+        else:
+            variants = {f"VSERVE_CPU_ISA={v}": {"VSERVE_CPU_ISA": v} for v in args.compare_isa}
+        compare(variants, args.pairs, argv)
+        return
     if args.gemm:
         ms = [int(v) for v in args.m.split(",")] if args.m != "1,8" else [16, 64]
         gemm = measure_gemm(args.formats.split(","), ms, args.repeats)
+        if args.json:
+            print(json.dumps(gemm))
+            return
         print("| format, rows | int8 GEMM G op/s | exact path G op/s | ratio |")
         print("|---|---|---|---|")
         for key, r in gemm.items():
             print(f"| {key} | {r['int8']:.1f} | {r['exact']:.1f} | {r['int8'] / r['exact']:.2f} |")
-        return
-    if args.compare:
-        argv = [
-            "--formats",
-            args.formats,
-            "--m",
-            args.m,
-            "--threads",
-            args.threads,
-            "--repeats",
-            str(args.repeats),
-        ]
-        compare(args.compare, args.pairs, argv)
         return
     results = measure(
         args.formats.split(","),

@@ -41,8 +41,9 @@ class Env:
     # activations on their exact path too (fp32 products of the dequantized weights), not int8
     quant_amx: bool = True  # VSERVE_QUANT_AMX=0: batched bf16 rows on quantized weights take the
     # int8 GEMM, not the AMX tiles (both set once in the kernels at load: vserve/cpu_ops)
-    cpu_isa: str = "native"  # VSERVE_CPU_ISA=avx2 / portable: the CPU kernels built and chosen
-    # as on a CPU with AVX2 and no AVX-512 / with no x86 vector paths (vserve/host/isa.py)
+    cpu_isa: str = "native"  # VSERVE_CPU_ISA=avx_vnni / avx2 / portable: the CPU kernels built
+    # and chosen as on a CPU with AVX2 and AVX-VNNI, no AVX-512 (Intel's client cores) / with
+    # AVX2 alone / with no x86 vector paths (vserve/host/isa.py)
 
 
 def read_env() -> Env:
@@ -69,8 +70,10 @@ def read_env() -> Env:
 
 def _cpu_isa(value: str) -> str:
     value = value.strip().lower() or "native"
-    if value not in ("native", "avx2", "portable"):
-        raise ValueError(f"VSERVE_CPU_ISA must be native, avx2 or portable, not {value!r}")
+    if value not in ("native", "avx_vnni", "avx2", "portable"):
+        raise ValueError(
+            f"VSERVE_CPU_ISA must be native, avx_vnni, avx2 or portable, not {value!r}"
+        )
     return value
 
 

@@ -50,6 +50,27 @@ def test_avx2_drops_avx512_vnni_and_amx(flags):
         assert isa.torch_env()["ONEDNN_MAX_CPU_ISA"] == "AVX2"
 
 
+def test_avx_vnni_keeps_avx_vnni_alone_above_avx2(flags):
+    flags(SAPPHIRE_RAPIDS, "avx_vnni")
+    assert isa.cpu_flags() == {"sse4_2", "pni", "ssse3", "avx", "avx2", "fma", "f16c", "avx_vnni"}
+    if X86:
+        assert isa.compiler_flags() == ["-march=x86-64-v3", "-mavxvnni", "-mtune=native"]
+        assert isa.torch_env()["ATEN_CPU_CAPABILITY"] == "avx2"
+
+
+def test_avx_vnni_is_refused_on_a_cpu_without_it(flags):
+    """Kernels built with it would stop at their first vpdpbusd: the load says why instead of
+    falling back to the eager path as it does without a compiler."""
+    from vserve import cpu_ops
+
+    flags(ZEN4, "avx_vnni")
+    assert "avx_vnni" not in isa.cpu_flags()
+    with pytest.raises(ValueError, match="no AVX-VNNI"):
+        isa.check()
+    with pytest.raises(ValueError, match="no AVX-VNNI"):
+        cpu_ops._load("avx-vnni-refused", lambda: pytest.fail("built"))
+
+
 def test_portable_drops_every_vector_extension(flags):
     flags(SAPPHIRE_RAPIDS | {"sse", "sse2", "fpu"}, "portable")
     assert isa.cpu_flags() == {"sse", "sse2", "fpu"}
@@ -81,7 +102,7 @@ def test_each_isa_builds_in_its_own_folder(flags):
 
 def test_unknown_isa_is_refused(monkeypatch):
     monkeypatch.setenv("VSERVE_CPU_ISA", "avx9000")
-    with pytest.raises(ValueError, match="VSERVE_CPU_ISA must be native, avx2 or portable"):
+    with pytest.raises(ValueError, match="VSERVE_CPU_ISA must be native, avx_vnni, avx2 or"):
         envs.read_env()
 
 
@@ -152,6 +173,7 @@ CHILD = textwrap.dedent(
     quant = cpu_ops.load_quant()
     out = {"int8_gemv": quant.int8_gemv(), "amx": quant.amx_gemm(), "bf16": cpu_has_bf16(),
            "capability": torch.backends.cpu.get_cpu_capability(), "errors": {}}
+    int8 = []  # (weight, qtype, x, AVX2 gemv of x[:5], AVX2 GEMM of x)
     rng = np.random.default_rng(0)
     # random valid blocks: random bytes, small fp16 scales at each format's scale fields
     layout = {Q.Q4_0: (32, 18, [0]), Q.Q5_0: (32, 22, [0]), Q.Q8_0: (32, 34, [0]),
@@ -169,9 +191,12 @@ CHILD = textwrap.dedent(
             exact = x.double() @ ref.T
             scale = (x.double().abs() @ ref.abs().T).max().item()
             out["errors"][f"{qtype.name}-{m}"] = ((y - exact).abs().max() / scale).item()
-            if m > 8 and quant.int8_gemv() == "avx2":  # matmul's path past 8 rows
-                gemm = quant.gemm_avx2(x, torch.from_numpy(data), int(qtype), 512).double()
-                out.setdefault("took_gemm", []).append(bool(torch.equal(y, gemm)))
+            if m > 8 and quant.int8_gemv() in ("avx2", "avx_vnni"):  # matmul's path past 8
+                w = torch.from_numpy(data)
+                gemm = quant.gemm_avx2(x, w, int(qtype), 512)
+                out.setdefault("took_gemm", []).append(bool(torch.equal(y, gemm.double())))
+                int8.append((w, int(qtype), x, quant.gemv_avx2(x[:5], w, int(qtype), 512), gemm))
+    torch.save(int8, sys.argv[1] + ".int8")
     torch.save(attention(cpu_ops.load()), sys.argv[1])
     torch.save(sampled(cpu_ops.load_sampler()), sys.argv[1] + ".sample")
     print(json.dumps(out))
@@ -179,16 +204,23 @@ CHILD = textwrap.dedent(
 )
 
 
+AVX_VNNI = pytest.mark.skipif(
+    "avx_vnni" not in isa.raw_cpu_flags(), reason="this CPU has no AVX-VNNI (avx_vnni)"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not X86, reason="the AVX2 and portable targets are x86's")
-@pytest.mark.parametrize("choice", ["avx2", "portable"])
+@pytest.mark.parametrize("choice", ["avx2", pytest.param("avx_vnni", marks=AVX_VNNI), "portable"])
 def test_forced_isa_builds_and_multiplies(choice, tmp_path):
     """The kernels built for fewer instruction sets than this CPU has: AVX2 takes the AVX2
-    int8 gemv and GEMM (no VNNI, no AMX; torch held to AVX2 too), portable takes none and the
-    exact path; both within their bounds of the dequantized product, relative to the sum of
-    |x| |w| (the bf16 result's rounding, and on AVX2 the activations' int8 rounding). The
-    decode attention of the AVX2 build is this machine's own, bit for bit (the same lanes and
-    order of sums); the portable build's, without fused multiply-adds, within a rounding."""
+    int8 gemv and GEMM (no VNNI, no AMX; torch held to AVX2 too), AVX-VNNI the same with its
+    byte dots in vpdpbusd, portable takes none and the exact path; each within its bound of
+    the dequantized product, relative to the sum of |x| |w| (the bf16 result's rounding, and
+    on AVX2 the activations' int8 rounding). The AVX2 int8 products of both AVX2 builds are
+    this machine's build's own, bit for bit (integer dots, then the same fp32 operations), as
+    is their decode attention (the same lanes and order of sums); the portable build's
+    attention, without fused multiply-adds, is within a rounding."""
     import json
 
     env = {**os.environ, "VSERVE_CPU_ISA": choice}
@@ -208,10 +240,10 @@ def test_forced_isa_builds_and_multiplies(choice, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["amx"] is False and got["bf16"] is False
-    if choice == "avx2":
+    if choice != "portable":
         if not {"avx2", "fma", "f16c"} <= isa.raw_cpu_flags():
             pytest.skip("this CPU has no AVX2")
-        assert got["int8_gemv"] == "avx2" and got["capability"] == "AVX2"
+        assert got["int8_gemv"] == choice and got["capability"] == "AVX2"
         assert got["took_gemm"] == [True] * 6  # the AVX2 int8 GEMM, each format
         bound = 1 / 254 + 2**-9  # each activation within d_x / 2 = amax / 254, bf16 out
     else:
@@ -222,9 +254,13 @@ def test_forced_isa_builds_and_multiplies(choice, tmp_path):
 
     from vserve import cpu_ops
 
+    quant = cpu_ops.load_quant()
+    for w, qtype, x, gemv, gemm in torch.load(str(saved) + ".int8"):
+        assert torch.equal(quant.gemv_avx2(x[:5], w, qtype, 512), gemv), qtype
+        assert torch.equal(quant.gemm_avx2(x, w, qtype, 512), gemm), qtype
     native = attention(cpu_ops.load())
     for theirs, ours in zip(torch.load(saved), native):
-        if choice == "avx2":
+        if choice != "portable":
             assert torch.equal(theirs, ours)
         else:
             torch.testing.assert_close(theirs.float(), ours.float(), rtol=2**-7, atol=1e-3)

@@ -142,6 +142,7 @@ def _load(key: str, build):
         return _state[key]
     module = None
     if enabled_by_env():
+        isa.check()  # a choice this CPU cannot run is the user's error, not a missing compiler
         try:
             module = build()
         except Exception as exc:  # no compiler, headers or linker: the eager path still works

@@ -36,7 +36,8 @@ bool supported_qtype(int64_t qtype);
 // whether matmul may take the AMX tile GEMM here: built for a CPU with AMX and granted the tile
 // state by the OS (the `amx` option off still keeps it off)
 bool amx_gemm();
-// the int8 gemv this build has: "vnni", "avx2" or "" (none: gemv is the exact path alone)
+// the int8 gemv this build has: "vnni" (AVX512-VNNI), "avx_vnni" (AVX2 with AVX-VNNI), "avx2"
+// or "" (none: gemv is the exact path alone)
 const char* int8_gemv();
 // whether gemv quantizes activations of this dtype (unless the `exact` option is on)
 bool int8_activations(at::ScalarType dtype);

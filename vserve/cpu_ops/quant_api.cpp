@@ -149,6 +149,8 @@ at::Tensor exact_matmul(const at::Tensor& x, const at::Tensor& data, int64_t qty
 const char* int8_gemv() {
 #ifdef QUANT_VNNI
   return "vnni";
+#elif defined(QUANT_AVX2_VNNI)
+  return "avx_vnni";
 #elif defined(QUANT_AVX2_INT8)
   return "avx2";
 #else

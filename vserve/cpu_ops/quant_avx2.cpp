@@ -13,7 +13,8 @@
 // d * offset * d_x * sum(q_x) (K-quants: dmin * min_j per sub-block). The eight int32 lanes
 // of a block's dot are scaled in fp32 by d_w * d_x (Q6_K: lanes 0-3 and 4-7 by their own
 // 16-weight scales) into fp32 accumulators; Q4_0 / Q5_0 convert eight blocks' scales at once
-// (rows32). The only error beyond fp32 summation is the activations' rounding, as on the
+// (rows32). With AVX-VNNI one vpdpbusd takes the place of vpmaddubsw and vpmaddwd
+// (`dot_lanes`). The only error beyond fp32 summation is the activations' rounding, as on the
 // VNNI path (the offsets' and mins' terms are subtracted in fp32, so a block of weights at
 // their offset gives a residue of fp32 rounding rather than an exact 0).
 #include "quant_avx2.h"
@@ -239,9 +240,16 @@ void quantize_row(const T* x, int64_t mi, int64_t m_rows, int64_t blocks, int8_t
   }
 }
 
-// the int32 lanes of the dot of 32 unsigned quants (<= 128) with 32 signed activations
+// the int32 lanes of the dot of 32 unsigned quants (<= 128) with 32 signed activations: lane
+// i sums the products of bytes 4i..4i+3; one vpdpbusd with AVX-VNNI (Intel's client cores
+// from Alder Lake, without AVX-512), else vpmaddubsw and vpmaddwd. The same integers either
+// way (no int16 pair sum saturates), so the two builds' products are equal, bit for bit.
 QUANT_INLINE __m256i dot_lanes(__m256i u, __m256i s) {
+#ifdef QUANT_AVX2_VNNI
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 // acc[m][a] += (the int32 lanes of q . row m's 32 quants at xb) * scale(m), for the M rows;

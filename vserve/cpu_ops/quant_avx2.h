@@ -8,6 +8,9 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_AVX2_INT8 1
+#ifdef __AVXVNNI__
+#define QUANT_AVX2_VNNI 1  // its byte dots in one vpdpbusd (AVX-VNNI, 256-bit)
+#endif
 #endif
 
 namespace vserve_quant {
