@@ -34,7 +34,7 @@ BLOCK_FORMATS = {2: "Q4_0", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q
 BLOCK_SIZES = {2: 32, 6: 32, 8: 32, 12: 256, 13: 256, 14: 256}  # inputs per block
 # not a GGML type: Q5_0 repacked at load for the CPU kernels (quant_formats.h's Q5_0R, four blocks
 # of 32 in 88 bytes; `quant_linear.install`)
-Q5_0, Q5_0R = 6, 1006
+Q5_0, Q8_0, Q5_0R = 6, 8, 1006
 _NAMES, _SIZES = {**BLOCK_FORMATS, Q5_0R: "Q5_0R"}, {**BLOCK_SIZES, Q5_0R: 128}
 _PERMUTE_QK = ("llama", "mistral")
 HEAD_BYTES = 16 * 2**20  # first read of a header; those with large vocabularies run to MiBs
@@ -113,20 +113,36 @@ def write_manifest(folder: Path, gguf: Path, hf_config) -> str:
 def check_tp_blocks(model_path: str | Path, tp_size: int, row_parallel: tuple[str, ...]) -> None:
     """ValueError unless every block-format weight named `row_parallel` (checkpoint name
     endings: the layers tensor parallel splits by inputs) splits its inputs over `tp_size`
-    ranks in whole blocks (32 inputs for Q4_0 / Q5_0 / Q8_0, 256 for the K-quants)."""
+    ranks in whole blocks (32 inputs for Q4_0 / Q5_0 / Q8_0 and the types rewritten as Q8_0,
+    256 for the K-quants)."""
     manifest = json.loads(manifest_path(model_path).read_text())
     for info in read_tensor_table(Path(manifest["file"])).tensors:
         name = manifest["names"].get(info.name, "")
-        if info.qtype not in BLOCK_FORMATS or not name.endswith(row_parallel):
+        block = _kernel_block(info.qtype)
+        if block is None or not name.endswith(row_parallel):
             continue
-        k, block = info.dims[0], BLOCK_SIZES[info.qtype]
+        k = info.dims[0]
         if k % tp_size or (k // tp_size) % block:
             raise ValueError(
                 f"tensor_parallel_size {tp_size} cannot split {name} ({info.name}, "
-                f"{BLOCK_FORMATS[info.qtype]}, {k} inputs) by whole blocks of {block} inputs "
+                f"{_type_name(info.qtype)}, {k} inputs) by whole blocks of {block} inputs "
                 f"({k / tp_size:g} per rank); use another tensor_parallel_size or "
                 "quantization='none' (dense weights)"
             )
+
+
+def _kernel_block(qtype: int) -> int | None:
+    """Inputs per block of a weight of this GGML type as the kernels run it (the types
+    rewritten as Q8_0 at load: 32), or None (dense)."""
+    from vserve.models.gguf_repack import REPACKED
+
+    return BLOCK_SIZES.get(qtype) or (BLOCK_SIZES[Q8_0] if qtype in REPACKED else None)
+
+
+def _type_name(qtype: int) -> str:
+    from vserve.models.gguf_repack import REPACKED
+
+    return BLOCK_FORMATS.get(qtype) or f"{REPACKED[qtype][0]} as Q8_0"
 
 
 @dataclass(frozen=True)
@@ -220,8 +236,10 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantBlocks]]:
     """(checkpoint name, tensor or QuantBlocks) for every tensor of the folder's GGUF."""
     import numpy as np
+    import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
+
+    from vserve.models.gguf_repack import REPACKED, to_q8_0
 
     manifest = json.loads(manifest_path(model_path).read_text())
     path = Path(manifest["file"])
@@ -239,15 +257,34 @@ def iter_gguf_weights(
         if quantized and info.qtype in BLOCK_FORMATS:
             yield name, QuantBlocks(info.qtype, _mapped(data), (rows, k))
             continue
+        if quantized and info.qtype in REPACKED:
+            yield name, QuantBlocks(Q8_0, torch.from_numpy(to_q8_0(data, info.qtype, k)), (rows, k))
+            continue
         if info.qtype in _FLOAT_DTYPES:
             values = data.view(_FLOAT_DTYPES[info.qtype]).reshape(rows, k)
         else:
-            values = dequantize(data, GGMLQuantizationType(info.qtype))
+            values = _dequantized(data, info)
         shape = tuple(reversed(info.dims))
         yield name, _float_tensor(values.reshape(shape), name, manifest, dtype)
 
 
 _FLOAT_DTYPES = {0: "float32", 1: "float16"}  # GGML F32, F16
+
+
+def _dequantized(data: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """`gguf`'s dequantization of a tensor; ValueError for a type it has none for (Q8_1,
+    Q8_K, the integer and F64 types: none of them a model weight llama.cpp writes)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(info.qtype)
+    try:
+        return dequantize(data, qtype)
+    except NotImplementedError:
+        raise ValueError(
+            f"GGUF tensor {info.name} has GGML type {qtype.name}, which vserve cannot read "
+            "(the types it reads: docs/cpu_kernels.md, GGUF types)"
+        ) from None
 
 
 def _mapped(data: np.ndarray) -> torch.Tensor:
