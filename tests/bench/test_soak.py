@@ -15,7 +15,7 @@ from tests.support.openai_server import TINY_ARGS
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from soak import histogram_p99, scrape  # noqa: E402
+from soak import KINDS, _warm, histogram_p99, scrape  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the fast tier (-m "not slow") leaves these out
 
@@ -34,6 +34,22 @@ def test_scrape_keeps_bucket_edges_and_sums_labels():
         '\nvserve:r{reason="x"} 1\nvserve:r{reason="y"} 2\nother 5\n'
     )
     assert scrape(text) == {"vserve:a": 2.0, "vserve:h_bucket{0.5}": 3.0, "vserve:r": 3.0}
+
+
+def test_warm_up_waits_for_every_kind_of_request():
+    """RSS is first read once each kind has been served: the first structured request grows
+    the engine core by its grammar state, which is not a leak."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(concurrency=2)
+    served = Counter({k: 5 for k in KINDS if k not in ("disconnect", "abort", "json_schema")})
+    traffic = SimpleNamespace(served=served, chaos=Counter(abort=3), errors=Counter())
+    assert not _warm(traffic, elapsed=20, warmup=10, duration=60, args=args)
+    assert _warm(traffic, elapsed=30, warmup=10, duration=60, args=args)  # half the run
+    served["json_schema"] = 1
+    assert _warm(traffic, elapsed=20, warmup=10, duration=60, args=args)
+    assert not _warm(traffic, elapsed=5, warmup=10, duration=60, args=args)
 
 
 @pytest.mark.slow
