@@ -135,6 +135,7 @@ def _short(model: str, out: Path, *argv: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # two engines, each run twice
 def test_a_short_paired_run_of_two_engines(tiny_model_dir, tmp_path, capsys):
     rows = ["sync-uni", "async:VSERVE_CPU_PARK=0"]
     data = _short(

@@ -27,6 +27,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BATCHES = [1, 2, 3, 5, 6, 7, 9, 12, 16, 17, 18, 19, 31, 32, 33]
 
 
+@pytest.mark.slow  # the Triton interpreter over a whole serving run
 def test_a_serving_run_compiles_few_variants():
     counter = VariantCounter(
         {"prepare_inputs": pi._prepare_inputs_kernel, "paged_attention": pa._paged_attention_kernel}

@@ -361,7 +361,7 @@ def test_fused_plan_of_each_pipeline_stage(kind, tiny_model_dir):
 
 
 @needs_packing
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", pytest.param("int8", marks=pytest.mark.slow)])
 def test_pipeline_parallel_with_kernels_is_bitwise_one_stage(tiny_model_dir, quantization):
     """int8: each stage quantizes its own layers; the last one its tied head from the table.
     The one-stage run takes the kernels, and kernels and eager ops differ in the last bits of

@@ -86,7 +86,9 @@ def _run(target, world: int, *args, timeout: float = 120):
                 p.kill()
 
 
-@pytest.mark.parametrize("world, one_core", [(2, False), (3, True)])
+@pytest.mark.parametrize(
+    "world, one_core", [(2, False), pytest.param(3, True, marks=pytest.mark.slow)]
+)
 def test_shm_all_reduce_sums_like_gloo_on_every_rank(world, one_core, tmp_path):
     """Two ranks on their own cores (truly concurrent), three sharing one core (preempted
     anywhere, the third slot and a three-way sum). With the ranks on one core this took
