@@ -280,7 +280,8 @@ def _has_amx() -> bool:
     return module is not None and module.amx_gemm()
 
 
-AVX2_GEMM_MAX_ROWS = 48  # quant_avx2.h's kAvx2GemmMaxRows: the AVX2 int8 GEMM below it
+# quant_avx2.h's kAvx2GemmMaxRows by int8_gemv(): the AVX2 int8 GEMM below it
+AVX2_GEMM_MAX_ROWS = {"avx2": 48, "avx_vnni": 80}
 AMX_MIN_ROWS, AMX_MAX_ROWS = 48, 512  # quant_paths.h's kAmxMinRows, kAmxMaxRows
 
 
@@ -293,7 +294,7 @@ def gemm_is_int8(m: int, dtype: torch.dtype, exact: bool) -> bool:
     if dtype != BF or exact:
         return False
     if not _has_vnni():
-        return cpu_ops.load_quant().int8_gemv() == "avx2" and m < AVX2_GEMM_MAX_ROWS
+        return m < AVX2_GEMM_MAX_ROWS.get(cpu_ops.load_quant().int8_gemv(), 0)
     amx = _has_amx() and m >= AMX_MIN_ROWS and cpu_ops.load_quant().options()["amx"]
     return not amx
 
@@ -726,31 +727,33 @@ def test_avx2_int8_gemm_on_real_gguf_tensors(quant, gguf_slices, name):
 
 
 def test_gemv_takes_the_int8_gemv_this_cpu_has(quant, switch):
-    """VNNI where the CPU has it, else AVX2, else none; for bf16 activations only (fp32 is the
-    exact mode), and on an AVX2 CPU without VNNI (or VSERVE_CPU_ISA=avx2) gemv's and matmul's
-    results are the AVX2 kernels', bit for bit."""
+    """AVX512-VNNI where the CPU has it, else AVX2 (with AVX-VNNI's dots where it has that),
+    else none; for bf16 activations only (fp32 is the exact mode), and on an AVX2 CPU without
+    AVX512-VNNI (or VSERVE_CPU_ISA=avx2 / avx_vnni) gemv's and matmul's results are the AVX2
+    kernels', bit for bit, the GEMM's below its row limit."""
     flags = cpu_flags()
     if {"avx512_vnni", "avx512bw", "avx512dq"} <= flags:
         expected = "vnni"
     elif {"avx2", "fma", "f16c"} <= flags:
-        expected = "avx2"
+        expected = "avx_vnni" if "avx_vnni" in flags else "avx2"
     else:
         expected = ""
     assert quant.int8_gemv() == expected
     assert quant.int8_activations(BF) == (expected != "")
     assert not quant.int8_activations(torch.float32)
-    if expected != "avx2":
+    if expected not in AVX2_GEMM_MAX_ROWS:
         return
+    limit = AVX2_GEMM_MAX_ROWS[expected]
     switch(exact=False)
     for qtype in FORMATS:
         data = torch.from_numpy(random_weight(qtype, 40, 512, seed=8))
         x = activations(5, 512, BF)
         y = quant.gemv(x, data, int(qtype), 512)
         assert torch.equal(y, quant.gemv_avx2(x, data, int(qtype), 512))
-        x = activations(30, 512, BF)  # matmul from 9 to 47 rows: the AVX2 GEMM
+        x = activations(limit - 1, 512, BF)  # matmul from 9 rows to the limit: the AVX2 GEMM
         y = quant.matmul(x, data, int(qtype), 512)
         assert torch.equal(y, quant.gemm_avx2(x, data, int(qtype), 512))
-        x = activations(48, 512, BF)  # and from 48 the exact path (fp32 products)
+        x = activations(limit, 512, BF)  # and from the limit the exact path (fp32 products)
         assert not torch.equal(
             quant.matmul(x, data, int(qtype), 512), quant.gemm_avx2(x, data, int(qtype), 512)
         )

@@ -26,8 +26,14 @@ at::Tensor gemv_avx2(const at::Tensor& x, const at::Tensor& data, int64_t qtype,
 // dequantized tiles gains with M. Measured with VSERVE_CPU_ISA=avx2 on a 2-core Xeon VM
 // (benchmarks/quant_gemv_speed.py --gemm), the embedded model's shapes, exact path time /
 // this one's: at 16 rows 1.5-1.8, at 32 1.15-1.28, at 48 0.94-1.19, at 64 0.84-1.10, at
-// 256 0.72-0.92.
+// 256 0.72-0.92. With AVX-VNNI's one-instruction dots it runs at ~125 G op/s and the
+// crossing moves up (VSERVE_CPU_ISA=avx_vnni, the same machine, exact / int8 at 48 rows
+// 0.97-1.22, at 64 0.94-1.14, at 96 0.78-1.05, at 128 0.83-0.99): to 80 rows.
+#ifdef QUANT_AVX2_VNNI
+constexpr int64_t kAvx2GemmMaxRows = 80;
+#else
 constexpr int64_t kAvx2GemmMaxRows = 48;
+#endif
 at::Tensor gemm_avx2(const at::Tensor& x, const at::Tensor& data, int64_t qtype, int64_t k);
 
 // the same in two halves (GemvInput's, quant.h): the activations quantized into a buffer of
