@@ -11,9 +11,9 @@ import torch
 from tests.models.test_bf16_vs_transformers import PROMPTS, _within, logprob_differences
 from tests.support.engines import make_llm
 from tests.support.tiny_models import _config
-from vserve import cpu_ops
+from vserve import SamplingParams, cpu_ops
 from vserve.engine.arg_utils import EngineArgs
-from vserve.models.hf_config import ModelHFConfig
+from vserve.models.hf_config import ModelHFConfig, load_hf_config
 from vserve.models.layers import rope_inv_freq
 from vserve.models.packed_linear import can_pack
 from vserve.models.registry import model_class, resolve_architecture
@@ -112,6 +112,34 @@ def test_an_unsupported_architecture_names_every_supported_one():
     with pytest.raises(ValueError, match="unsupported model architecture") as error:
         resolve_architecture(["GPT2LMHeadModel"])
     assert all(arch in str(error.value) for arch in ARCHITECTURES.values())
+
+
+def test_gemma3_multimodal_checkpoints_run_their_text_model(tiny_model_dir):
+    """A Gemma3ForConditionalGeneration checkpoint (the 4B-27B ones; a tiny SigLIP here):
+    its `text_config` is the config, its vision tower and projector are not loaded, and the
+    greedy tokens of text prompts are transformers' multimodal model's (fp32)."""
+    from tests.support.hf_reference import PROMPTS as TEXT
+    from tests.support.hf_reference import hf_greedy
+
+    model_dir = tiny_model_dir("gemma3-mm")
+    config = load_hf_config(model_dir)
+    assert config.architectures == ["Gemma3ForConditionalGeneration"]
+    assert config.num_hidden_layers == 6 and config.head_dim == 32 and config.vocab_size == 384
+    from vserve.models.gemma3 import _strip  # the checkpoint names the text model reads
+
+    assert _strip("vision_tower.encoder.layers.0.mlp.fc1.weight") is None
+    assert _strip("model.multi_modal_projector.mm_input_projection_weight") is None
+    assert _strip("language_model.model.layers.0.mlp.up_proj.weight") == (
+        "model.layers.0.mlp.up_proj.weight"
+    )
+    assert _strip("model.language_model.norm.weight") == "model.norm.weight"
+    llm = make_llm(model_dir, max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(TEXT, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert got == hf_greedy(model_dir, tuple(TEXT), 16)
 
 
 def test_gguf_files_of_families_without_gguf_support_are_refused(tiny_gguf_dir):

@@ -87,6 +87,7 @@ FAMILY_KNOBS = {
 def _config(kind: str, **overrides):
     from transformers import (
         Gemma2Config,
+        Gemma3Config,
         Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
@@ -121,6 +122,25 @@ def _config(kind: str, **overrides):
         cfg = Qwen3Config(**{**common, "head_dim": 32})
     elif kind == "gemma3":
         cfg = Gemma3TextConfig(**{**common, **GEMMA_SHAPE, "num_hidden_layers": 6})
+    elif kind == "gemma3-mm":  # the 4B-27B checkpoints' multimodal wrapper, a tiny SigLIP
+        text = Gemma3TextConfig(**{**common, **GEMMA_SHAPE, "num_hidden_layers": 6})
+        vision = dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        cfg = Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            boi_token_index=VOCAB - 3,
+            eoi_token_index=VOCAB - 2,
+            image_token_index=VOCAB - 1,
+        )
     elif kind in FAMILY_KINDS:
         families = dict(
             granite=GraniteConfig,

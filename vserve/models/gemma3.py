@@ -181,17 +181,27 @@ class Gemma3ForCausalLM(nn.Module):
         return logits  # model dtype: the sampler widens only when needed
 
     def load_weights(self, weights) -> None:
+        text = ((s, t) for n, t in weights if (s := _strip(n)) is not None)
         loaded = load_weights(
             self,
-            _tie(weights, self.tie, self.stage.is_last),
+            _tie(text, self.tie, self.stage.is_last),
             STACKED,
-            lambda name: rename_layer(_strip(name), self.stage),
+            lambda name: rename_layer(name, self.stage),
         )
         check_all_loaded(self, loaded)
 
 
-def _strip(name: str) -> str:
-    # checkpoints of the multimodal wrapper prefix the text model
-    return name.replace("language_model.model.", "model.").replace(
-        "model.language_model.", "model."
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
+_VISION += ("model.multi_modal_projector.",)
+
+
+def _strip(name: str) -> str | None:
+    """Checkpoints of the multimodal wrapper prefix the text model, and hold a vision tower
+    and projector that the text model does not read (None: skipped)."""
+    if name.startswith(_VISION):
+        return None
+    return (
+        name.replace("language_model.model.", "model.")
+        .replace("model.language_model.", "model.")
+        .replace("language_model.lm_head.", "lm_head.")
     )

@@ -22,7 +22,7 @@ from vserve.cache_files import cache_dir, write_json_atomic
 
 logger = logging.getLogger("vserve")
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: multimodal checkpoints cached as their text model (text_tower)
 
 
 class ModelHFConfig(SimpleNamespace):
@@ -41,9 +41,22 @@ def load_hf_config(model_path: str):
         return _from_json(json.loads(cache.read_text()))
     except (OSError, ValueError, TypeError, AttributeError):
         pass
-    values = _resolve(model_path).to_dict()
+    values = text_tower(_resolve(model_path).to_dict())
     _write(cache, values)
     return ModelHFConfig(**values)
+
+
+# multimodal checkpoints whose text model vserve runs alone: its config is their `text_config`
+TEXT_TOWERS = ("Gemma3ForConditionalGeneration",)
+
+
+def text_tower(values: dict) -> dict:
+    """A multimodal checkpoint's config as its text model's (`text_config`, under the
+    checkpoint's architecture), other configs as they are."""
+    text = values.get("text_config")
+    if not isinstance(text, dict) or not set(values.get("architectures") or ()) & {*TEXT_TOWERS}:
+        return values
+    return {**text, "architectures": values["architectures"]}
 
 
 def _from_json(values: dict) -> ModelHFConfig:

@@ -15,6 +15,8 @@ _MODELS = {
     "Olmo2ForCausalLM": ("vserve.models.olmo2", "Olmo2ForCausalLM"),
     "Gemma2ForCausalLM": ("vserve.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForCausalLM": ("vserve.models.gemma3", "Gemma3ForCausalLM"),
+    # the Gemma 3 4B-27B checkpoints: their text model (images are not read)
+    "Gemma3ForConditionalGeneration": ("vserve.models.gemma3", "Gemma3ForCausalLM"),
 }
 # the architectures whose GGUF files load (their tensor names, llama.cpp's q/k row order and
 # norm storage: gguf_source); the others load from safetensors only
