@@ -1,7 +1,8 @@
 """OpenAI semantics, field by field: completions and chat, streamed and not,
 against tables of the OpenAI API reference's objects (with vLLM's extras, as vLLM sends them):
 object names, id prefixes, `created` in seconds, `system_fingerprint` (null), `usage` (with
-`prompt_tokens_details`: null, as vLLM sends it by default), stream usage, both `logprobs`
+`prompt_tokens_details.cached_tokens`, OpenAI's: the prompt tokens the prefix cache served),
+stream usage, both `logprobs`
 shapes, `finish_reason` / `stop_reason` for length, stop string, stop token and EOS, and the
 error body of every status the server answers. The official `openai` client parses every
 response into its typed models as well.
@@ -132,7 +133,7 @@ USAGE = {
     "prompt_tokens": INT,
     "completion_tokens": INT,
     "total_tokens": INT,
-    "prompt_tokens_details": Is(None),
+    "prompt_tokens_details": {"cached_tokens": INT},
 }
 COMPLETION_LOGPROBS = {
     "tokens": ListOf(STR),
@@ -283,7 +284,7 @@ def test_completion_object(server, client):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     typed = client.completions.create(prompt=PROMPT, **TYPED)
     assert typed.object == "text_completion" and typed.system_fingerprint is None
-    assert typed.usage.prompt_tokens_details is None
+    assert typed.usage.prompt_tokens_details.cached_tokens >= 0
     greedy = post(server, "/v1/completions", {**GREEDY, "prompt": PROMPT})
     assert_matches(greedy, completion())
     assert typed.choices[0].text == greedy["choices"][0]["text"]
@@ -298,6 +299,33 @@ def test_chat_object(server, client):
     assert typed.choices[0].message.refusal is None
     assert typed.choices[0].message.content == body["choices"][0]["message"]["content"]
     assert typed.usage.completion_tokens == 6
+
+
+def test_cached_tokens_count_prefix_cache_hits(server, client):
+    """usage.prompt_tokens_details.cached_tokens: 0 for a prompt first seen, then the prompt
+    tokens the prefix cache served (whole blocks of 16), summed over a batch's prompts, in
+    chat, completions and a stream's usage chunk."""
+    words = " ".join(f"w{i}" for i in range(40))  # a prompt no other test sends
+
+    def cached(body) -> tuple[int, int]:
+        usage = body["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+    first = post(server, "/v1/completions", {**GREEDY, "prompt": words})
+    assert cached(first)[0] == 0
+    hit, total = cached(post(server, "/v1/completions", {**GREEDY, "prompt": words}))
+    assert 16 <= hit < total and hit % 16 == 0
+    both, _ = cached(post(server, "/v1/completions", {**GREEDY, "prompt": [words, words]}))
+    assert both == 2 * hit
+    messages = [{"role": "user", "content": words + " chat"}]
+    assert cached(post(server, "/v1/chat/completions", {**GREEDY, "messages": messages}))[0] == 0
+    again = client.chat.completions.create(messages=messages, **TYPED)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    stream = client.chat.completions.create(
+        messages=messages, stream=True, stream_options={"include_usage": True}, **TYPED
+    )
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens >= 16
 
 
 def test_completion_stream(server, client):

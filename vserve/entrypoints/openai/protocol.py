@@ -311,7 +311,20 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokenUsageInfo | None = None  # null, as vLLM sends by default
+    # OpenAI's shape: the prompt tokens the prefix cache served (vLLM sends it with
+    # --enable-prompt-tokens-details, null otherwise)
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+
+def usage_info(num_prompt: int, num_out: int, cached: int) -> UsageInfo:
+    """A response's usage: `cached` of the `num_prompt` prompt tokens came from the prefix
+    cache (RequestOutput.num_cached_tokens, summed over the prompts)."""
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_out,
+        total_tokens=num_prompt + num_out,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached),
+    )
 
 
 class CompletionLogprobs(BaseModel):

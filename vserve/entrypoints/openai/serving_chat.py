@@ -33,6 +33,7 @@ from vserve.entrypoints.openai.protocol import (
     TokenLogprob,
     TopLogprob,
     UsageInfo,
+    usage_info,
 )
 from vserve.entrypoints.openai.request_prep import (
     base_request_id,
@@ -183,8 +184,9 @@ class ChatServer:
         texts = [self._echo_text(req)] * req.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finish: list[tuple[str | None, int | str | None]] = [(None, None)] * req.n
-        num_out = 0
+        num_out = cached = 0
         async for _, out in iterate(self.ctx, states):
+            cached = max(cached, out.num_cached_tokens)
             for c in out.outputs:
                 raise_if_error(c)
                 texts[c.index] += c.text
@@ -208,11 +210,7 @@ class ChatServer:
             id=response_id,
             model=self.ctx.model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=num_prompt,
-                completion_tokens=num_out,
-                total_tokens=num_prompt + num_out,
-            ),
+            usage=usage_info(num_prompt, num_out, cached),
         ).model_dump()
 
     def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> list[TokenLogprob]:
@@ -256,13 +254,14 @@ class ChatServer:
                 )
             )
 
-        num_out = 0
+        num_out = cached = 0
         started = False
         echo = self._echo_text(req)
         pending_echo = dict.fromkeys(range(req.n), echo) if echo else {}
         parsers = {i: ChoiceTools(tools) for i in range(req.n)} if tools.parses else {}
         try:
             async for _, out in iterate(self.ctx, states):
+                cached = max(cached, out.num_cached_tokens)
                 if not started:  # the role event, once per choice, with the first output
                     started = True
                     for i in range(req.n):
@@ -276,7 +275,9 @@ class ChatServer:
                 for c in out.outputs:
                     raise_if_error(c)
                     num_out += len(c.token_ids)
-                    usage = _usage(num_prompt, num_out) if req.continuous_usage else None
+                    usage = (
+                        usage_info(num_prompt, num_out, cached) if req.continuous_usage else None
+                    )
                     logprobs = (
                         ChatLogprobs(content=self._logprobs(req, c)) if req.logprobs else None
                     )
@@ -299,7 +300,7 @@ class ChatServer:
                         usage,
                     )
             if req.include_usage:
-                yield chunk([], _usage(num_prompt, num_out))
+                yield chunk([], usage_info(num_prompt, num_out, cached))
         except Exception as e:  # noqa: BLE001 -- the status is sent; report in the stream
             yield sse_error(e)
         finally:
@@ -326,9 +327,3 @@ def _tool_delta(
     content, calls = parser.delta(text, reason is not None)
     delta = DeltaMessage(content=content, tool_calls=calls) if content or calls else None
     return delta, parser.plan.finish_reason(reason, parser.called)
-
-
-def _usage(num_prompt: int, num_out: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out
-    )

@@ -27,6 +27,7 @@ from vserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
+    usage_info,
 )
 from vserve.entrypoints.openai.request_prep import (
     base_request_id,
@@ -143,12 +144,14 @@ class CompletionServer:
     ) -> bytes:
         choices = [_Choice() for _ in range(len(prompts) * req.n)]
         prompt_lps: list[PromptLogprobs | None] = [None] * len(prompts)
+        cached = [0] * len(prompts)
         async for prompt_idx, out in iterate(self.ctx, states):
             prompt_lps[prompt_idx] = out.prompt_logprobs or prompt_lps[prompt_idx]
+            cached[prompt_idx] = max(cached[prompt_idx], out.num_cached_tokens)
             for c in out.outputs:
                 self._accumulate(choices[prompt_idx * req.n + c.index], c, req)
         return await self.ctx.off_loop(
-            self._response, req, response_id, prompts, prompt_lps, choices
+            self._response, req, response_id, prompts, prompt_lps, choices, sum(cached)
         )
 
     def _response(
@@ -158,6 +161,7 @@ class CompletionServer:
         prompts: list[Prompt],
         prompt_lps: list[PromptLogprobs | None],
         choices: list[_Choice],
+        cached: int,
     ) -> bytes:
         """The whole body, prompt tables built once per prompt, encoded (the tokenizer
         thread: its size grows with the prompts and n)."""
@@ -182,11 +186,7 @@ class CompletionServer:
                     )
                     for i, c in enumerate(choices)
                 ],
-                usage=UsageInfo(
-                    prompt_tokens=num_prompt,
-                    completion_tokens=num_out,
-                    total_tokens=num_prompt + num_out,
-                ),
+                usage=usage_info(num_prompt, num_out, cached),
             )
         )
 
@@ -276,7 +276,7 @@ class CompletionServer:
                 id=f"cmpl-{base}",
                 model=self.ctx.model_name,
                 choices=choices,
-                usage=UsageInfo(prompt_tokens=num_prompt, total_tokens=num_prompt),
+                usage=usage_info(num_prompt, 0, 0),  # no engine request: nothing cached
             )
         )
 
@@ -294,9 +294,11 @@ class CompletionServer:
         prompt_lps: list[PromptLogprobs | None] = [None] * len(prompts)
         tables: list[_PromptTables | None] = [None] * len(prompts)
         shares = req.echo or req.prompt_logprobs is not None
+        cached = [0] * len(prompts)
         try:
             async for prompt_idx, out in iterate(self.ctx, states):
                 prompt_lps[prompt_idx] = out.prompt_logprobs or prompt_lps[prompt_idx]
+                cached[prompt_idx] = max(cached[prompt_idx], out.num_cached_tokens)
                 if shares and tables[prompt_idx] is None:
                     tables[prompt_idx] = await self.ctx.off_loop(
                         self._tables, req, prompts[prompt_idx], prompt_lps[prompt_idx]
@@ -308,7 +310,7 @@ class CompletionServer:
                         req, response_id, created, index, choices[index], c, tables[prompt_idx]
                     )
                     if req.continuous_usage:
-                        chunk.usage = _usage(num_prompt, choices)
+                        chunk.usage = _usage(num_prompt, choices, sum(cached))
                     yield sse_event(chunk)
             if req.include_usage:
                 yield sse_event(
@@ -317,7 +319,7 @@ class CompletionServer:
                         created=created,
                         model=self.ctx.model_name,
                         choices=[],
-                        usage=_usage(num_prompt, choices),
+                        usage=_usage(num_prompt, choices, sum(cached)),
                     )
                 )
         except Exception as e:  # noqa: BLE001 -- the status is sent; report in the stream
@@ -390,11 +392,8 @@ def _prompt_list(prompt: str | list) -> list:
     return [prompt]
 
 
-def _usage(num_prompt: int, choices: list[_Choice]) -> UsageInfo:
-    num_out = sum(c.num_tokens for c in choices)
-    return UsageInfo(
-        prompt_tokens=num_prompt, completion_tokens=num_out, total_tokens=num_prompt + num_out
-    )
+def _usage(num_prompt: int, choices: list[_Choice], cached: int) -> UsageInfo:
+    return usage_info(num_prompt, sum(c.num_tokens for c in choices), cached)
 
 
 def _echo_without_generation(req: CompletionRequest) -> bool:
