@@ -1,4 +1,4 @@
-"""The `vserve` command: `generate`, `serve`, `bench` and `worker`."""
+"""The `vserve` command: `generate`, `chat`, `serve`, `bench` and `worker`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _chat_parser(sub)
     _worker_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
@@ -54,6 +55,13 @@ def _generate(args) -> int:
     log_memory(llm.engine.process_memory())
     llm.shutdown()
     return 0
+
+
+# -- chat ----------------------------------------------------------------------------------------
+def _chat_parser(sub) -> None:
+    from vserve.entrypoints.chat_cli import add_chat_parser
+
+    add_chat_parser(sub, add_engine_args)
 
 
 # -- worker (other hosts of a multi-host pipeline) ----------------------------------------------
