@@ -179,7 +179,13 @@ def completion_chunk(num_choices: int | None = 1, usage=False) -> dict:
 TOP_LOGPROB = {"token": STR, "logprob": FLOAT, "bytes": ListOf(INT)}
 CHAT_LOGPROBS = {"content": ListOf({**TOP_LOGPROB, "top_logprobs": ListOf(TOP_LOGPROB)})}
 # vLLM sends tool_calls: [] on a message without calls (OpenAI omits it; both clients accept it)
-CHAT_MESSAGE = {"role": Is("assistant"), "content": STR, "refusal": Is(None), "tool_calls": Is([])}
+CHAT_MESSAGE = {
+    "role": Is("assistant"),
+    "content": STR,
+    "reasoning_content": Is(None),
+    "refusal": Is(None),
+    "tool_calls": Is([]),
+}
 CHAT_CHOICE = {
     "index": INT,
     "message": CHAT_MESSAGE,

@@ -3,6 +3,7 @@
 Every engine argument is a flag named as vLLM names it (`--max-model-len`, `--max-num-seqs`,
 `--served-model-name`, ...); the server adds `--host`, `--port`, `--api-key`,
 `--allowed-hosts`, `--chat-template`, `--enable-auto-tool-choice`, `--tool-call-parser`,
+`--reasoning-parser`,
 `--shutdown-timeout`, `--log-level` and the admission
 limits of `limits.py` (`--max-num-queued-reqs`, `--max-request-body-bytes`, ...).
 """
@@ -13,6 +14,7 @@ import argparse
 
 from vserve.entrypoints.cli_args import add_engine_args
 from vserve.entrypoints.openai.limits import AdmissionLimits, add_limit_args
+from vserve.entrypoints.openai.reasoning import PARSERS
 from vserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
@@ -63,6 +65,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         help="how tool calls are read from the model's text: hermes "
         "(<tool_call> blocks: Qwen 2/2.5/3, Hermes) or llama3_json",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=PARSERS,
+        help="return a thinking model's <think>...</think> as reasoning_content apart from "
+        "content: qwen3, deepseek_r1 (its template opens <think>)",
     )
     server.add_argument(
         "--shutdown-timeout",

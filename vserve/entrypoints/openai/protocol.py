@@ -398,6 +398,7 @@ class DeltaToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's: the thoughts (--reasoning-parser)
     refusal: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
@@ -423,6 +424,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

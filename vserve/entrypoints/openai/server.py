@@ -72,6 +72,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         aliases,
         AdmissionLimits.from_args(args),
         ToolSettings.from_args(args, engine.tokenizer),
+        getattr(args, "reasoning_parser", None),
     )
     metrics = ServerMetrics(ctx.model_name, _engine_ranks(engine))
 

@@ -58,6 +58,7 @@ class ServerContext:
     model_aliases: list[str] = field(default_factory=list)  # accepted, never listed
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     tools: ToolSettings = field(default_factory=ToolSettings)
+    reasoning_parser: str | None = None  # --reasoning-parser (reasoning.py)
     draining: bool = False
     exit_code: int = 0
     active: dict[str, RequestState] = field(default_factory=dict)  # engine id -> state

@@ -35,6 +35,7 @@ from vserve.entrypoints.openai.protocol import (
     UsageInfo,
     usage_info,
 )
+from vserve.entrypoints.openai.reasoning import ReasoningStream, split
 from vserve.entrypoints.openai.request_prep import (
     base_request_id,
     check_context,
@@ -196,7 +197,7 @@ class ChatServer:
                     finish[c.index] = (c.finish_reason, c.stop_reason)
         choices = []
         for i in range(req.n):
-            message, reason = _message(tools, texts[i], finish[i][0])
+            message, reason = _message(tools, texts[i], finish[i][0], self.ctx.reasoning_parser)
             choices.append(
                 ChatChoice(
                     index=i,
@@ -259,6 +260,8 @@ class ChatServer:
         echo = self._echo_text(req)
         pending_echo = dict.fromkeys(range(req.n), echo) if echo else {}
         parsers = {i: ChoiceTools(tools) for i in range(req.n)} if tools.parses else {}
+        thinking = self.ctx.reasoning_parser
+        streams = {i: ReasoningStream(thinking) for i in range(req.n)} if thinking else {}
         try:
             async for _, out in iterate(self.ctx, states):
                 cached = max(cached, out.num_cached_tokens)
@@ -282,11 +285,22 @@ class ChatServer:
                         ChatLogprobs(content=self._logprobs(req, c)) if req.logprobs else None
                     )
                     text = pending_echo.pop(c.index, "") + c.text
+                    thoughts = ""
+                    if streams:  # the reasoning apart; what may begin a tag held back
+                        done = c.finish_reason is not None
+                        thoughts, text = streams[c.index].feed(text, final=done)
                     delta, reason = DeltaMessage(content=text), c.finish_reason
                     if parsers:
                         delta, reason = _tool_delta(parsers[c.index], text, reason)
-                        if delta is None and reason is None and logprobs is None:
-                            continue  # held back: it may be tool-call markup
+                    elif streams and not text:
+                        delta = None
+                    if thoughts:
+                        delta = (delta or DeltaMessage()).model_copy(
+                            update={"reasoning_content": thoughts}
+                        )
+                    if (parsers or streams) and delta is None and reason is None:
+                        if logprobs is None:
+                            continue  # held back: it may be tool-call or tag markup
                     yield chunk(
                         [
                             ChatChunkChoice(
@@ -309,16 +323,21 @@ class ChatServer:
 
 
 def _message(
-    tools: ToolPlan, text: str, reason: str | None
+    tools: ToolPlan, text: str, reason: str | None, reasoning_parser: str | None
 ) -> tuple[ChatResponseMessage, str | None]:
-    """A whole choice's message and finish reason, its tool calls parsed out."""
+    """A whole choice's message and finish reason: its reasoning apart (with a reasoning
+    parser), then its tool calls parsed out of what remains."""
+    thoughts = None
+    if reasoning_parser is not None:
+        parts = split(reasoning_parser, text)
+        thoughts, text = parts.reasoning, parts.content or ""
     if not tools.parses:
-        return ChatResponseMessage(content=text), reason
+        content = text if text or thoughts is None else None
+        return ChatResponseMessage(content=content, reasoning_content=thoughts), reason
     parser = ChoiceTools(tools)
     content, calls = parser.whole(text)
-    return ChatResponseMessage(content=content, tool_calls=calls), tools.finish_reason(
-        reason, parser.called
-    )
+    message = ChatResponseMessage(content=content, reasoning_content=thoughts, tool_calls=calls)
+    return message, tools.finish_reason(reason, parser.called)
 
 
 def _tool_delta(
