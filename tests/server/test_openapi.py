@@ -73,6 +73,22 @@ BODIES = {
         },
         {"messages"},
     ),
+    "/v1/responses": (
+        "ResponsesRequest",
+        {
+            "model": {"string"},
+            "input": {"string", "array"},
+            "instructions": {"string"},
+            "max_output_tokens": {"integer"},
+            "temperature": {"number"},
+            "tools": {"array"},
+            "text": {"object"},
+            "stream": {"boolean"},
+            "previous_response_id": {"string"},
+            "store": {"boolean"},
+        },
+        {"input"},
+    ),
     "/tokenize": (
         "TokenizeRequest",
         {

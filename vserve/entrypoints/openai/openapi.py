@@ -19,10 +19,16 @@ from vserve.entrypoints.openai.protocol import MAX_N, MAX_TOP_LOGPROBS, ErrorRes
 
 _REF = "#/components/schemas/{model}"
 
-# fields of the request bodies that the OpenAI API reference has (completions and chat)
+# fields of the request bodies that the OpenAI API reference has (completions, chat and
+# responses)
 OPENAI_FIELDS = frozenset(
     {
         "model",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "previous_response_id",
+        "background",
         "prompt",
         "messages",
         "best_of",

@@ -52,9 +52,11 @@ from vserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from vserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from vserve.entrypoints.openai.serving_base import ServerContext
 from vserve.entrypoints.openai.serving_chat import ChatServer
 from vserve.entrypoints.openai.serving_completion import CompletionServer
+from vserve.entrypoints.openai.serving_responses import ResponsesServer
 from vserve.entrypoints.openai.tool_calls import ToolSettings, template_tools
 from vserve.envs import ENV
 from vserve.host import heap
@@ -108,7 +110,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     _add_service_routes(app, ctx, metrics)
     document_bodies(
         app,
-        [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ],
         [
             CompletionResponse,
             CompletionChunk,
@@ -179,6 +187,7 @@ def _add_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
 def _add_openai_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx)
+    responses = ResponsesServer(chat)
 
     async def parse(raw: Request, model: type[Req]) -> Req:
         return await parse_body(raw, model, metrics.ignored_fields.inc)
@@ -196,6 +205,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics)
     )
     async def create_chat_completion(raw: Request):
         return await chat.create(await parse(raw, ChatCompletionRequest), raw)
+
+    @app.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
+    async def create_response(raw: Request):
+        return await responses.create(await parse(raw, ResponsesRequest), raw)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():
