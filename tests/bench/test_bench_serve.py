@@ -54,8 +54,15 @@ LABELS = [
 
 
 def _run(server, tmp_path, *extra):
+    cmd = [*_bench_args(server, tmp_path), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads((tmp_path / "serve.json").read_text())
+
+
+def _bench_args(server, tmp_path) -> list[str]:
     out = tmp_path / "serve.json"
-    cmd = [
+    return [
         sys.executable,
         "-m",
         "vserve.cli",
@@ -75,11 +82,7 @@ def _run(server, tmp_path, *extra):
         "--disable-tqdm",
         "--result-filename",
         str(out),
-        *extra,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
@@ -104,6 +107,34 @@ def test_bench_serve_prints_reference_labels(server, tmp_path, backend):
     assert len(result["ttfts"]) == 12 and all(t > 0 for t in result["ttfts"])
     assert 0 < len(result["itls"]) <= 12 * 9  # pooled gaps between content chunks
     assert result["mean_tpot_ms"] > 0 and result["p99_ttft_ms"] >= result["median_ttft_ms"]
+
+
+def test_bench_serve_reads_a_local_sharegpt_file(server, tmp_path):
+    """--dataset-name sharegpt: the first human turn of each conversation is a prompt, the
+    reply's token count its output length (ignore_eos: exactly that); the too-short ones are
+    dropped as the reference benchmark drops them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model_dir)
+    replies = ["The quick brown fox jumps over the lazy dog.", "1 2 3 4 5 6 7 8 9 10 11 12"]
+    data = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Tell me {i}: " + "Paris is " * 4},
+                {"from": "gpt", "value": replies[i % 2]},
+            ]
+        }
+        for i in range(6)
+    ] + [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    sharegpt = ("--dataset-name", "sharegpt", "--dataset-path", str(path))
+    _, result = _run(server, tmp_path, *sharegpt)  # (--output-len is the random set's)
+    assert result["completed"] == 6 and result["failed"] == 0  # "hi" / "ok": too short
+    want = sorted(len(tok.encode(replies[i % 2], add_special_tokens=False)) for i in range(6))
+    assert sorted(result["output_lens"]) == want
+    _, result = _run(server, tmp_path, *sharegpt, "--sharegpt-output-len", "5")
+    assert result["output_lens"] == [5] * 6
 
 
 def test_bench_serve_poisson_rate(server, tmp_path):

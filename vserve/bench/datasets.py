@@ -136,7 +136,11 @@ def load_samples(args, tokenizer, vocab_size: int) -> list[Sample]:
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
         return sharegpt_samples(
-            args.dataset_path, tokenizer, args.num_prompts, args.output_len, args.dataset_seed
+            args.dataset_path,
+            tokenizer,
+            args.num_prompts,
+            args.sharegpt_output_len,
+            args.dataset_seed,
         )
     if name == "repetitive":
         return repetitive_samples(
@@ -171,6 +175,12 @@ def add_dataset_args(p) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
     p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
+    p.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="sharegpt: every output this long (default: each reply's own length)",
+    )
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument(
         "--prefix-len",
