@@ -13,6 +13,24 @@ from vserve import SamplingParams
 SYSTEM = "You are terse."
 
 
+def test_a_turn_too_long_for_the_context_is_dropped_not_fatal(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    typed = " ".join(["word"] * 200) + "\nParis is\n"
+    cmd = [sys.executable, "-m", "vserve.cli", "chat", "--model", model, "--dtype", "float32"]
+    cmd += ["--temperature", "0", "--max-tokens", "4", "--max-model-len", "64"]
+    proc = subprocess.run(cmd, input=typed, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, _, rest = proc.stdout.partition("\n")
+    assert first.startswith("(not sent: ") and "/clear" in first
+    llm = make_llm(model, max_model_len=64)
+    try:  # the dropped turn is not in the history of the next one
+        conversation = [{"role": "user", "content": "Paris is"}]
+        want = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert rest == want[0].outputs[0].text + "\n"
+
+
 def test_chat_through_a_pipe_keeps_and_clears_the_history(tiny_model_dir):
     model = tiny_model_dir("llama")
     typed = "Paris is\n\n1 2 3\n/clear\nhello\n/exit\nnever sent\n"

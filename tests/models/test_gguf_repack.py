@@ -61,6 +61,19 @@ def test_repacked_as_q8_0_holds_the_values(qtype):
         assert (err <= block_amax * (1 / 254 + 2**-11)).all() and (err > 0).any()
 
 
+def test_rows_are_repacked_in_chunks(monkeypatch):
+    """Rows go through the dequantization a few at a time (a whole embedding's fp32 values
+    would be GBs): any chunking gives the same bytes."""
+    from vserve.models import gguf_repack
+
+    for qtype in REPACKED:
+        data = random_blocks(qtype, 13, 512, seed=5)
+        whole = to_q8_0(data, qtype, 512)
+        monkeypatch.setattr(gguf_repack, "_CHUNK_VALUES", 512 * 4)  # chunks of 4 rows
+        assert np.array_equal(to_q8_0(data, qtype, 512), whole)
+        monkeypatch.undo()
+
+
 def test_q3_k_at_plus_128_d():
     """A Q3_K weight of d * (-32) * (-4) = 128 d (every scale and quant at its minimum) is one
     past int8's range: the block is written with scale -d and quants -128."""

@@ -142,6 +142,24 @@ def test_gemma3_multimodal_checkpoints_run_their_text_model(tiny_model_dir):
     assert got == hf_greedy(model_dir, tuple(TEXT), 16)
 
 
+def test_the_wrapper_s_own_eos_and_dtype_win_over_the_text_config_s():
+    from vserve.models.hf_config import text_tower
+
+    values = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "eos_token_id": [1, 106],
+        "torch_dtype": "bfloat16",
+        "text_config": {"hidden_size": 8, "eos_token_id": 1, "torch_dtype": None},
+    }
+    text = text_tower(values)
+    assert text["eos_token_id"] == [1, 106] and text["torch_dtype"] == "bfloat16"
+    assert text["hidden_size"] == 8 and text["architectures"] == values["architectures"]
+    assert text_tower({"architectures": ["LlamaForCausalLM"], "text_config": {}}) == {
+        "architectures": ["LlamaForCausalLM"],
+        "text_config": {},
+    }
+
+
 def test_gguf_files_of_families_without_gguf_support_are_refused(tiny_gguf_dir):
     model = tiny_gguf_dir("granite")
     with pytest.raises(ValueError, match="GGUF files of GraniteForCausalLM are not supported"):

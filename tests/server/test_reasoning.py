@@ -52,6 +52,19 @@ def test_split_and_every_streamed_cut_agree(parser, text, reasoning, content):
         assert "".join(c for _, c in pieces) == (content or ""), (i, j)
 
 
+def test_deepseek_r1_under_a_constraint_parses_no_reasoning():
+    """A constraint applies from the first token, so deepseek_r1's implicit thought would
+    never close and the whole (constrained) reply would become reasoning: it stays content."""
+    from vserve.entrypoints.openai.serving_chat import _reasoning_parser
+    from vserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="x+"))
+    assert _reasoning_parser("deepseek_r1", constrained) is None
+    assert _reasoning_parser("deepseek_r1", SamplingParams()) == "deepseek_r1"
+    assert _reasoning_parser("qwen3", constrained) == "qwen3"  # it thinks only if it opens so
+    assert _reasoning_parser(None, constrained) is None
+
+
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="one of deepseek_r1, qwen3"):
         ReasoningStream("o1")
@@ -116,6 +129,34 @@ def test_the_stream_splits_at_tags_across_deltas(client):
     assert "".join(reasoning) == whole.reasoning_content
     assert "".join(content) == whole.content
     assert not any("<" in piece or ">" in piece for piece in reasoning + content)
+
+
+def test_a_responses_stream_closes_the_thoughts_before_the_message(client):
+    """Through /v1/responses: a reasoning item, then the message; the reasoning item is done
+    before the message is added, as OpenAI orders them."""
+    model = client.models.list().data[0].id
+    stream = client.responses.create(
+        model=model,
+        input="Think first.",
+        temperature=0,
+        max_output_tokens=40,
+        stream=True,
+        extra_body={"guided_regex": THINKING},
+    )
+    events = [(e.type, getattr(e, "output_index", None)) for e in stream]
+    added = [i for i, (kind, _) in enumerate(events) if kind == "response.output_item.added"]
+    done = [i for i, (kind, _) in enumerate(events) if kind == "response.output_item.done"]
+    assert [events[i][1] for i in added] == [0, 1] and [events[i][1] for i in done] == [0, 1]
+    assert done[0] < added[1]
+    final = client.responses.create(
+        model=model,
+        input="Think first.",
+        temperature=0,
+        max_output_tokens=40,
+        extra_body={"guided_regex": THINKING},
+    )
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert re.fullmatch(r"[x-z]{3,6}", final.output_text)
 
 
 def test_without_a_think_tag_the_reply_is_content(client):

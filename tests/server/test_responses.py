@@ -91,6 +91,16 @@ def test_stream_events_build_the_same_response(client, model):
     assert numbers == list(range(len(numbers)))
 
 
+def test_a_stream_carries_line_separators_inside_its_text(client, model):
+    """U+2028 / U+2029 stay raw in JSON strings: the events are split at newlines only."""
+    text = "x\u2028y\u2029z"
+    kwargs = {"model": model, "input": "hi", "temperature": 0, "max_output_tokens": 20}
+    kwargs["extra_body"] = {"guided_regex": re.escape(text)}
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == text and final.status == "completed"
+
+
 def test_function_call_then_its_output_continues_the_conversation(client, model):
     call = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
     first = client.responses.create(

@@ -61,7 +61,10 @@ class Chat:
             if interactive:
                 stdout.write("> ")
                 stdout.flush()
-            line = stdin.readline()
+            try:
+                line = stdin.readline()
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: leave
+                return
             if not line or line.strip() == "/exit":
                 return
             text = line.strip()
@@ -71,7 +74,11 @@ class Chat:
                     stdout.write("(conversation cleared)\n")
                 continue
             if text:
-                self.say(text, stdout)
+                try:
+                    self.say(text, stdout)
+                except ValueError as e:  # too long for the context, say: the turn is dropped
+                    self.history.pop()
+                    stdout.write(f"(not sent: {e}; /clear starts afresh)\n")
 
     def say(self, text: str, stdout: TextIO) -> str:
         """Send one user message; the reply is written as it streams and returned."""
@@ -79,6 +86,8 @@ class Chat:
         prompt = self.llm.apply_chat_template(self.history)
         request_id = f"chat-{next(self._ids)}"
         engine = self.llm.engine
+        ids = prompt["prompt_token_ids"]
+        engine.processor.check_params(self.params, len(ids))  # ValueError: the turn is dropped
         engine.add_request(request_id, prompt, self.params, kind=OutputKind.DELTA)
         reply = ""
         try:

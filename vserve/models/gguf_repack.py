@@ -28,11 +28,23 @@ _Q8_BLOCK, _Q8_BYTES = 32, 34
 
 
 def to_q8_0(data: np.ndarray, qtype: int, k: int) -> np.ndarray:
-    """[rows, row bytes] of a REPACKED type -> [rows, k / 32 * 34] Q8_0 bytes."""
+    """[rows, row bytes] of a REPACKED type -> [rows, k / 32 * 34] Q8_0 bytes, a few MB of
+    rows at a time (the fp32 values of a whole embedding would be GBs)."""
+    out = np.empty((data.shape[0], k // _Q8_BLOCK * _Q8_BYTES), dtype=np.uint8)
+    step = max(1, _CHUNK_VALUES // k)
+    for r in range(0, data.shape[0], step):
+        out[r : r + step] = _rows_as_q8_0(data[r : r + step], qtype, k)
+    return out
+
+
+_CHUNK_VALUES = 1 << 20
+
+
+def _rows_as_q8_0(data: np.ndarray, qtype: int, k: int) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    values = dequantize(data, GGMLQuantizationType(qtype)).reshape(-1, k)
+    values = dequantize(np.ascontiguousarray(data), GGMLQuantizationType(qtype)).reshape(-1, k)
     if not REPACKED[qtype][1]:
         return quantize(values, GGMLQuantizationType.Q8_0).reshape(values.shape[0], -1)
     scale = _scales(data, qtype)  # [rows, k / 32], fp32: each value / scale is an integer

@@ -22,7 +22,7 @@ from vserve.cache_files import cache_dir, write_json_atomic
 
 logger = logging.getLogger("vserve")
 
-CACHE_VERSION = 2  # 2: multimodal checkpoints cached as their text model (text_tower)
+CACHE_VERSION = 3  # 2, 3: multimodal checkpoints cached as their text model (text_tower)
 
 
 class ModelHFConfig(SimpleNamespace):
@@ -56,7 +56,13 @@ def text_tower(values: dict) -> dict:
     text = values.get("text_config")
     if not isinstance(text, dict) or not set(values.get("architectures") or ()) & {*TEXT_TOWERS}:
         return values
-    return {**text, "architectures": values["architectures"]}
+    # what the checkpoint sets on the wrapper wins over the text config's defaults (Gemma 3:
+    # eos_token_id [1, 106], its dtype)
+    outer = {k: values[k] for k in _OUTER if values.get(k) is not None}
+    return {**text, **outer, "architectures": values["architectures"]}
+
+
+_OUTER = ("eos_token_id", "torch_dtype", "dtype")
 
 
 def _from_json(values: dict) -> ModelHFConfig:

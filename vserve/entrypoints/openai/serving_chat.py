@@ -156,14 +156,15 @@ class ChatServer:
         base = base_request_id(raw)
         states = await submit(ctx, [(None, ids)], [params], base, data_parallel_rank(raw))
         response_id = f"chatcmpl-{base}"
+        thinking = _reasoning_parser(ctx.reasoning_parser, params)
         if req.stream:
             return StreamingResponse(
-                self._stream(req, response_id, len(ids), states, tools),
+                self._stream(req, response_id, len(ids), states, tools, thinking),
                 media_type="text/event-stream",
             )
         try:
             body = await until_disconnect(
-                raw, self._collect(req, response_id, len(ids), states, tools)
+                raw, self._collect(req, response_id, len(ids), states, tools, thinking)
             )
         finally:
             release(ctx, states)
@@ -181,6 +182,7 @@ class ChatServer:
         num_prompt: int,
         states: list[RequestState],
         tools: ToolPlan,
+        thinking: str | None,
     ) -> dict:
         texts = [self._echo_text(req)] * req.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
@@ -197,7 +199,7 @@ class ChatServer:
                     finish[c.index] = (c.finish_reason, c.stop_reason)
         choices = []
         for i in range(req.n):
-            message, reason = _message(tools, texts[i], finish[i][0], self.ctx.reasoning_parser)
+            message, reason = _message(tools, texts[i], finish[i][0], thinking)
             choices.append(
                 ChatChoice(
                     index=i,
@@ -244,6 +246,7 @@ class ChatServer:
         num_prompt: int,
         states: list[RequestState],
         tools: ToolPlan,
+        thinking: str | None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.ctx.model_name
@@ -260,7 +263,6 @@ class ChatServer:
         echo = self._echo_text(req)
         pending_echo = dict.fromkeys(range(req.n), echo) if echo else {}
         parsers = {i: ChoiceTools(tools) for i in range(req.n)} if tools.parses else {}
-        thinking = self.ctx.reasoning_parser
         streams = {i: ReasoningStream(thinking) for i in range(req.n)} if thinking else {}
         try:
             async for _, out in iterate(self.ctx, states):
@@ -320,6 +322,15 @@ class ChatServer:
         finally:
             release(self.ctx, states)
         yield SSE_DONE
+
+
+def _reasoning_parser(parser: str | None, params) -> str | None:
+    """The reasoning parser for a request: none for deepseek_r1 under a structured-output
+    constraint (tool_choice required or named, response_format, guided_*), which applies from
+    the first token, so the implicit thought never closes and all would be reasoning."""
+    if parser == "deepseek_r1" and params.structured_outputs is not None:
+        return None
+    return parser
 
 
 def _message(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -50,24 +51,27 @@ class ResponseStore:
     def __init__(self, max_responses=STORE_MAX_RESPONSES, max_chars=STORE_MAX_CHARS) -> None:
         self.max_responses, self.max_chars = max_responses, max_chars
         self._items: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
+        self._lock = threading.Lock()  # put runs on worker threads (its size grows)
         self.num_chars = 0
 
     def get(self, response_id: str) -> list[dict] | None:
-        entry = self._items.get(response_id)
-        if entry is None:
-            return None
-        self._items.move_to_end(response_id)
-        return list(entry[0])
+        with self._lock:
+            entry = self._items.get(response_id)
+            if entry is None:
+                return None
+            self._items.move_to_end(response_id)
+            return list(entry[0])
 
     def put(self, response_id: str, messages: list[dict]) -> None:
         size = len(json.dumps(messages))
         if size > self.max_chars:
             return  # never kept: continuing it would be a 404, as after an eviction
-        self._items[response_id] = (messages, size)
-        self.num_chars += size
-        while len(self._items) > self.max_responses or self.num_chars > self.max_chars:
-            _, (_, old) = self._items.popitem(last=False)
-            self.num_chars -= old
+        with self._lock:
+            self._items[response_id] = (messages, size)
+            self.num_chars += size
+            while len(self._items) > self.max_responses or self.num_chars > self.max_chars:
+                _, (_, old) = self._items.popitem(last=False)
+                self.num_chars -= old
 
 
 class ResponsesServer:
@@ -101,7 +105,7 @@ class ResponsesServer:
         output = output_items(choice["message"])
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         usage = response_usage(body["usage"])
-        self._keeper(req, response_id, turn)(output)
+        await asyncio.to_thread(self._keeper(req, response_id, turn), output)
         obj = response_object(req, response_id, created, body["model"], output, status, usage)
         return JSONResponse(obj)
 
@@ -137,23 +141,41 @@ class _Events:
     async def run(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
         yield self.event("response.created", response=self.snapshot("in_progress", []))
         yield self.event("response.in_progress", response=self.snapshot("in_progress", []))
-        async for raw in chunks:
-            text = raw.decode() if isinstance(raw, bytes) else raw
-            for line in text.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if "error" in chunk:
-                    error = chunk["error"]
-                    yield self.event("error", code=error.get("type"), message=error.get("message"))
-                    failed = self.snapshot("failed", [e["item"] for e in self.items])
-                    failed["error"] = {"code": "server_error", "message": error.get("message")}
-                    yield self.event("response.failed", response=failed)
-                    return
-                for out in self.chunk(chunk):
-                    yield out
-        for out in self.close():
+        try:
+            async for raw in chunks:
+                text = raw.decode() if isinstance(raw, bytes) else raw
+                # events end at a newline; JSON escapes every newline inside its strings (not
+                # U+2028 and the like, which str.splitlines would also split at)
+                for line in text.split("\n"):
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    if "error" in chunk:
+                        for out in self.failed(chunk["error"].get("message", "")):
+                            yield out
+                        return
+                    for out in self.chunk(chunk):
+                        yield out
+            final = self.finish_all()
+        except Exception as e:  # noqa: BLE001 -- the status is sent: report in the stream
+            for out in self.failed(str(e)):
+                yield out
+            return
+        for out in final:
             yield out
+        await asyncio.to_thread(self.keep, self.done_items())
+        status = "incomplete" if self.finish == "length" else "completed"
+        # response.completed even when cut at max_output_tokens (its status says so), as vLLM
+        # sends it: the openai client's stream helper ends on that event alone
+        yield self.event("response.completed", response=self.snapshot(status, self.done_items()))
+
+    def failed(self, message: str) -> list[str]:
+        response = self.snapshot("failed", [e["item"] for e in self.items])
+        response["error"] = {"code": "server_error", "message": message}
+        return [
+            self.event("error", code="server_error", message=message),
+            self.event("response.failed", response=response),
+        ]
 
     def chunk(self, chunk: dict) -> list[str]:
         self.model = chunk.get("model", self.model)
@@ -172,12 +194,13 @@ class _Events:
         return out
 
     def _add(self, key: str, item: dict) -> tuple[dict, list[str]]:
-        entry = {"item": item, "text": "", "index": len(self.items)}
+        """A new output item; the ones before it are done first (one item open at a time)."""
+        done = self.finish_all()
+        entry = {"item": item, "text": "", "index": len(self.items), "done": None}
         self.items.append(entry)
         self.open[key] = entry
-        return entry, [
-            self.event("response.output_item.added", output_index=entry["index"], item=item)
-        ]
+        added = self.event("response.output_item.added", output_index=entry["index"], item=item)
+        return entry, [*done, added]
 
     def text(self, key: str, piece: str) -> list[str]:
         out: list[str] = []
@@ -239,36 +262,45 @@ class _Events:
             )
         return out
 
-    def close(self) -> list[str]:
+    def finish_all(self) -> list[str]:
+        """The done events of every open item, in output order."""
         out: list[str] = []
-        final: list[dict] = []
         for entry in self.items:
-            item, text, index = entry["item"], entry["text"], entry["index"]
-            if item["type"] == "message":
-                done = message_item(item["id"], text)
-                ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-                out.append(self.event("response.output_text.done", text=text, logprobs=[], **ids))
-                out.append(self._part_event("response.content_part.done", entry, output_text(text)))
-            elif item["type"] == "reasoning":
-                done = reasoning_item(item["id"], text)
-                ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-                out.append(self.event("response.reasoning_text.done", text=text, **ids))
-            else:
-                done = call_item(item["id"], item["call_id"], item["name"], text)
-                out.append(
-                    self.event(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        name=item["name"],
-                        arguments=text,
-                    )
+            if entry["done"] is None:
+                out += self._finish(entry)
+        self.open.clear()
+        return out
+
+    def done_items(self) -> list[dict]:
+        return [entry["done"] for entry in self.items]
+
+    def _finish(self, entry: dict) -> list[str]:
+        item, text, index = entry["item"], entry["text"], entry["index"]
+        ids = {"item_id": item["id"], "output_index": index}
+        out: list[str] = []
+        if item["type"] == "message":
+            done = message_item(item["id"], text)
+            out.append(
+                self.event(
+                    "response.output_text.done", text=text, logprobs=[], content_index=0, **ids
                 )
-            out.append(self.event("response.output_item.done", output_index=index, item=done))
-            final.append(done)
-        self.keep(final)
-        # response.completed even when cut at max_output_tokens (its status says so), as vLLM
-        # sends it: the openai client's stream helper ends on that event alone
-        status = "incomplete" if self.finish == "length" else "completed"
-        out.append(self.event("response.completed", response=self.snapshot(status, final)))
+            )
+            out.append(self._part_event("response.content_part.done", entry, output_text(text)))
+        elif item["type"] == "reasoning":
+            done = reasoning_item(item["id"], text)
+            out.append(
+                self.event("response.reasoning_text.done", text=text, content_index=0, **ids)
+            )
+        else:
+            done = call_item(item["id"], item["call_id"], item["name"], text)
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    name=item["name"],
+                    arguments=text,
+                    **ids,
+                )
+            )
+        entry["done"] = done
+        out.append(self.event("response.output_item.done", output_index=index, item=done))
         return out
