@@ -103,7 +103,7 @@ def test_a_stream_carries_line_separators_inside_its_text(client, model):
 
 def test_function_call_then_its_output_continues_the_conversation(client, model):
     call = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
-    first = client.responses.create(
+    forced = dict(  # a call the regex writes
         model=model,
         input="Weather in Paris?",
         tools=TOOLS,
@@ -111,6 +111,7 @@ def test_function_call_then_its_output_continues_the_conversation(client, model)
         max_output_tokens=120,
         extra_body={"guided_regex": re.escape(call)},
     )
+    first = client.responses.create(**forced)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "weather"
     assert json.loads(calls[0].arguments) == {"city": "Paris"}
@@ -122,14 +123,7 @@ def test_function_call_then_its_output_continues_the_conversation(client, model)
     )
     # the stored turn (question and call) and the tool's output were rendered before it
     assert follow.usage.input_tokens > first.usage.input_tokens + len(call) // 4
-    with client.responses.stream(
-        model=model,
-        input="Weather in Paris?",
-        tools=TOOLS,
-        temperature=0,
-        max_output_tokens=120,
-        extra_body={"guided_regex": re.escape(call)},
-    ) as stream:
+    with client.responses.stream(**forced) as stream:
         final = stream.get_final_response()
     streamed = [item for item in final.output if item.type == "function_call"]
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
