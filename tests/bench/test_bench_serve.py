@@ -109,6 +109,7 @@ def test_bench_serve_prints_reference_labels(server, tmp_path, backend):
     assert result["mean_tpot_ms"] > 0 and result["p99_ttft_ms"] >= result["median_ttft_ms"]
 
 
+@pytest.mark.slow
 def test_bench_serve_reads_a_local_sharegpt_file(server, tmp_path):
     """--dataset-name sharegpt: the first human turn of each conversation is a prompt, the
     reply's token count its output length (ignore_eos: exactly that); the too-short ones are

@@ -7,12 +7,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.engines import make_llm
 from vserve import SamplingParams
 
 SYSTEM = "You are terse."
 
 
+@pytest.mark.slow
 def test_a_turn_too_long_for_the_context_is_dropped_not_fatal(tiny_model_dir):
     model = tiny_model_dir("llama")
     typed = " ".join(["word"] * 200) + "\nParis is\n"

@@ -107,6 +107,7 @@ def _forced(client, regex: str, **kwargs):
     )
 
 
+@pytest.mark.slow
 def test_the_message_holds_the_thoughts_apart(client):
     message = _forced(client, THINKING).choices[0].message
     assert re.fullmatch(r"[a-c]{3,6}", message.reasoning_content), message
@@ -131,6 +132,7 @@ def test_the_stream_splits_at_tags_across_deltas(client):
     assert not any("<" in piece or ">" in piece for piece in reasoning + content)
 
 
+@pytest.mark.slow
 def test_a_responses_stream_closes_the_thoughts_before_the_message(client):
     """Through /v1/responses: a reasoning item, then the message; the reasoning item is done
     before the message is added, as OpenAI orders them."""
@@ -159,11 +161,13 @@ def test_a_responses_stream_closes_the_thoughts_before_the_message(client):
     assert re.fullmatch(r"[x-z]{3,6}", final.output_text)
 
 
+@pytest.mark.slow
 def test_without_a_think_tag_the_reply_is_content(client):
     message = _forced(client, r"[x-z]{4}").choices[0].message
     assert message.reasoning_content is None and re.fullmatch(r"[x-z]{4}", message.content)
 
 
+@pytest.mark.slow
 def test_enable_thinking_reaches_the_template(client):
     on = _forced(client, r"[x-z]{4}")
     off = _forced(
@@ -172,6 +176,7 @@ def test_enable_thinking_reaches_the_template(client):
     assert off.usage.prompt_tokens > on.usage.prompt_tokens  # <think></think> was rendered
 
 
+@pytest.mark.slow
 def test_tool_calls_are_read_from_the_content_alone(client):
     """A tool call written inside the thoughts is thinking, not a call; the one after
     </think> is the call."""

@@ -49,6 +49,7 @@ def chat_text(client, model, messages) -> str:
     return out.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_text_input_is_the_chat_reply(client, model):
     response = client.responses.create(model=model, input="Paris is", **GREEDY)
     assert response.object == "response" and response.id.startswith("resp_")
@@ -61,6 +62,7 @@ def test_text_input_is_the_chat_reply(client, model):
     assert response.usage.total_tokens == response.usage.input_tokens + 8
 
 
+@pytest.mark.slow
 def test_instructions_and_message_items(client, model):
     items = [
         {"role": "user", "content": "1 2 3"},
@@ -77,6 +79,7 @@ def test_instructions_and_message_items(client, model):
     assert response.output_text == chat_text(client, model, messages)
 
 
+@pytest.mark.slow
 def test_stream_events_build_the_same_response(client, model):
     whole = client.responses.create(model=model, input="Paris is", **GREEDY)
     with client.responses.stream(model=model, input="Paris is", **GREEDY) as stream:
@@ -91,6 +94,7 @@ def test_stream_events_build_the_same_response(client, model):
     assert numbers == list(range(len(numbers)))
 
 
+@pytest.mark.slow
 def test_a_stream_carries_line_separators_inside_its_text(client, model):
     """U+2028 / U+2029 stay raw in JSON strings: the events are split at newlines only."""
     text = "x\u2028y\u2029z"
@@ -101,6 +105,7 @@ def test_a_stream_carries_line_separators_inside_its_text(client, model):
     assert final.output_text == text and final.status == "completed"
 
 
+@pytest.mark.slow
 def test_function_call_then_its_output_continues_the_conversation(client, model):
     call = '<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
     forced = dict(  # a call the regex writes
@@ -129,6 +134,7 @@ def test_function_call_then_its_output_continues_the_conversation(client, model)
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
 
 
+@pytest.mark.slow
 def test_json_schema_text_format(client, model):
     schema = {
         "type": "object",
@@ -146,11 +152,13 @@ def test_json_schema_text_format(client, model):
     assert isinstance(json.loads(response.output_text)["n"], int)
 
 
+@pytest.mark.slow
 def test_an_unknown_previous_response_is_404(client, model):
     with pytest.raises(openai.NotFoundError, match="not found"):
         client.responses.create(model=model, input="hi", previous_response_id="resp_gone")
 
 
+@pytest.mark.slow
 def test_unsupported_input_is_a_clear_400(client, model):
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.create(model=model, input="hi", background=True)
