@@ -74,13 +74,13 @@ def new_id(prefix: str) -> str:
 
 
 # -- request -> chat ---------------------------------------------------------------------------
-def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
-    """The chat request a Responses request means; `history` the earlier turns' messages
-    (previous_response_id)."""
+def chat_request(req: ResponsesRequest, turn: list[dict]) -> ChatCompletionRequest:
+    """The chat request a Responses request means; `turn` the conversation's messages: the
+    earlier turns' (previous_response_id) and this request's input (`input_messages`)."""
     if req.background:
         raise APIError(400, "background responses are not supported", "background")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    messages += history + input_messages(req.input)
+    messages += turn
     body: dict[str, Any] = {"messages": messages, "stream": req.stream}
     if req.stream:
         body["stream_options"] = {"include_usage": True}

@@ -91,8 +91,8 @@ class ResponsesServer:
                     "previous_response_id",
                 )
             history = found
-        chat_req = await asyncio.to_thread(chat_request, req, history)
         turn = await asyncio.to_thread(lambda: history + input_messages(req.input))
+        chat_req = await asyncio.to_thread(chat_request, req, turn)
         response_id, created = new_id("resp"), int(time.time())
         result = await self.chat.create(chat_req, raw)
         if req.stream:
