@@ -16,19 +16,25 @@ _FLOAT32_MAX = 3.4028234663852886e38  # the sampler divides logits in float32
 # a logit (up to ~1e4 in magnitude) divided or multiplied by the penalty stays finite in float32
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-4, 1e4
 _INT64 = 2**63  # integers must fit int64: msgpack and torch carry nothing wider
+MAX_STARTS_AFTER_CHARS = 64  # a tag such as "</think>", matched against each output token
 _TYPE_NAMES = {"regex": "a string", "grammar": "a string", "choice": "a list of strings"}
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, weakref=True):
     """Constrain the output: exactly one of a JSON schema (`json`, a dict or its JSON text),
     any JSON object (`json_object=True`), a regular expression, a list of choices, or an
-    EBNF grammar (xgrammar's dialect)."""
+    EBNF grammar (xgrammar's dialect).
+
+    `starts_after`: the constraint applies only to the tokens after the one that completes
+    this text in the output (a thinking model's `</think>`: its thoughts stay free, the
+    answer is constrained); until then the output is unconstrained."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         import json as _json
@@ -54,6 +60,13 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
             _check(
                 all(isinstance(c, str) and c for c in self.choice),
                 "structured outputs: choice must be a list of non-empty strings",
+            )
+        if self.starts_after is not None:
+            _check(
+                isinstance(self.starts_after, str)
+                and 0 < len(self.starts_after) <= MAX_STARTS_AFTER_CHARS,
+                f"structured outputs: starts_after must be a string of 1 to "
+                f"{MAX_STARTS_AFTER_CHARS} characters",
             )
 
     def _check_types(self) -> None:

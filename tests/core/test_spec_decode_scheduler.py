@@ -177,7 +177,7 @@ class _RejectingGrammar:
 
 
 class _Structured:
-    def new_state(self, compiled):
+    def new_state(self, compiled, starts_after=None):
         return _RejectingGrammar(compiled)
 
     def allocate_bitmask(self, num_rows):

@@ -415,7 +415,7 @@ class _FailingGrammar:
 
 
 class _FailingStructured:
-    def new_state(self, compiled):
+    def new_state(self, compiled, starts_after=None):
         return _FailingGrammar(compiled)
 
     def allocate_bitmask(self, num_rows):

@@ -4,9 +4,10 @@ from `content`, whole and streamed.
 The parsers on texts cut at every pair of positions (a tag split inside one delta or across
 two or three): the streamed pieces join to the whole reply's split, and no piece of content
 or reasoning holds a tag's characters. Then a live server on a tiny model whose replies are
-forced by a regex to think first (`guided_regex`), through the official `openai` client:
-the message's and the stream's reasoning and content, `chat_template_kwargs`'
-`enable_thinking` reaching the template, and the tool parser reading the content alone.
+forced by a regex to think first (`guided_regex`, applied to the thoughts as well), through
+the official `openai` client: the message's and the stream's reasoning and content,
+`chat_template_kwargs`' `enable_thinking` reaching the template, and the tool parser reading
+the content alone.
 """
 
 from __future__ import annotations
@@ -52,14 +53,20 @@ def test_split_and_every_streamed_cut_agree(parser, text, reasoning, content):
         assert "".join(c for _, c in pieces) == (content or ""), (i, j)
 
 
-def test_deepseek_r1_under_a_constraint_parses_no_reasoning():
-    """A constraint applies from the first token, so deepseek_r1's implicit thought would
-    never close and the whole (constrained) reply would become reasoning: it stays content."""
+def test_deepseek_r1_under_a_constraint_from_the_first_token_parses_no_reasoning():
+    """A constraint that applies from the first token (the prompt closed the thought, or
+    --structured-outputs-in-reasoning) leaves deepseek_r1's implicit thought open for ever,
+    so the whole (constrained) reply would become reasoning: it stays content. One that
+    starts after </think> leaves the parser as it is."""
     from vserve.entrypoints.openai.serving_chat import _reasoning_parser
     from vserve.sampling_params import SamplingParams, StructuredOutputsParams
 
     constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="x+"))
+    after = StructuredOutputsParams(regex="x+", starts_after="</think>")
     assert _reasoning_parser("deepseek_r1", constrained) is None
+    assert _reasoning_parser("deepseek_r1", SamplingParams(structured_outputs=after)) == (
+        "deepseek_r1"
+    )
     assert _reasoning_parser("deepseek_r1", SamplingParams()) == "deepseek_r1"
     assert _reasoning_parser("qwen3", constrained) == "qwen3"  # it thinks only if it opens so
     assert _reasoning_parser(None, constrained) is None
@@ -84,7 +91,9 @@ MESSAGES = [{"role": "user", "content": "Think first."}]
 def server(tiny_model_dir, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "think.jinja"
     template.write_text(TEMPLATE)
+    # the constraint covers the thoughts: a regex forces this random model to think
     args = [tiny_model_dir("qwen2"), *TINY_ARGS, "--reasoning-parser", "qwen3"]
+    args += ["--structured-outputs-in-reasoning"]
     args += ["--chat-template", str(template), "--enable-auto-tool-choice"]
     with serving([*args, "--tool-call-parser", "hermes"]) as srv:
         yield srv

@@ -337,7 +337,7 @@ class FakeStructured:
         future.set_result(None)
         return future
 
-    def new_state(self, compiled) -> FakeGrammar:
+    def new_state(self, compiled, starts_after=None) -> FakeGrammar:
         return FakeGrammar()
 
     def allocate_bitmask(self, num_rows: int) -> list:

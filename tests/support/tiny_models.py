@@ -188,3 +188,26 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vserve-tests"
     )
     return Path(root)
+
+
+THINK_TOKENS = ("<think>", "</think>")  # one token each, as in Qwen3's and DeepSeek-R1's
+THINKING_TEMPLATE = (  # DeepSeek-R1's habit: the prompt opens the thought (thinking off: shut)
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think>"
+    "{% if enable_thinking is defined and not enable_thinking %}</think>{% endif %}"
+    "{% endif %}"
+)
+
+
+def thinking_model(tiny_model_dir) -> str:
+    """A tiny Qwen3 whose tokenizer has `<think>` and `</think>` as single tokens (ids 384
+    and 385, within its vocabulary of 392) and a template that opens the thought."""
+    from transformers import AutoTokenizer
+
+    folder = tiny_model_dir("qwen3", vocab_size=VOCAB + 8)
+    tok = AutoTokenizer.from_pretrained(folder)
+    if THINK_TOKENS[1] not in tok.get_vocab():
+        tok.add_tokens(list(THINK_TOKENS))
+        tok.chat_template = THINKING_TEMPLATE
+        tok.save_pretrained(folder)
+    return folder

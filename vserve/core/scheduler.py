@@ -190,7 +190,8 @@ class Scheduler:
 
     def _grammar_ready(self, req: Request) -> bool:
         """Structured output: admit only once the grammar compiled (off the busy loop)."""
-        if not req.use_grammar or req.grammar is not None:
+        constraint = req.sampling_params.structured_outputs
+        if constraint is None or req.grammar is not None:
             return True
         future = req.grammar_future
         if future is None or self.structured is None:
@@ -199,7 +200,7 @@ class Scheduler:
         if not future.done():
             return False
         try:
-            req.grammar = self.structured.new_state(future.result())
+            req.grammar = self.structured.new_state(future.result(), constraint.starts_after)
         except RequestError as e:  # over the compile budget, or invalid: fails only this one
             req.error, req.error_kind = str(e), e.kind
             return False

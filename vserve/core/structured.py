@@ -20,7 +20,10 @@ class GrammarMatcher(Protocol):
 
 
 class StructuredOutputs(Protocol):
-    def new_state(self, compiled: Any) -> GrammarMatcher: ...
+    def new_state(self, compiled: Any, starts_after: str | None = None) -> GrammarMatcher:
+        """A matcher of `compiled`; with `starts_after`, one that allows every token (and
+        advances no grammar) until the output has written that text."""
+        ...
 
     def allocate_bitmask(self, num_rows: int) -> np.ndarray:
         """int32 [num_rows, ceil(vocab / 32)], every token allowed."""

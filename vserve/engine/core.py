@@ -67,9 +67,9 @@ class EngineCore:
         )
         # one copy of each constraint for every request that carries it (children of n > 1,
         # the prompts of one batch each arrive with their own decoded copy)
-        self._constraints: weakref.WeakValueDictionary[str, StructuredOutputsParams] = (
-            weakref.WeakValueDictionary()
-        )
+        self._constraints: weakref.WeakValueDictionary[
+            tuple[str, str | None], StructuredOutputsParams
+        ] = weakref.WeakValueDictionary()
         self._last_constraint: tuple[Callable[[], object], str] = (lambda: None, "")
         self.scheduler = Scheduler(config.scheduler, kv, config.speculative, self.structured)
         self.depth = config.max_concurrent_batches
@@ -130,12 +130,13 @@ class EngineCore:
         self, constraint: StructuredOutputsParams
     ) -> tuple[StructuredOutputsParams, str]:
         """The one copy of this constraint, and its digest (hashed once for the children of
-        a prompt, which arrive holding the same object)."""
+        a prompt, which arrive holding the same object). Copies that differ only in
+        `starts_after` share the compiled grammar (the digest), not the copy."""
         last, key = self._last_constraint
         if last() is not constraint:
             key = constraint_digest(*grammar_source(constraint))
             self._last_constraint = (weakref.ref(constraint), key)
-        return self._constraints.setdefault(key, constraint), key
+        return self._constraints.setdefault((key, constraint.starts_after), constraint), key
 
     def has_request(self, request_id: str) -> bool:
         """Whether a request of this id is live (waiting or running)."""

@@ -26,6 +26,7 @@ from vserve.core.outputs import ERROR_BUSY, ERROR_INVALID, RequestError
 from vserve.core.structured import GrammarMatcher
 from vserve.engine.grammar_worker import CompileWorker, Job
 from vserve.engine.grammars import BytesLRU, compile_source, constraint_digest, grammar_source
+from vserve.engine.text_gate import TextGate
 from vserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:  # imported when first used
@@ -35,19 +36,26 @@ logger = logging.getLogger("vserve.engine")
 
 
 class GrammarState:
-    """One request's matcher."""
+    """One request's matcher, behind a gate while the output has not reached the text the
+    constraint starts after (`text_gate.py`): meanwhile every token is allowed."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, gate: TextGate | None = None) -> None:
         self.matcher = matcher
+        self.gate = gate
 
     def accept(self, token_id: int) -> bool:
+        if self.gate is not None:
+            if self.gate.feed(token_id):
+                self.gate = None  # the constraint starts with the next token
+            return True
         return self.matcher.accept_token(token_id)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.gate is None and self.matcher.is_terminated()
 
     def fill(self, bitmask, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.gate is None:  # else the row stays as allocated: every token allowed
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
 class StructuredOutputManager:
@@ -86,6 +94,7 @@ class StructuredOutputManager:
         self.config = config or StructuredOutputConfig()
         self._compiler: xgr.GrammarCompiler | None = None
         self._info: Any = None  # xgrammar's TokenizerInfo, made with the compiler
+        self._vocab: list[bytes] | None = None  # its decoded vocabulary (gates read it)
         self._worker: CompileWorker | None = None
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}  # digest -> the job of every request waiting for it
@@ -165,10 +174,19 @@ class StructuredOutputManager:
         self._compiled.clear()
 
     # -- grammars for the scheduler ------------------------------------------------------------
-    def new_state(self, compiled) -> GrammarState:
+    def new_state(self, compiled, starts_after: str | None = None) -> GrammarState:
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(compiled))
+        gate = None if starts_after is None else TextGate(starts_after, self._vocab_bytes())
+        return GrammarState(xgr.GrammarMatcher(compiled), gate)
+
+    def _vocab_bytes(self) -> list[bytes]:
+        """Each token's bytes (xgrammar's decoded vocabulary), read once: a compiled grammar
+        exists, so the compiler and its tokenizer info do too."""
+        if self._vocab is None:
+            self._get_compiler()
+            self._vocab = list(self._info.decoded_vocab)
+        return self._vocab
 
     def allocate_bitmask(self, num_rows: int) -> np.ndarray:
         import xgrammar as xgr

@@ -71,7 +71,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         choices=PARSERS,
         help="return a thinking model's <think>...</think> as reasoning_content apart from "
-        "content: qwen3, deepseek_r1 (its template opens <think>)",
+        "content: qwen3, deepseek_r1 (its template opens <think>); a structured-output "
+        "constraint then applies after </think>",
+    )
+    server.add_argument(
+        "--structured-outputs-in-reasoning",
+        action="store_true",
+        help="with --reasoning-parser, apply a structured-output constraint to the thoughts "
+        "as well (from the first token)",
     )
     server.add_argument(
         "--shutdown-timeout",

@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import Callable
 
+import msgspec
 from fastapi import Request
 
 from vserve.core.outputs import ERROR_BUSY, ERROR_DEAD, ERROR_INVALID
@@ -130,14 +131,19 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 async def prepare_constraint(
-    ctx: ServerContext, make: Callable[[], StructuredOutputsParams | None]
+    ctx: ServerContext,
+    make: Callable[[], StructuredOutputsParams | None],
+    starts_after: str | None = None,
 ) -> StructuredOutputsParams | None:
     """A request's structured-output constraint, made and checked once (its size against
-    --max-constraint-chars, then that it parses) on a worker thread: its text may be long."""
+    --max-constraint-chars, then that it parses) on a worker thread: its text may be long.
+    `starts_after`: the text it waits for (a thinking model's end of thoughts)."""
 
     def prepare() -> StructuredOutputsParams | None:
         try:
             constraint = make()
+            if constraint is not None and starts_after is not None:
+                constraint = msgspec.structs.replace(constraint, starts_after=starts_after)
             if constraint is not None:
                 ctx.engine.processor.check_constraint(constraint)
             return constraint

@@ -75,6 +75,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         AdmissionLimits.from_args(args),
         ToolSettings.from_args(args, engine.tokenizer),
         getattr(args, "reasoning_parser", None),
+        getattr(args, "structured_outputs_in_reasoning", False),
     )
     metrics = ServerMetrics(ctx.model_name, _engine_ranks(engine))
 

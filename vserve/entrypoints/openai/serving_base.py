@@ -59,6 +59,7 @@ class ServerContext:
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     tools: ToolSettings = field(default_factory=ToolSettings)
     reasoning_parser: str | None = None  # --reasoning-parser (reasoning.py)
+    structured_in_reasoning: bool = False  # --structured-outputs-in-reasoning
     draining: bool = False
     exit_code: int = 0
     active: dict[str, RequestState] = field(default_factory=dict)  # engine id -> state

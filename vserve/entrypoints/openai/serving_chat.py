@@ -35,7 +35,7 @@ from vserve.entrypoints.openai.protocol import (
     UsageInfo,
     usage_info,
 )
-from vserve.entrypoints.openai.reasoning import ReasoningStream, split
+from vserve.entrypoints.openai.reasoning import CLOSE, ReasoningStream, split
 from vserve.entrypoints.openai.request_prep import (
     base_request_id,
     check_context,
@@ -67,6 +67,8 @@ from vserve.entrypoints.openai.tool_calls import (
     plan_tools,
 )
 from vserve.outputs import CompletionOutput, Logprob
+
+_PROMPT_TAIL = 16  # prompt tokens read for a closed thought (thinking off writes one)
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
@@ -137,15 +139,15 @@ class ChatServer:
         ctx = self.ctx
         check_request(ctx, req, 1)
         tools = await asyncio.to_thread(plan_tools, req, ctx.tools)
-        constraint = await prepare_constraint(
-            ctx, lambda: tools.structured or req.structured_params()
-        )
         ids = await self.render(
             req.messages,
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
             tools,
+        )
+        constraint = await prepare_constraint(
+            ctx, lambda: tools.structured or req.structured_params(), await self._after(ids)
         )
         budget = check_context(ctx, len(ids), req.output_limit)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -169,6 +171,16 @@ class ChatServer:
         finally:
             release(ctx, states)
         return JSONResponse(body)
+
+    async def _after(self, ids: list[int]) -> str | None:
+        """What a structured-output constraint starts after: with a reasoning parser, the end
+        of the thoughts, unless the prompt already closed them (thinking off) or the
+        constraint covers the thoughts too (--structured-outputs-in-reasoning)."""
+        ctx = self.ctx
+        if ctx.reasoning_parser is None or ctx.structured_in_reasoning:
+            return None
+        tail = await ctx.off_loop(ctx.engine.tokenizer.decode, ids[-_PROMPT_TAIL:])
+        return None if tail.rstrip().endswith(CLOSE) else CLOSE
 
     def _echo_text(self, req: ChatCompletionRequest) -> str:
         last = req.messages[-1]
@@ -326,9 +338,11 @@ class ChatServer:
 
 def _reasoning_parser(parser: str | None, params) -> str | None:
     """The reasoning parser for a request: none for deepseek_r1 under a structured-output
-    constraint (tool_choice required or named, response_format, guided_*), which applies from
-    the first token, so the implicit thought never closes and all would be reasoning."""
-    if parser == "deepseek_r1" and params.structured_outputs is not None:
+    constraint (tool_choice required or named, response_format, guided_*) that applies from
+    the first token (the prompt closed the thought, or --structured-outputs-in-reasoning):
+    the implicit thought would never close and all would be reasoning."""
+    constraint = params.structured_outputs
+    if parser == "deepseek_r1" and constraint is not None and constraint.starts_after is None:
         return None
     return parser
 
