@@ -30,6 +30,7 @@ class ModelConfig:
     # how linear weights are stored: "gguf" (a GGUF's own blocks), "int8" (Q8_0 blocks made at
     # load), "none" (dense in `dtype`); `dtype` is then the activations'
     quantization: str = "none"
+    hidden_size: int = 0  # the size of an embedding (SamplingParams.pooling); 0: unknown
 
 
 @dataclass(frozen=True)

@@ -49,3 +49,20 @@ class RequestOutput:
     # per prompt token: None for the first, then {token id: Logprob} with the prompt token's
     # own entry and the top `prompt_logprobs` (None unless SamplingParams.prompt_logprobs)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # SamplingParams.pooling: the prompt's pooled last hidden state (not normalized)
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # normalized when the model's pooling says so
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -16,6 +16,7 @@ _FLOAT32_MAX = 3.4028234663852886e38  # the sampler divides logits in float32
 # a logit (up to ~1e4 in magnitude) divided or multiplied by the penalty stays finite in float32
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-4, 1e4
 _INT64 = 2**63  # integers must fit int64: msgpack and torch carry nothing wider
+POOLINGS = (None, "last", "mean")  # SamplingParams.pooling
 MAX_STARTS_AFTER_CHARS = 64  # a tag such as "</think>", matched against each output token
 _TYPE_NAMES = {"regex": "a string", "grammar": "a string", "choice": "a list of strings"}
 
@@ -128,6 +129,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # an embedding: the prompt's last-layer hidden states pooled ("last" token or "mean");
+    # the engine samples one token (dropped) and returns the pooled vector with it
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -237,6 +241,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 _is_int64(t) and t >= 0,
                 f"stop_token_ids must be non-negative 64-bit ints, got {_short(t)}.",
             )
+        _check(
+            self.pooling in POOLINGS,
+            f"pooling must be one of {', '.join(map(str, POOLINGS))}, got {_short(self.pooling)}.",
+        )
         if self.n > 1:
             _check(
                 not self.greedy,

@@ -39,6 +39,7 @@ from vserve.workers.kv_cache import (
     num_blocks_for,
     sliding_window_layers,
 )
+from vserve.workers.pooling import PoolSlice, compute_pooling, plan_pooling
 from vserve.workers.prompt_logprobs import (
     PromptSlice,
     compute_prompt_logprobs,
@@ -58,6 +59,8 @@ class StepInputs:
     layout: SampleLayout  # which requests sample, where their logits are
     prompt_lp: list[PromptSlice] = field(default_factory=list)  # last stage, when asked
     prompt_lp_out: dict | None = None  # their results (RunnerOutput.prompt_logprobs)
+    pool: list[PoolSlice] = field(default_factory=list)  # last stage: embeddings' rows
+    pooled_out: dict | None = None  # their sums (RunnerOutput.pooled)
     start_mark: torch.cuda.Event | None = None  # CUDA: the forward's start on the device
 
 
@@ -78,17 +81,24 @@ class AsyncStepOutput:
         pending=None,
         prompt_logprobs: dict | None = None,
         marks: tuple = (None, None),
+        pooled: dict | None = None,
     ) -> None:
         self.step_id, self.layout, self.host = step_id, layout, host
         self.spec_ids, self.logprobs, self.timing = spec_ids or {}, logprobs or {}, timing
         self.pending = pending
         self.prompt_logprobs = prompt_logprobs or {}
+        self.pooled = pooled or {}
         # CUDA: the forward's start and the sampling's end on the device, read in get() once the
         # ids have come (a step without plain ids does not wait: its span may read 0)
         self.marks = marks
 
     def get(self) -> RunnerOutput:
-        out = RunnerOutput(self.step_id, timing=self.timing, prompt_logprobs=self.prompt_logprobs)
+        out = RunnerOutput(
+            self.step_id,
+            timing=self.timing,
+            prompt_logprobs=self.prompt_logprobs,
+            pooled=self.pooled,
+        )
         if self.layout is not None and self.layout.req_ids:
             ids = self.host.wait()[0].tolist() if self.host is not None else []
             out.req_ids = list(self.layout.req_ids)
@@ -157,6 +167,7 @@ class ModelRunner:
         self.feedback_stats = self.input_prep.stats
         self.graphs: DecodeGraphs | None = None
         self.prompt_lp_req_ids: set[str] = set()  # rows that asked for prompt logprobs
+        self.pool_req_ids: set[str] = set()  # rows that asked for an embedding
 
     # -- set up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -292,6 +303,8 @@ class ModelRunner:
             inputs.prompt_lp_out = compute_prompt_logprobs(
                 self.model, hidden, inputs.prompt_lp, self.step_sampler.vocab_size
             )
+        if inputs.pool:
+            inputs.pooled_out = compute_pooling(hidden, inputs.pool)
         if defer_sampling:
             self._deferred = (so, inputs, logits, timing)
             return None
@@ -370,6 +383,7 @@ class ModelRunner:
             pending,
             inputs.prompt_lp_out,
             (inputs.start_mark, end_mark),
+            inputs.pooled_out,
         )
 
     # -- batch state -----------------------------------------------------------------------------
@@ -379,11 +393,14 @@ class ModelRunner:
         for req_id in gone:
             batch.remove(req_id)
             self.prompt_lp_req_ids.discard(req_id)
+            self.pool_req_ids.discard(req_id)
         for new in so.scheduled_new_reqs:
             batch.remove(new.req_id)
             batch.add(new)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_lp_req_ids.add(new.req_id)
+            if new.sampling_params.pooling is not None:
+                self.pool_req_ids.add(new.req_id)
         cached = so.scheduled_cached_reqs
         rows = np.array([batch.row_of[r] for r in cached.req_ids], dtype=np.int64)
         stale = np.flatnonzero(batch.epochs[rows] != [so.req_epochs[r] for r in cached.req_ids])
@@ -432,8 +449,26 @@ class ModelRunner:
             if self.prompt_lp_req_ids and self.stage.is_last
             else []
         )
+        pool = (
+            plan_pooling(
+                batch,
+                self.pool_req_ids,
+                req_ids,
+                rows,
+                host.query_start_loc,
+                host.num_computed,
+                host.seq_lens,
+            )
+            if self.pool_req_ids and self.stage.is_last
+            else []
+        )
         return StepInputs(
-            dev.input_ids if self.stage.is_first else None, meta, logits_idx, layout, prompt_lp
+            dev.input_ids if self.stage.is_first else None,
+            meta,
+            logits_idx,
+            layout,
+            prompt_lp,
+            pool=pool,
         )
 
     def _query_spans(self, so, rows: np.ndarray) -> dict[str, tuple[int, int, int]]:

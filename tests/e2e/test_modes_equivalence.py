@@ -1,6 +1,8 @@
 """Sync, async, pipeline parallel, in-process and multiprocess engines produce the same tokens
 (greedy and seeded sampling) on one workload with staggered arrivals, chunked prefill, prefix
-hits, preemption by a small KV cache, aborts and stop strings (scenarios 29, 31, 32, 36, 39).
+hits, preemption by a small KV cache, aborts and stop strings (scenarios 29, 31, 32, 36, 39),
+and embeddings (mean and last-token pooling) batched with the generation, whose vectors
+agree within fp32 rounding (a batch's shape may change a matmul's order of sums).
 The stop string is a piece of g3's greedy text, so it fires: "stop" repeats g3's prompt and
 arrives once g3's streamed text holds that piece.
 PP=3 runs the cost-balanced split of the 4-layer model (2, 1, 1) and, sync, a split whose
@@ -76,9 +78,26 @@ def _workload():
             1,
         )
     )
+    for i, p in enumerate([prompts[-1], PREFIX_PROMPTS[1], PROMPTS[0]]):
+        for pooling in ("mean", "last"):
+            embed = SamplingParams(temperature=0, max_tokens=1, pooling=pooling)
+            items.append((f"e-{pooling}{i}", p, embed, i % 2))
     items.append(("abort-a", PROMPTS[0], greedy.clone(max_tokens=100), 0))
     items.append(("abort-b", PROMPTS[2], greedy.clone(max_tokens=100), 1))
     return items
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Vector:
+    """An embedding, equal to another within fp32 rounding."""
+
+    values: tuple[float, ...]
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, _Vector) or len(other.values) != len(self.values):
+            return False
+        scale = max(1.0, max(abs(v) for v in other.values))
+        return max(abs(a - b) for a, b in zip(self.values, other.values)) <= 1e-5 * scale
 
 
 def _stop_string(text: str) -> str | None:
@@ -125,6 +144,8 @@ def _run(engine: LLMEngine):
                 results[out.request_id] = [
                     (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs
                 ]
+                if out.embedding is not None:
+                    results[out.request_id].append(_Vector(tuple(out.embedding)))
         steps += 1
     return results, _settled_stats(engine)
 
@@ -197,6 +218,10 @@ def test_reference_exercises_the_workload(reference):
     assert reason == "stop" and stop == _stop_string(text)  # it fired, where g3 has it
     assert text.startswith(stop_text + stop) and stop_ids == ids[: len(stop_ids)]
     assert len(reference["n2"]) == 2 and reference["n2"][0][0] != reference["n2"][1][0]
+    for pooling in ("mean", "last"):
+        vectors = [reference[f"e-{pooling}{i}"][1] for i in range(3)]
+        assert all(isinstance(v, _Vector) and len(v.values) == 64 for v in vectors)
+        assert vectors[0] != vectors[1]
     assert len(reference) == len(_workload()) - 2 + 1  # less the aborted, plus "stop"
 
 

@@ -47,6 +47,18 @@ BODIES = {
         },
         {"prompt"},
     ),
+    "/v1/embeddings": (
+        "EmbeddingRequest",
+        {
+            "model": {"string"},
+            "input": {"string", "array"},
+            "encoding_format": {"string"},
+            "dimensions": {"integer"},
+            "user": {"string"},
+            "add_special_tokens": {"boolean"},
+        },
+        {"input"},
+    ),
     "/v1/chat/completions": (
         "ChatCompletionRequest",
         {

@@ -14,6 +14,8 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from vserve.core.kv_cache_manager import KVCacheManager
 from vserve.core.request import Request
 from vserve.core.sched_output import RunnerOutput, SchedulerOutput
@@ -23,6 +25,11 @@ from vserve.sampling_params import SamplingParams
 
 VOCAB = 1000
 EOS = 999
+
+
+def fake_hidden(tokens: list[int], position: int) -> list[float]:
+    """The fake model's hidden state at a position: its token, the position, a constant."""
+    return [float(tokens[position]), float(position), 1.0]
 
 
 def fake_token(
@@ -47,6 +54,8 @@ class _FakeReq:
     num_prompt: int
     eos_after: int | None
     period: int | None = None
+    pooling: str | None = None
+    computed: int = 0  # positions computed before the step being run
 
 
 class FakeRunner:
@@ -80,11 +89,19 @@ class FakeRunner:
                 new.num_prompt_tokens,
                 self.eos_after.get(new.req_id),
                 self.periods.get(new.req_id, self.period),
+                new.sampling_params.pooling,
+                new.num_computed_tokens,
             )
+        cached = so.scheduled_cached_reqs
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            self.reqs[req_id].computed = num_computed
         ro = RunnerOutput(so.step_id)
-        for req_id in so.num_scheduled_tokens:
+        for req_id, num in so.num_scheduled_tokens.items():
             req = self.reqs[req_id]
             assert req.epoch == so.req_epochs[req_id], "worker and scheduler disagree on epoch"
+            if req.pooling is not None:
+                self._pool(ro, req_id, req, req.computed, req.computed + num)
+            req.computed += num
             if self.check_grammar and req_id in so.grammar_req_ids:
                 self._check_mask(so, req_id, len(req.tokens) - req.num_prompt)
             if req_id in so.sampling_req_ids:
@@ -93,6 +110,17 @@ class FakeRunner:
                 ro.req_ids.append(req_id)
                 ro.sampled_token_ids.append(out)
         return ro
+
+    @staticmethod
+    def _pool(ro: RunnerOutput, req_id: str, req: _FakeReq, start: int, end: int) -> None:
+        """As workers/pooling.py does, with `fake_hidden` for the hidden states."""
+        end = min(end, req.num_prompt)
+        if req.pooling == "last":
+            start = max(start, req.num_prompt - 1)
+        if end > start:
+            rows = [fake_hidden(req.tokens, p) for p in range(start, end)]
+            total = np.sum(rows, axis=0, dtype=np.float32)
+            ro.pooled[req_id] = (end - start, total.astype("<f4").tobytes())
 
     def _check_mask(self, so: SchedulerOutput, req_id: str, num_outputs: int) -> None:
         marks = so.grammar_bitmask
@@ -158,6 +186,8 @@ class Driver:
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.stop_reasons: dict[str, object] = {}
+        self.embeddings: dict[str, bytes | None] = {}
+        self.errors: dict[str, str | None] = {}
         self.emitted_after_finish: list[str] = []
         self.num_steps = 0
         self._settled: dict[str, tuple[int, int]] = {}
@@ -184,6 +214,8 @@ class Driver:
                 self.emitted_after_finish.append(out.request_id)
             self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason:
+                self.embeddings[out.request_id] = out.embedding
+                self.errors[out.request_id] = out.error
                 self.finish[out.request_id] = out.finish_reason
                 self.stop_reasons[out.request_id] = out.stop_reason
         self._check(None)

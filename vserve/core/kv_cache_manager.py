@@ -83,8 +83,9 @@ class KVCacheManager:
     # -- prefix lookup ---------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
         """Longest cached prefix of full blocks; at least one token is left to compute."""
-        if not self.uses_cache(request) or request.sampling_params.prompt_logprobs is not None:
-            return PrefixHit(), 0  # (prompt logprobs need every prompt position computed)
+        sp = request.sampling_params
+        if not self.uses_cache(request) or sp.prompt_logprobs is not None or sp.pooling == "mean":
+            return PrefixHit(), 0  # (these need every prompt position computed)
         max_hit_tokens = request.num_tokens - 1
         hashes = self._hashes_upto(request, max_hit_tokens)
         hits: list[KVCacheBlock] = []

@@ -45,6 +45,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     prompt_logprobs: LogprobsDelta | None = None
     incarnation: int = 0  # the request's (EngineCoreRequest.incarnation)
     error_kind: str | None = None  # ERROR_INVALID, _BUSY, _DEAD; None: the engine's failure
+    embedding: bytes | None = None  # SamplingParams.pooling: the vector, fp32 little-endian
 
     @property
     def finished(self) -> bool:

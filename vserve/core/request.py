@@ -21,10 +21,14 @@ import enum
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vserve.core.outputs import LogprobsDelta
 from vserve.core.structured import GrammarMatcher
 from vserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class RequestStatus(enum.IntEnum):
@@ -79,6 +83,9 @@ class Request:
     # not yet sent wait in `prompt_logprobs` for the request's first output
     num_prompt_logprobs: int = field(init=False, default=1)
     prompt_logprobs: LogprobsDelta | None = field(init=False, default=None)
+    # an embedding (sampling_params.pooling): the prefill chunks' pooled rows, summed
+    pool_sum: np.ndarray | None = field(init=False, default=None)
+    pool_count: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

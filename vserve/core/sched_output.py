@@ -92,3 +92,5 @@ class RunnerOutput:
     timing: StepTiming | None = None
     # req id -> (index of the first prompt token covered, its entries and the next ones')
     prompt_logprobs: dict[str, tuple[int, LogprobsDelta]] = field(default_factory=dict)
+    # req id -> (prompt rows pooled this step, their fp32 sum as little-endian bytes)
+    pooled: dict[str, tuple[int, bytes]] = field(default_factory=dict)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from vserve.core.kv_cache_manager import BlockIds, KVCacheManager
 from vserve.core.outputs import EngineCoreOutput, LogprobsDelta, RequestError, SchedulerStats
+from vserve.core.pooling import add_pooled, pooled_vector, reset_pooled
 from vserve.core.request import Request, RequestStatus
 from vserve.core.sched_output import (
     CachedRequestData,
@@ -380,6 +381,7 @@ class Scheduler:
         req.inflight_step_ids.clear()
         req.epoch = -1
         req.num_preemptions += 1
+        reset_pooled(req)
         self.num_preemptions += 1
         self.preempted_req_ids.add(req.request_id)
         self.waiting.appendleft(req)
@@ -405,6 +407,8 @@ class Scheduler:
             assert req.inflight_step_ids.popleft() == so.step_id, "steps committed out of order"
             if req_id in ro.prompt_logprobs:
                 _add_prompt_logprobs(req, *ro.prompt_logprobs[req_id])
+            if req_id in ro.pooled:
+                add_pooled(req, *ro.pooled[req_id])
             if req_id not in so.sampling_req_ids:
                 continue  # a partial prefill chunk yields nothing
             i = index[req_id]
@@ -447,6 +451,10 @@ class Scheduler:
             incarnation=req.incarnation,
         )
         req.prompt_logprobs = None
+        if status is not None and req.sampling_params.pooling is not None:
+            out.embedding, error = pooled_vector(req)
+            if error is not None and status != RequestStatus.FINISHED_ERROR:
+                req.error, status = f"embedding: {error}", RequestStatus.FINISHED_ERROR
         if status is not None:
             self.running.remove(req)
             self._free(req, status)

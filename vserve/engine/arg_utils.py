@@ -265,6 +265,7 @@ class EngineArgs:
             served_model_name=names[0],
             max_logprobs=self.max_logprobs,
             quantization=quantization,
+            hidden_size=int(getattr(hf_config, "hidden_size", 0) or 0),
         )
 
     def _quantization(self, model_path: str) -> str:

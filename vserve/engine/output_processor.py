@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from vserve.engine.detokenizer import IncrementalDetokenizer
 from vserve.engine.messages import EngineCoreOutput, LogprobsDelta
 from vserve.outputs import CompletionOutput, Logprob, OutputKind, RequestOutput
@@ -51,6 +53,7 @@ class RequestState:
     queue: OutputCollector | None = None  # AsyncLLM: one per request
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, token 1, ...]
     sent_prompt_logprobs: bool = False
+    embedding: list[float] | None = None  # SamplingParams.pooling: the pooled vector
     engine_index: int = 0  # the data-parallel rank of the engine that runs it
 
     @property
@@ -179,6 +182,8 @@ class OutputProcessor:
             state.prompt_logprobs += self._logprob_dicts(out.prompt_logprobs)
         if child.logprobs is not None and out.new_logprobs is not None:
             self._add_logprobs(child, out.new_logprobs)
+        if out.embedding is not None:
+            state.embedding = np.frombuffer(out.embedding, dtype="<f4").tolist()
         stop_terminated = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
         matched = child.detok.update(out.new_token_ids, stop_terminated)
         if out.error:
@@ -249,6 +254,7 @@ class OutputProcessor:
         ):
             ro.prompt_logprobs = state.prompt_logprobs  # (once, when streaming)
             state.sent_prompt_logprobs = state.kind == OutputKind.DELTA
+        ro.embedding = state.embedding
         return ro
 
     def _completion(self, state: RequestState, child: ChildState) -> CompletionOutput:

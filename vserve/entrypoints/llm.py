@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from vserve.engine.arg_utils import EngineArgs
 from vserve.engine.llm_engine import LLMEngine
-from vserve.outputs import RequestOutput
+from vserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from vserve.sampling_params import SamplingParams
 
 
@@ -69,6 +69,33 @@ class LLM:
                 )
             )
         return self._run(processed, use_tqdm, data_parallel_rank)
+
+    def embed(
+        self,
+        prompts,
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: its last-layer hidden states pooled ("last" token or
+        "mean") and L2-normalized, as the model folder says (`entrypoints/embedding.py`)
+        unless `pooling` / `normalize` are given. Prompts as in `generate`."""
+        from vserve.entrypoints.embedding import embedding_params, finish, pooling_config
+
+        config = pooling_config(self.config.model.model)
+        params = embedding_params(config)
+        if pooling is not None:
+            params = params.clone(pooling=pooling)
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        norm = config.normalize if normalize is None else normalize
+        results = []
+        for out in outs:
+            if out.embedding is None:
+                raise RuntimeError(f"embedding failed: {out.outputs[0].stop_reason}")
+            vector = EmbeddingOutput(finish(out.embedding, norm))
+            results.append(EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, vector))
+        return results
 
     def _check_rank(self, rank: int | None) -> None:
         dp = self.config.data_parallel

@@ -19,12 +19,14 @@ from vserve.entrypoints.openai.protocol import MAX_N, MAX_TOP_LOGPROBS, ErrorRes
 
 _REF = "#/components/schemas/{model}"
 
-# fields of the request bodies that the OpenAI API reference has (completions, chat and
-# responses)
+# fields of the request bodies that the OpenAI API reference has (completions, chat,
+# responses and embeddings)
 OPENAI_FIELDS = frozenset(
     {
         "model",
         "input",
+        "encoding_format",
+        "dimensions",
         "instructions",
         "max_output_tokens",
         "previous_response_id",

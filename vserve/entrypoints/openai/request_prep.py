@@ -162,6 +162,13 @@ def check_params(ctx: ServerContext, params: SamplingParams, prompt_len: int) ->
         raise APIError(400, str(e)) from e
 
 
+def prompt_list(prompt: str | list) -> list:
+    """A batch is a list of strings or of token-id lists; a string or one id list is one."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return list(prompt)
+    return [prompt]
+
+
 def check_prompt_sizes(ctx: ServerContext, prompts: list[str | list[int]]) -> None:
     """What the prompts' sizes alone decide, before any is tokenized: no empty prompt, each
     text within --max-prompt-chars, all texts within --max-request-chars, all token ids

@@ -26,6 +26,7 @@ import vserve
 from vserve.engine.async_llm import AsyncLLM
 from vserve.engine.mp_client import EngineDeadError
 from vserve.entrypoints.chat import load_chat_template
+from vserve.entrypoints.openai.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from vserve.entrypoints.openai.errors import (
     APIError,
     Req,
@@ -56,6 +57,7 @@ from vserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from vserve.entrypoints.openai.serving_base import ServerContext
 from vserve.entrypoints.openai.serving_chat import ChatServer
 from vserve.entrypoints.openai.serving_completion import CompletionServer
+from vserve.entrypoints.openai.serving_embedding import EmbeddingServer
 from vserve.entrypoints.openai.serving_responses import ResponsesServer
 from vserve.entrypoints.openai.tool_calls import ToolSettings, template_tools
 from vserve.envs import ENV
@@ -115,6 +117,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
             CompletionRequest,
             ChatCompletionRequest,
             ResponsesRequest,
+            EmbeddingRequest,
             TokenizeRequest,
             DetokenizeRequest,
         ],
@@ -123,6 +126,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
             CompletionChunk,
             ChatCompletionResponse,
             ChatCompletionChunk,
+            EmbeddingResponse,
             TokenizeResponse,
             DetokenizeResponse,
         ],
@@ -189,6 +193,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics)
     completions = CompletionServer(ctx)
     chat = ChatServer(ctx)
     responses = ResponsesServer(chat)
+    embeddings = EmbeddingServer(ctx)
 
     async def parse(raw: Request, model: type[Req]) -> Req:
         return await parse_body(raw, model, metrics.ignored_fields.inc)
@@ -206,6 +211,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics)
     )
     async def create_chat_completion(raw: Request):
         return await chat.create(await parse(raw, ChatCompletionRequest), raw)
+
+    @app.post("/v1/embeddings", openapi_extra=body_doc(EmbeddingRequest, EmbeddingResponse))
+    async def create_embedding(raw: Request):
+        return await embeddings.create(await parse(raw, EmbeddingRequest), raw)
 
     @app.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
     async def create_response(raw: Request):

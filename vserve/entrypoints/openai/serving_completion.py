@@ -38,6 +38,7 @@ from vserve.entrypoints.openai.request_prep import (
     data_parallel_rank,
     make_sampling_params,
     prepare_constraint,
+    prompt_list,
     raise_if_error,
     tokenize_all,
 )
@@ -89,7 +90,7 @@ class CompletionServer:
 
     async def create(self, req: CompletionRequest, raw: Request):
         ctx = self.ctx
-        given = _prompt_list(req.prompt)
+        given = prompt_list(req.prompt)
         check_request(ctx, req, len(given))
         check_prompt_sizes(ctx, given)
         prompt_lp, echo_only = req.engine_prompt_logprobs, _echo_without_generation(req)
@@ -383,13 +384,6 @@ def _logprob_entries(req: CompletionRequest, prompts: list[Prompt], budgets: lis
         if req.logprobs is not None and not req.stream and not _echo_without_generation(req):
             total += budget * (req.logprobs + 1)
     return total * req.n
-
-
-def _prompt_list(prompt: str | list) -> list:
-    """A batch is a list of strings or of token-id lists; a string or one id list is one."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return list(prompt)
-    return [prompt]
 
 
 def _usage(num_prompt: int, choices: list[_Choice], cached: int) -> UsageInfo:
