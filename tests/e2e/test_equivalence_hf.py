@@ -1,13 +1,14 @@
 """Greedy token ids equal transformers' `generate` (fp32 tiny random models) under plain
 batching, chunked prefill, prefix-cache hits and preemption by a tiny KV cache. The later
-families (Granite, OLMo 2, SmolLM3, Phi-3, Gemma 2) differ from the first five in their layers
-only, not in how steps are scheduled: they run plain and chunked."""
+families (Granite, OLMo 2, SmolLM3, Phi-3, Gemma 2) and the mixtures of experts (Qwen3-MoE,
+Qwen2-MoE, Mixtral, OLMoE) differ from the first five in their layers only, not in how steps
+are scheduled: they run plain and chunked."""
 
 import pytest
 
 from tests.support.engines import make_llm
 from tests.support.hf_reference import PREFIX_PROMPTS, PROMPTS, hf_greedy
-from tests.support.tiny_models import FAMILY_KINDS
+from tests.support.tiny_models import FAMILY_KINDS, MOE_KINDS
 from vserve import SamplingParams
 
 MAX_TOKENS = 24
@@ -30,7 +31,7 @@ def _generate(model_dir, prompts, **engine_kwargs):
 
 
 CASES = [(k, s) for k in KINDS for s in SCENARIOS] + [
-    (k, s) for k in FAMILY_KINDS for s in ("plain", "chunked")
+    (k, s) for k in FAMILY_KINDS + MOE_KINDS for s in ("plain", "chunked")
 ]
 
 

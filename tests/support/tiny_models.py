@@ -50,7 +50,28 @@ def build_tokenizer(folder: Path):
 
 
 FAMILY_KINDS = ["granite", "olmo2", "smollm3", "phi3", "gemma2"]  # beyond the first five
-MODEL_KINDS = ["llama", "qwen2", "qwen3", "gemma3", "mistral", *FAMILY_KINDS]
+MOE_KINDS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]  # mixtures of experts
+MODEL_KINDS = ["llama", "qwen2", "qwen3", "gemma3", "mistral", *FAMILY_KINDS, *MOE_KINDS]
+# 8 experts, 2 a token; Qwen3-MoE renormalizes the top 2 and keeps layer 1 dense, Qwen2-MoE
+# adds its gated shared expert, OLMoE keeps the raw top-2 probabilities
+MOE_KNOBS = {
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        head_dim=32,
+    ),
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
+}
 # each family's own knobs away from their neutral values: Granite's multipliers, SmolLM3's
 # layers without rotary (every third), Gemma 2's soft-capping (small caps, so that they bite),
 # Phi-3's partial rotary and LongRoPE (the tests' contexts stay within its original 512
@@ -92,10 +113,14 @@ def _config(kind: str, **overrides):
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Olmo2Config,
+        OlmoeConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
         SmolLM3Config,
     )
 
@@ -150,6 +175,14 @@ def _config(kind: str, **overrides):
             gemma2=Gemma2Config,
         )
         cfg = families[kind](**{**common, **FAMILY_KNOBS.get(kind, {})})
+    elif kind in MOE_KINDS:
+        families = dict(
+            qwen3_moe=Qwen3MoeConfig,
+            qwen2_moe=Qwen2MoeConfig,
+            mixtral=MixtralConfig,
+            olmoe=OlmoeConfig,
+        )
+        cfg = families[kind](**{**common, **MOE_KNOBS[kind]})
     else:
         raise ValueError(kind)
     for k, v in overrides.items():

@@ -74,7 +74,8 @@ def family_of(hf_config) -> Family:
     no_rope = getattr(hf_config, "no_rope_layers", None) if model_type == "smollm3" else None
     return Family(
         qk_norm=model_type.startswith("qwen3"),
-        qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        qkv_bias=(model_type in ("qwen2", "qwen2_moe") and getattr(hf_config, "qkv_bias", True))
+        or bool(getattr(hf_config, "attention_bias", False)),
         embedding_multiplier=hf_config.embedding_multiplier if granite else 1.0,
         residual_multiplier=hf_config.residual_multiplier if granite else 1.0,
         attention_scale=hf_config.attention_multiplier if granite else None,

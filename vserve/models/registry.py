@@ -13,6 +13,11 @@ _MODELS = {
     "SmolLM3ForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
     "Phi3ForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
     "Olmo2ForCausalLM": ("vserve.models.olmo2", "Olmo2ForCausalLM"),
+    # mixture of experts (dense weights)
+    "Qwen3MoeForCausalLM": ("vserve.models.moe", "MoEForCausalLM"),
+    "Qwen2MoeForCausalLM": ("vserve.models.moe", "MoEForCausalLM"),
+    "MixtralForCausalLM": ("vserve.models.moe", "MoEForCausalLM"),
+    "OlmoeForCausalLM": ("vserve.models.moe", "MoEForCausalLM"),
     "Gemma2ForCausalLM": ("vserve.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForCausalLM": ("vserve.models.gemma3", "Gemma3ForCausalLM"),
     # the Gemma 3 4B-27B checkpoints: their text model (images are not read)

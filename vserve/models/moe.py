@@ -1,0 +1,258 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE.
+
+A sparse layer's MLP is a router and E experts; each token runs its top k experts and sums
+their outputs weighted by the router's probabilities:
+
+| family      | attention                        | top-k weights           | shared expert       |
+|-------------|----------------------------------|-------------------------|---------------------|
+| `qwen3_moe` | Qwen3's (q/k norms per head)     | renormalized if         | none                |
+|             |                                  | `norm_topk_prob`        |                     |
+| `qwen2_moe` | Qwen2's (q/k/v bias)             | the same                | one, sigmoid-gated  |
+| `mixtral`   | Mistral's                        | renormalized            | none                |
+| `olmoe`     | OLMo 2's (q/k norms, all heads)  | renormalized if         | none                |
+|             |                                  | `norm_topk_prob`        |                     |
+
+The router's softmax and top k run in float32 (as transformers does), the weights then cast
+to the model's dtype. Experts hold their weights stacked (`w13`: gate and up rows of every
+expert, `w2`: down), and a step groups its tokens by expert: each expert the step routes to
+runs one matmul pair over its tokens, so a decode step reads only the routed experts'
+weights (k of E at batch 1). Tensor parallel splits every expert's intermediate rows as it
+splits a dense MLP; the experts' sum is all-reduced. Qwen-MoE layers outside the sparse step
+(`decoder_sparse_step`, `mlp_only_layers`) keep a dense MLP. Dense weights only: a GGUF file
+of these architectures is refused (`registry`), and the fused CPU decode layers never run
+them (`supports_fused_decode`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vserve.attention.base import AttentionLayerSpec
+from vserve.distributed.tp_comm import TPShard
+from vserve.models.decoder import DecoderForCausalLM, SelfAttention
+from vserve.models.layers import RMSNorm, gated_mlp
+from vserve.models.olmo2 import Olmo2Attention
+from vserve.models.parallel_layers import gate_up_linear, row_linear
+from vserve.models.stage import check_shape
+
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+# checkpoint names of one expert's projections -> (part, stacked row block): gate and up
+# fill w13's halves, down fills w2 (Mixtral's w1, w3, w2 are the same three)
+_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate: int  # each expert's
+    renormalize: bool  # the top k weights divided by their sum
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (0: none)
+
+
+def moe_spec(hf_config) -> MoESpec:
+    model_type = hf_config.model_type
+    # the config's own name, or the one transformers maps it to (`attribute_map`)
+    num_experts = getattr(hf_config, "num_experts", None) or hf_config.num_local_experts
+    if model_type == "mixtral":
+        return MoESpec(
+            num_experts,
+            hf_config.num_experts_per_tok,
+            hf_config.intermediate_size,
+            True,
+        )
+    inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    return MoESpec(
+        num_experts,
+        hf_config.num_experts_per_tok,
+        inter,
+        bool(getattr(hf_config, "norm_topk_prob", False)),
+        hf_config.shared_expert_intermediate_size if model_type == "qwen2_moe" else 0,
+    )
+
+
+def is_sparse(hf_config, layer_idx: int) -> bool:
+    """Whether a layer's MLP is the experts (Qwen-MoE's step and dense-only layers)."""
+    if hf_config.model_type in ("mixtral", "olmoe"):
+        return True
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    only_dense = getattr(hf_config, "mlp_only_layers", None) or []
+    return layer_idx not in only_dense and (layer_idx + 1) % step == 0
+
+
+def check_moe_tp(hf_config, tp_size: int) -> None:
+    inter = moe_spec(hf_config).intermediate
+    if inter % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} must divide the experts' intermediate size {inter}"
+        )
+
+
+class Experts(nn.Module):
+    """Every expert's gate/up rows (`w13` [E, 2 I, H]) and down (`w2` [E, H, I]), this rank's
+    share of I. Loaded one checkpoint tensor at a time (`load_weight`); a weight counts as
+    loaded once every expert's parts arrived."""
+
+    def __init__(self, spec: MoESpec, hidden: int, tp: TPShard) -> None:
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.local = spec.intermediate // tp.size
+        e, i = spec.num_experts, self.local
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, i))
+        self._filled: set[tuple[int, int]] = set()
+
+    def load_weight(self, leaf: str, tensor: torch.Tensor) -> str:
+        expert, part = (int(x) for x in leaf.split("_"))
+        i, first = self.local, self.tp.rank * self.local
+        full = self.spec.intermediate
+        with torch.no_grad():
+            if part < 2:  # gate or up: rows of this rank's share
+                check_shape(f"expert {expert}", tuple(tensor.shape), (full, self.w13.shape[2]))
+                self.w13[expert, part * i : (part + 1) * i].copy_(tensor.narrow(0, first, i))
+            else:  # down: its columns
+                check_shape(f"expert {expert}", tuple(tensor.shape), (self.w2.shape[1], full))
+                self.w2[expert].copy_(tensor.narrow(1, first, i))
+        self._filled.add((expert, part))
+        name = "w13" if part < 2 else "w2"
+        parts = (0, 1) if part < 2 else (2,)
+        done = all((e, p) in self._filled for e in range(self.spec.num_experts) for p in parts)
+        return name if done else f"{name}#partial"
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act: str):
+        """x [T, H]; weights, ids [T, k]: the experts' weighted sum [T, H] (this rank's
+        partial sum under tensor parallel)."""
+        out = torch.zeros_like(x)
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
+        tokens, slot_weights = order // k, weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start : start + count]
+            y = _expert(x[rows], self.w13[expert], self.w2[expert], act)
+            out.index_add_(0, rows, y * slot_weights[start : start + count, None])
+            start += count
+        return out
+
+
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: str) -> torch.Tensor:
+    """One expert's gated MLP on its tokens x [n, H]."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(_act(gate, act) * up, w2)
+
+
+def _act(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act in ("silu", "swish"):
+        return F.silu(x)
+    raise ValueError(f"unsupported expert activation {act!r}")
+
+
+class Router(nn.Module):
+    """x @ W^T in the model's dtype, kept out of the packed and quantized linears (their
+    rounding would move tokens between experts), as vLLM keeps its routers."""
+
+    def __init__(self, hidden: int, outputs: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(outputs, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hf_config, tp: TPShard) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.spec = spec = moe_spec(hf_config)
+        self.tp = tp
+        self.act = getattr(hf_config, "hidden_act", "silu")
+        self.gate = Router(hidden, spec.num_experts)  # replicated on every rank
+        self.experts = Experts(spec, hidden, tp)
+        if spec.shared_intermediate:
+            self.shared_expert = nn.Module()
+            self.shared_expert.gate_up_proj = gate_up_linear(
+                hidden, spec.shared_intermediate, False, tp
+            )
+            self.shared_expert.down_proj = row_linear(spec.shared_intermediate, hidden, False, tp)
+            self.shared_expert_gate = Router(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        out = self.experts(x, top.to(x.dtype), ids, self.act)
+        if self.tp.size > 1:
+            out = self.tp.comm.all_reduce(out)
+        if self.spec.shared_intermediate:
+            shared = self.shared_expert
+            mlp = gated_mlp(x, shared.gate_up_proj, shared.down_proj, self.act)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * mlp
+        return out
+
+
+class MoEDecoderLayer(nn.Module):
+    def __init__(self, model: MoEForCausalLM, spec: AttentionLayerSpec, layer_idx: int, tp):
+        super().__init__()
+        cfg = model.hf_config
+        eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps)
+        if cfg.model_type == "olmoe":
+            self.self_attn: nn.Module = Olmo2Attention(cfg, spec, layer_idx, tp)
+        else:
+            self.self_attn = SelfAttention(cfg, spec, layer_idx, model.family, tp)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.act = getattr(cfg, "hidden_act", "silu")
+        self.sparse = is_sparse(cfg, layer_idx)
+        if self.sparse:
+            self.mlp: nn.Module = SparseMoE(cfg, tp)
+        else:
+            self.mlp = nn.Module()
+            self.mlp.gate_up_proj = gate_up_linear(hidden, cfg.intermediate_size, False, tp)
+            self.mlp.down_proj = row_linear(cfg.intermediate_size, hidden, False, tp)
+        self.kernel = None
+
+    def forward(self, h, rope, kv_caches, meta, backend):
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_caches, meta, backend)
+        x = self.post_attention_layernorm(h)
+        if self.sparse:
+            return h + self.mlp(x)
+        return h + gated_mlp(x, self.mlp.gate_up_proj, self.mlp.down_proj, self.act, self.kernel)
+
+
+class MoEForCausalLM(DecoderForCausalLM):
+    def __init__(self, hf_config, stage, max_positions: int, tp: TPShard = TPShard()) -> None:
+        if getattr(hf_config, "clip_qkv", None) is not None:
+            raise ValueError("OLMoE's clip_qkv is not supported")
+        if tp.size > 1:
+            check_moe_tp(hf_config, tp.size)
+        super().__init__(hf_config, stage, max_positions, tp)
+        self.rope_in_fp32 = hf_config.model_type == "olmoe"  # OLMo 2's attention rotates so
+
+    @property
+    def supports_fused_decode(self) -> bool:
+        return False  # the fused CPU decode layers are dense MLPs
+
+    def make_layer(self, hf_config, spec: AttentionLayerSpec, layer_idx: int, tp: TPShard):
+        return MoEDecoderLayer(self, spec, layer_idx, tp)
+
+    def _rename(self, name: str) -> str | None:
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's
+        found = _EXPERT.search(name)
+        if found is not None:  # one expert's projection: Experts.load_weight's leaf
+            expert, proj = found.groups()
+            if proj not in _PARTS:
+                return None
+            name = f"{name[: found.start()]}.mlp.experts.{expert}_{_PARTS[proj]}"
+        return super()._rename(name)
