@@ -28,6 +28,34 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() not in ("", "0", "false")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The forced-ISA build tests run last: their builds run beside the rest of the suite
+    (tests/support/isa_builds.py)."""
+    from tests.support.isa_builds import TEST
+
+    builds = [item for item in items if item.nodeid.startswith(TEST)]
+    if builds:
+        items[:] = [item for item in items if not item.nodeid.startswith(TEST)] + builds
+
+
+def pytest_collection_finish(session):
+    """The selected forced-ISA builds start now, at the lowest CPU priority."""
+    from tests.support import isa_builds
+
+    if session.config.option.collectonly:
+        return
+    for choice in isa_builds.choices_of(session.items):
+        from tests.cpu_ops.test_isa import CHILD_CODE
+
+        isa_builds.start(choice, CHILD_CODE)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.support import isa_builds
+
+    isa_builds.stop()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """In CI (CI=true) a skip because the kernels could not be built fails the test: there a

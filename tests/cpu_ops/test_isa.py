@@ -1,26 +1,22 @@
 """VSERVE_CPU_ISA: the instruction sets the CPU kernels target, fewer than the CPU's on request.
 
-The unit tests pin /proc/cpuinfo's flags; the build tests compile the kernels for the AVX2
-and the portable targets in a fresh process (each in its own cache folder, about a minute
-each on 2 cores) and check that each build runs the path it should, against the
-dequantized reference.
+The unit tests pin /proc/cpuinfo's flags; the build tests compile the kernels for the AVX2,
+AVX-VNNI and portable targets in a fresh process (each in its own cache folder, a minute and
+a half each on 2 cores, run beside the suite: `tests/support/isa_builds.py`) and check that
+each build runs the path it should, against the dequantized reference.
 """
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.support import isa_builds
 from vserve import envs
 from vserve.host import isa
 
-ROOT = Path(__file__).resolve().parents[2]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 ZEN4 = {"sse4_2", "pni", "ssse3", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw"}
 SAPPHIRE_RAPIDS = ZEN4 | {"avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "avx_vnni"}
@@ -207,12 +203,19 @@ CHILD = textwrap.dedent(
 AVX_VNNI = pytest.mark.skipif(
     "avx_vnni" not in isa.raw_cpu_flags(), reason="this CPU has no AVX-VNNI (avx_vnni)"
 )
+# a package import, as a user's process makes it, sets torch's switches before its kernels
+CHILD_CODE = "import vserve\n" + CHILD
+
+
+def will_run(choice: str) -> bool:
+    """Whether the build test of `choice` runs on this machine (else it skips)."""
+    return X86 and (choice != "avx_vnni" or "avx_vnni" in isa.raw_cpu_flags())
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not X86, reason="the AVX2 and portable targets are x86's")
 @pytest.mark.parametrize("choice", ["avx2", pytest.param("avx_vnni", marks=AVX_VNNI), "portable"])
-def test_forced_isa_builds_and_multiplies(choice, tmp_path):
+def test_forced_isa_builds_and_multiplies(choice):
     """The kernels built for fewer instruction sets than this CPU has: AVX2 takes the AVX2
     int8 gemv and GEMM (no VNNI, no AMX; torch held to AVX2 too), AVX-VNNI the same with its
     byte dots in vpdpbusd, portable takes none and the exact path; each within its bound of
@@ -223,22 +226,9 @@ def test_forced_isa_builds_and_multiplies(choice, tmp_path):
     attention, without fused multiply-adds, is within a rounding."""
     import json
 
-    env = {**os.environ, "VSERVE_CPU_ISA": choice}
-    for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
-        env.pop(key, None)
-    # a package import, as a user's process makes it, sets torch's switches before its kernels
-    code = "import vserve\n" + CHILD
-    saved = tmp_path / "attention.pt"
-    run = subprocess.run(
-        [sys.executable, "-c", code, str(saved)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    status, stdout, stderr, saved = isa_builds.wait(choice, CHILD_CODE, timeout=540)
+    assert status == 0, stderr[-3000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
     assert got["amx"] is False and got["bf16"] is False
     if choice != "portable":
         if not {"avx2", "fma", "f16c"} <= isa.raw_cpu_flags():
