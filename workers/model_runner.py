@@ -436,32 +436,12 @@ class ModelRunner:
         batch.append_placeholders(np.array([layout.rows[i] for i in layout.plain], dtype=np.int64))
         meta = self._attention_metadata(host, dev)
         logits_idx = self.shim.to_device(np.array(logits_rows, dtype=np.int64))
-        prompt_lp = (
-            plan_prompt_logprobs(
-                batch,
-                self.prompt_lp_req_ids,
-                req_ids,
-                rows,
-                host.query_start_loc,
-                host.num_computed,
-                host.seq_lens,
-            )
-            if self.prompt_lp_req_ids and self.stage.is_last
-            else []
-        )
-        pool = (
-            plan_pooling(
-                batch,
-                self.pool_req_ids,
-                req_ids,
-                rows,
-                host.query_start_loc,
-                host.num_computed,
-                host.seq_lens,
-            )
-            if self.pool_req_ids and self.stage.is_last
-            else []
-        )
+        # the requests that read their prompt's rows (last stage): prompt logprobs, pooling
+        step = (batch, req_ids, rows, host.query_start_loc, host.num_computed, host.seq_lens)
+        last = self.stage.is_last
+        wanted = self.prompt_lp_req_ids
+        prompt_lp = plan_prompt_logprobs(wanted, *step) if wanted and last else []
+        pool = plan_pooling(self.pool_req_ids, *step) if self.pool_req_ids and last else []
         return StepInputs(
             dev.input_ids if self.stage.is_first else None,
             meta,

@@ -26,8 +26,8 @@ class PoolSlice:
 
 
 def plan_pooling(
-    batch: InputBatch,
     wanted: set[str],
+    batch: InputBatch,
     req_ids: list[str],
     rows: np.ndarray,
     query_start_loc: np.ndarray,

@@ -38,8 +38,8 @@ class PromptSlice:
 
 
 def plan_prompt_logprobs(
-    batch: InputBatch,
     wanted: set[str],
+    batch: InputBatch,
     req_ids: list[str],
     rows: np.ndarray,
     query_start_loc: np.ndarray,
