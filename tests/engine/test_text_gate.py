@@ -99,6 +99,7 @@ def engines(tiny_model_dir):
     }
 
 
+@pytest.mark.slow  # two engines; the server's test covers the same in the slow tier too
 def test_the_engine_constrains_only_after_the_thoughts(engines):
     """`</think>` pushed up by logit_bias: it comes first, then the grammar masks it out, and
     an async step sampled before the tag's commit would repeat it."""
