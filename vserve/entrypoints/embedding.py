@@ -17,9 +17,10 @@ batches with generation in the same engine and is bounded by the same limits.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from vserve.sampling_params import SamplingParams
 
@@ -60,9 +61,8 @@ def embedding_params(config: PoolingConfig) -> SamplingParams:
     return SamplingParams(max_tokens=1, temperature=0, pooling=config.pooling, detokenize=False)
 
 
-def finish(vector: list[float], normalize: bool) -> list[float]:
-    """The vector as returned: L2-normalized when the model says so."""
-    if not normalize:
-        return vector
-    norm = math.sqrt(math.fsum(v * v for v in vector))
-    return vector if norm == 0.0 else [v / norm for v in vector]
+def finish(vector: list[float], normalize: bool) -> np.ndarray:
+    """The vector as returned (float64): L2-normalized when the model says so."""
+    values = np.asarray(vector, dtype=np.float64)
+    norm = np.linalg.norm(values) if normalize else 0.0
+    return values / norm if norm > 0.0 else values

@@ -93,7 +93,7 @@ class LLM:
         for out in outs:
             if out.embedding is None:
                 raise RuntimeError(f"embedding failed: {out.outputs[0].stop_reason}")
-            vector = EmbeddingOutput(finish(out.embedding, norm))
+            vector = EmbeddingOutput(finish(out.embedding, norm).tolist())
             results.append(EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, vector))
         return results
 

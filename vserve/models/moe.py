@@ -40,7 +40,6 @@ from vserve.models.olmo2 import Olmo2Attention
 from vserve.models.parallel_layers import gate_up_linear, row_linear
 from vserve.models.stage import check_shape
 
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # checkpoint names of one expert's projections -> (part, stacked row block): gate and up
 # fill w13's halves, down fills w2 (Mixtral's w1, w3, w2 are the same three)
 _PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
@@ -106,7 +105,8 @@ class Experts(nn.Module):
         e, i = spec.num_experts, self.local
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden))
         self.w2 = nn.Parameter(torch.empty(e, hidden, i))
-        self._filled: set[tuple[int, int]] = set()
+        # per weight, the (expert, part) pieces loaded: w13 takes 2 E, w2 takes E
+        self._filled: dict[str, set[tuple[int, int]]] = {"w13": set(), "w2": set()}
 
     def load_weight(self, leaf: str, tensor: torch.Tensor) -> str:
         expert, part = (int(x) for x in leaf.split("_"))
@@ -119,10 +119,10 @@ class Experts(nn.Module):
             else:  # down: its columns
                 check_shape(f"expert {expert}", tuple(tensor.shape), (self.w2.shape[1], full))
                 self.w2[expert].copy_(tensor.narrow(1, first, i))
-        self._filled.add((expert, part))
         name = "w13" if part < 2 else "w2"
-        parts = (0, 1) if part < 2 else (2,)
-        done = all((e, p) in self._filled for e in range(self.spec.num_experts) for p in parts)
+        filled = self._filled[name]
+        filled.add((expert, part))
+        done = len(filled) == self.spec.num_experts * (2 if part < 2 else 1)
         return name if done else f"{name}#partial"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act: str):
@@ -139,22 +139,11 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start : start + count]
-            y = _expert(x[rows], self.w13[expert], self.w2[expert], act)
+            w13, w2 = self.w13[expert], self.w2[expert]
+            y = gated_mlp(x[rows], lambda h: F.linear(h, w13), lambda h: F.linear(h, w2), act)
             out.index_add_(0, rows, y * slot_weights[start : start + count, None])
             start += count
         return out
-
-
-def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: str) -> torch.Tensor:
-    """One expert's gated MLP on its tokens x [n, H]."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(_act(gate, act) * up, w2)
-
-
-def _act(x: torch.Tensor, act: str) -> torch.Tensor:
-    if act in ("silu", "swish"):
-        return F.silu(x)
-    raise ValueError(f"unsupported expert activation {act!r}")
 
 
 class Router(nn.Module):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -107,10 +106,10 @@ class EmbeddingServer:
         for i, vector in enumerate(vectors):
             values = finish(vector, self.pooling.normalize)
             if req.encoding_format == "base64":
-                raw = np.asarray(values, dtype="<f4").tobytes()
+                raw = values.astype("<f4").tobytes()
                 data.append(EmbeddingData(index=i, embedding=base64.b64encode(raw).decode()))
             else:
-                data.append(EmbeddingData(index=i, embedding=values))
+                data.append(EmbeddingData(index=i, embedding=values.tolist()))
         usage = EmbeddingUsage(prompt_tokens=num_prompt, total_tokens=num_prompt)
         response = EmbeddingResponse(data=data, model=self.ctx.model_name, usage=usage)
         return response.model_dump_json()
