@@ -17,6 +17,7 @@ to quantized rows unchanged).
 from __future__ import annotations
 
 import json
+import re
 import struct
 import warnings
 from collections.abc import Iterator
@@ -102,12 +103,21 @@ def write_manifest(folder: Path, gguf: Path, hf_config) -> str:
     manifest = {
         "file": str(gguf.resolve()),
         "architecture": table.architecture,
-        "names": {t.name: names[t.name] for t in table.tensors if t.name in names},
+        "names": {t.name: _hf_name(t.name, names) for t in table.tensors},
         "num_heads": hf_config.num_attention_heads,
         "num_kv_heads": getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
     }
     manifest_path(folder).write_text(json.dumps(manifest, indent=1))
     return type(model).__name__
+
+
+def _hf_name(gguf_name: str, names: dict[str, str]) -> str | None:
+    """transformers' name for a tensor; a stacked experts tensor (which transformers' mapping
+    leaves out) under its projection's name, split per expert as it is read (`_pieces`)."""
+    stacked = _EXPERTS.match(gguf_name)
+    if stacked is not None:
+        return f"model.layers.{stacked[1]}.mlp.experts.{stacked[2]}_proj.weight"
+    return names.get(gguf_name)
 
 
 def check_tp_blocks(model_path: str | Path, tp_size: int, row_parallel: tuple[str, ...]) -> None:
@@ -254,18 +264,45 @@ def iter_gguf_weights(
         row_bytes = k // block * block_bytes
         data = raw[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
         data = _rows_fixed(data, info.name, manifest)
-        if quantized and info.qtype in BLOCK_FORMATS:
-            yield name, QuantBlocks(info.qtype, _mapped(data), (rows, k))
-            continue
-        if quantized and info.qtype in REPACKED:
-            yield name, QuantBlocks(Q8_0, torch.from_numpy(to_q8_0(data, info.qtype, k)), (rows, k))
-            continue
-        if info.qtype in _FLOAT_DTYPES:
-            values = data.view(_FLOAT_DTYPES[info.qtype]).reshape(rows, k)
-        else:
-            values = _dequantized(data, info)
+        blocks = quantized and not name.endswith(_DENSE)
+        for part_name, part, shape in _pieces(info, name, data):
+            n = part.shape[0]
+            if blocks and info.qtype in BLOCK_FORMATS:
+                yield part_name, QuantBlocks(info.qtype, _mapped(part), (n, k))
+            elif blocks and info.qtype in REPACKED:
+                q8 = torch.from_numpy(to_q8_0(part, info.qtype, k))
+                yield part_name, QuantBlocks(Q8_0, q8, (n, k))
+            else:
+                if info.qtype in _FLOAT_DTYPES:
+                    values = part.view(_FLOAT_DTYPES[info.qtype]).reshape(n, k)
+                else:
+                    values = _dequantized(part, info)
+                yield part_name, _float_tensor(values.reshape(shape), part_name, manifest, dtype)
+
+
+# checkpoint names read dense whatever their GGUF type: a mixture's routers (their rounding
+# would move tokens between experts; llama.cpp stores them F32)
+_DENSE = (".mlp.gate.weight", ".shared_expert_gate.weight")
+# a mixture's experts, stacked in one 3-D tensor per projection: [E][N rows][K]
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+
+
+def _pieces(info: TensorInfo, name: str, data: np.ndarray):
+    """(checkpoint name, rows, dense shape) of a tensor: itself, or each expert of a stacked
+    experts tensor under its own checkpoint name (`...mlp.experts.3.up_proj.weight`, whole rows
+    of blocks: a view); Qwen2-MoE's shared-expert gate as its [1, H]."""
+    stacked = _EXPERTS.match(info.name)
+    if stacked is None:
         shape = tuple(reversed(info.dims))
-        yield name, _float_tensor(values.reshape(shape), name, manifest, dtype)
+        if name.endswith(".shared_expert_gate.weight"):  # [H] or [1, H] in the file
+            shape = (1, info.dims[0])
+        yield name, data, shape
+        return
+    layer, proj = stacked.groups()
+    k, n, experts = info.dims
+    for e in range(experts):
+        part = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+        yield part, data[e * n : (e + 1) * n], (n, k)
 
 
 _FLOAT_DTYPES = {0: "float32", 1: "float16"}  # GGML F32, F16

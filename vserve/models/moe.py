@@ -18,9 +18,10 @@ expert, `w2`: down), and a step groups its tokens by expert: each expert the ste
 runs one matmul pair over its tokens, so a decode step reads only the routed experts'
 weights (k of E at batch 1). Tensor parallel splits every expert's intermediate rows as it
 splits a dense MLP; the experts' sum is all-reduced. Qwen-MoE layers outside the sparse step
-(`decoder_sparse_step`, `mlp_only_layers`) keep a dense MLP. Dense weights only: a GGUF file
-of these architectures is refused (`registry`), and the fused CPU decode layers never run
-them (`supports_fused_decode`).
+(`decoder_sparse_step`, `mlp_only_layers`) keep a dense MLP. From a GGUF file (Qwen3-MoE,
+Qwen2-MoE) the experts stay in their blocks: each expert's rows of the file's 3-D tensors
+become two quantized linears (`install_quant`), and a step runs the routed experts' only. The
+fused CPU decode layers never run these models (`supports_fused_decode`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 from vserve.attention.base import AttentionLayerSpec
 from vserve.distributed.tp_comm import TPShard
 from vserve.models.decoder import DecoderForCausalLM, SelfAttention
+from vserve.models.gguf_source import QuantBlocks
 from vserve.models.layers import RMSNorm, gated_mlp
 from vserve.models.olmo2 import Olmo2Attention
 from vserve.models.parallel_layers import gate_up_linear, row_linear
@@ -107,23 +109,52 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, hidden, i))
         # per weight, the (expert, part) pieces loaded: w13 takes 2 E, w2 takes E
         self._filled: dict[str, set[tuple[int, int]]] = {"w13": set(), "w2": set()}
+        # GGUF blocks by (expert, part), until `install_quant` makes them linears
+        self.quant: dict[tuple[int, int], QuantBlocks] = {}
+        self.q13: nn.ModuleList | None = None
+        self.q2: nn.ModuleList | None = None
 
-    def load_weight(self, leaf: str, tensor: torch.Tensor) -> str:
+    def load_weight(self, leaf: str, tensor: torch.Tensor | QuantBlocks) -> str:
         expert, part = (int(x) for x in leaf.split("_"))
         i, first = self.local, self.tp.rank * self.local
-        full = self.spec.intermediate
-        with torch.no_grad():
-            if part < 2:  # gate or up: rows of this rank's share
-                check_shape(f"expert {expert}", tuple(tensor.shape), (full, self.w13.shape[2]))
-                self.w13[expert, part * i : (part + 1) * i].copy_(tensor.narrow(0, first, i))
-            else:  # down: its columns
-                check_shape(f"expert {expert}", tuple(tensor.shape), (self.w2.shape[1], full))
-                self.w2[expert].copy_(tensor.narrow(1, first, i))
+        full, hidden = self.spec.intermediate, self.w13.shape[2]
+        expected = (full, hidden) if part < 2 else (hidden, full)
+        check_shape(f"expert {expert}", tuple(tensor.shape), expected)
+        if isinstance(tensor, QuantBlocks):  # this rank's rows (gate, up) or inputs (down)
+            self.quant[(expert, part)] = (
+                tensor.rows(first, i) if part < 2 else tensor.cols(first, i)
+            )
+        else:
+            with torch.no_grad():
+                if part < 2:  # gate or up: rows of this rank's share
+                    self.w13[expert, part * i : (part + 1) * i].copy_(tensor.narrow(0, first, i))
+                else:  # down: its columns
+                    self.w2[expert].copy_(tensor.narrow(1, first, i))
         name = "w13" if part < 2 else "w2"
         filled = self._filled[name]
         filled.add((expert, part))
         done = len(filled) == self.spec.num_experts * (2 if part < 2 else 1)
         return name if done else f"{name}#partial"
+
+    def install_quant(self, make_linear) -> bool:
+        """GGUF blocks arrived (`load_weight`): each expert's projections become two quantized
+        linears made by `make_linear(parts, in_features)` (a part: blocks, or the dense rows
+        of a weight that came dense); the stacked dense weights are dropped. False when every
+        weight is dense."""
+        if not self.quant:
+            return False
+        i, hidden = self.local, self.w13.shape[2]
+
+        def part(expert: int, p: int):
+            dense = self.w13[expert, p * i : (p + 1) * i] if p < 2 else self.w2[expert]
+            return self.quant.get((expert, p), dense.detach())
+
+        experts = range(self.spec.num_experts)
+        self.q13 = nn.ModuleList(make_linear([part(e, 0), part(e, 1)], hidden) for e in experts)
+        self.q2 = nn.ModuleList(make_linear([part(e, 2)], i) for e in experts)
+        self.w13 = self.w2 = None
+        self.quant = {}
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act: str):
         """x [T, H]; weights, ids [T, k]: the experts' weighted sum [T, H] (this rank's
@@ -139,11 +170,16 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start : start + count]
-            w13, w2 = self.w13[expert], self.w2[expert]
-            y = gated_mlp(x[rows], lambda h: F.linear(h, w13), lambda h: F.linear(h, w2), act)
+            y = gated_mlp(x[rows], *self._projections(expert), act)
             out.index_add_(0, rows, y * slot_weights[start : start + count, None])
             start += count
         return out
+
+    def _projections(self, expert: int):
+        if self.q13 is not None and self.q2 is not None:
+            return self.q13[expert], self.q2[expert]
+        w13, w2 = self.w13[expert], self.w2[expert]
+        return (lambda h: F.linear(h, w13)), (lambda h: F.linear(h, w2))
 
 
 class Router(nn.Module):

@@ -116,6 +116,10 @@ def install(model: nn.Module, kernel, dtype: torch.dtype) -> int:
     blocks the linears stream move into one huge-page arena (`weight_arena`)."""
     replaced = 0
     for name, module in list(model.named_modules()):
+        install_quant = getattr(module, "install_quant", None)  # a mixture's experts
+        if install_quant is not None:
+            replaced += install_quant(lambda parts, k: QuantLinear(parts, k, None, kernel))
+            continue
         new = _quantized(module, kernel, dtype)
         if new is None:
             continue

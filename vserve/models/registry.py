@@ -13,7 +13,7 @@ _MODELS = {
     "SmolLM3ForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
     "Phi3ForCausalLM": ("vserve.models.decoder", "DecoderForCausalLM"),
     "Olmo2ForCausalLM": ("vserve.models.olmo2", "Olmo2ForCausalLM"),
-    # mixture of experts (dense weights)
+    # mixture of experts
     "Qwen3MoeForCausalLM": ("vserve.models.moe", "MoEForCausalLM"),
     "Qwen2MoeForCausalLM": ("vserve.models.moe", "MoEForCausalLM"),
     "MixtralForCausalLM": ("vserve.models.moe", "MoEForCausalLM"),
@@ -31,6 +31,8 @@ _GGUF_MODELS = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 
 

@@ -32,7 +32,7 @@ EMBEDDED_NAME = "gemma-3-270m"
 # part of every converted folder's name: bump it when convert_gguf's output changes, so that
 # older conversions are redone (2: GGUF special tokens marked special in the tokenizer; 3: no
 # weights, a manifest of the GGUF's tensors)
-CONVERSION_VERSION = 3
+CONVERSION_VERSION = 4
 _TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 
@@ -123,6 +123,7 @@ def _describe(gguf: Path, folder: Path, chat_template: str | None, bar, steps) -
     bar.set_postfix_str(steps[0])
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     _drop_quantization(config)
+    _experts_config(config, gguf)
     bar.update()
     bar.set_postfix_str(steps[1])
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -189,6 +190,33 @@ def _drop_quantization(config) -> None:
     for c in (config, getattr(config, "text_config", None)):
         if c is not None and hasattr(c, "quantization_config"):
             delattr(c, "quantization_config")
+
+
+# a mixture's GGUF keys transformers' config mapping leaves out -> the config's names
+_EXPERT_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+
+
+def _experts_config(config, gguf: Path) -> None:
+    """A mixture of experts' sizes as the file's keys say (transformers' mapping leaves the
+    experts' intermediate size at its default); Qwen3-MoE renormalizes its top k, as
+    llama.cpp's graph does for every `qwen3moe` file."""
+    if config.model_type not in ("qwen3_moe", "qwen2_moe"):
+        return
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    arch = fields["general.architecture"].contents()
+    for key, attr in _EXPERT_KEYS.items():
+        field = fields.get(f"{arch}.{key}")
+        if field is not None:
+            setattr(config, attr, int(field.contents()))
+    if config.model_type == "qwen3_moe":
+        config.norm_topk_prob = True
 
 
 def _add_eos(path: Path, extra: list[int]) -> None:
