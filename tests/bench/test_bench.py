@@ -292,3 +292,24 @@ def test_throughput_hf_backend_on_the_default_model(tmp_path):
     )
     r = json.loads(out_json.read_text())
     assert r["backend"] == "hf" and r["total_num_output_tokens"] == 2 * 3
+
+
+def test_hf_backend_model_of_a_gguf_is_transformers_reading_it():
+    """The hf backend builds transformers' model of a GGUF's folder from vserve's reader: the
+    same logits as transformers' own GGUF loader (a llama.cpp-made file, fp32)."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vserve.bench.hf_backend import load_hf_model
+    from vserve.models.resolve import resolve_model_path
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / "tiny-qwen2-q3_k_m.gguf"
+    ours = load_hf_model(resolve_model_path(str(path)), torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = torch.tensor([[2, 86, 260, 270, 86, 300, 17, 45, 400, 33]])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, ref(ids).logits)

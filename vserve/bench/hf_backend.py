@@ -46,20 +46,38 @@ def run_hf(
 
 
 def load_hf_model(model_path: str, dtype: torch.dtype):
-    """transformers' model of a model folder; a GGUF's folder (the embedded model's) holds no
-    weights, so transformers reads and dequantizes the GGUF it names."""
-    from transformers import AutoModelForCausalLM
+    """transformers' model of a model folder. A GGUF's folder (the embedded model's) holds no
+    weights: transformers' model is built from the folder's config and takes the GGUF's
+    tensors dequantized by vserve's reader (under transformers' own names, its fixes of
+    llama.cpp's storage undone), not through transformers' GGUF loader, which parses the
+    whole vocabulary again and dequantizes in a slower loop (33 s against a few for the
+    embedded model); the same values (tests/bench/test_bench.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
-    from vserve.models.gguf_source import gguf_file
-    from vserve.models.resolve import gguf_parsed_once
+    from vserve.models.gguf_source import gguf_file, iter_gguf_weights
 
-    gguf = gguf_file(model_path)
-    if gguf is None:
+    if gguf_file(model_path) is None:
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-    with gguf_parsed_once():
-        return AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=dtype
-        ).eval()
+    config = AutoConfig.from_pretrained(model_path)
+    with no_init_weights():  # every weight is about to be assigned
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = dict(iter_gguf_weights(model_path, dtype, quantized=False))
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    result = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    missing = [
+        n
+        for n in result.missing_keys
+        if not (n == "lm_head.weight" and model.config.tie_word_embeddings)
+    ]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{gguf_file(model_path)}: transformers' model misses {missing[:4]}, "
+            f"does not know {result.unexpected_keys[:4]}"
+        )
+    return model.eval()
 
 
 def _left_pad(prompts: list[list[int]], pad: int):
