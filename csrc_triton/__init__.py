@@ -5,9 +5,12 @@
 - `kv_write`: scatter this step's keys/values into the paged KV cache at their slots.
 - `prepare_inputs`: fused per-step input preparation for async scheduling (token ids with
   on-device feedback of the previous step's samples, positions, slot mapping).
+- `fused_moe`: a mixture of experts' step as two grouped GEMMs over the (token, slot) pairs
+  sorted by expert, each tile reading one expert's weights (the CUDA path of the experts).
 - `variants`: counts the compiled variants a run of the kernels needs, by Triton's
   specialization rules (tests keep that count bounded).
 
 Importing a submodule imports `triton`; nothing in `vserve` imports this package except the
-Triton attention backend, so vserve still imports where triton is missing.
+Triton attention backend and, on CUDA, the experts of a mixture, so vserve still imports
+where triton is missing.
 """

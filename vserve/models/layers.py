@@ -164,7 +164,12 @@ def gated_mlp(
 ) -> torch.Tensor:
     if kernel is not None and act in KERNEL_ACTIVATIONS:
         return down(kernel.act_mul(gate_up(x), KERNEL_ACTIVATIONS[act]))
-    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(act_and_mul(gate_up(x), act))
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up of a gate/up product [.., 2 I] -> [.., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
     if act in ("silu", "swish"):
         h = F.silu(gate)
     elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -173,4 +178,4 @@ def gated_mlp(
         h = F.gelu(gate)
     else:
         raise ValueError(f"unsupported activation {act!r}")
-    return down(h * up)
+    return h * up

@@ -21,13 +21,15 @@ splits a dense MLP; the experts' sum is all-reduced. Qwen-MoE layers outside the
 (`decoder_sparse_step`, `mlp_only_layers`) keep a dense MLP. From a GGUF file (Qwen3-MoE,
 Qwen2-MoE) the experts stay in their blocks: each expert's rows of the file's 3-D tensors
 become two quantized linears (`install_quant`), and a step runs the routed experts' only. The
-fused CPU decode layers never run these models (`supports_fused_decode`).
+fused CPU decode layers never run these models (`supports_fused_decode`). On CUDA the dense
+experts run as two Triton grouped GEMMs (`csrc_triton/fused_moe.py`) instead of the loop.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ from vserve.attention.base import AttentionLayerSpec
 from vserve.distributed.tp_comm import TPShard
 from vserve.models.decoder import DecoderForCausalLM, SelfAttention
 from vserve.models.gguf_source import QuantBlocks
-from vserve.models.layers import RMSNorm, gated_mlp
+from vserve.models.layers import RMSNorm, act_and_mul, gated_mlp
 from vserve.models.olmo2 import Olmo2Attention
 from vserve.models.parallel_layers import gate_up_linear, row_linear
 from vserve.models.stage import check_shape
@@ -159,6 +161,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act: str):
         """x [T, H]; weights, ids [T, k]: the experts' weighted sum [T, H] (this rank's
         partial sum under tensor parallel)."""
+        if self.q13 is None and use_triton(x):  # two grouped GEMM launches
+            from vserve.csrc_triton.fused_moe import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, weights, ids, partial(act_and_mul, act=act))
         out = torch.zeros_like(x)
         k = ids.shape[1]
         flat = ids.reshape(-1)
@@ -180,6 +186,11 @@ class Experts(nn.Module):
             return self.q13[expert], self.q2[expert]
         w13, w2 = self.w13[expert], self.w2[expert]
         return (lambda h: F.linear(h, w13)), (lambda h: F.linear(h, w2))
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """The Triton experts run where Triton compiles for the tensor's device."""
+    return x.device.type == "cuda"
 
 
 class Router(nn.Module):
