@@ -95,7 +95,10 @@ def row_linear(in_features: int, out_features: int, bias: bool, tp: TPShard):
 
 def embedding(vocab: int, hidden: int, tp: TPShard):
     if tp.size == 1:
-        return nn.Embedding(vocab, hidden)
+        # its table given, so that no random init runs: `normal_` on the meta device (where
+        # models are built) goes through torch's reference ops, whose first call imports
+        # torch._dynamo, 2.4 s of every worker's start
+        return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
     return VocabParallelEmbedding(vocab, hidden, tp)
 
 

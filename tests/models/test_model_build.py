@@ -1,0 +1,25 @@
+"""Building a model costs its layers, not torch's compiler: models are built on the meta
+device, where a random init (`normal_`) runs torch's reference ops and, on first use, imports
+`torch._dynamo` (2.4 s of every worker's start). A fresh process that builds, loads and runs a
+tiny model of each kind (dense, bf16 with a tied head, a mixture of experts) never imports
+it."""
+
+import subprocess
+import sys
+
+SCRIPT = """
+import sys
+from vserve import LLM, SamplingParams
+for path, dtype in zip(sys.argv[1::2], sys.argv[2::2]):
+    llm = LLM(path, dtype=dtype, multiprocess=False, distributed_executor_backend="uni")
+    llm.generate(["hi there"], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()
+    assert "torch._dynamo" not in sys.modules, f"building {path} imported torch._dynamo"
+"""
+KINDS = {"llama": "float32", "gemma3": "bfloat16", "qwen3_moe": "float32"}
+
+
+def test_models_build_without_importing_the_compiler(tiny_model_dir):
+    args = [a for kind, dtype in KINDS.items() for a in (tiny_model_dir(kind), dtype)]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
