@@ -69,11 +69,11 @@ SCHEMA = {
     "required": ["n", "ok"],
     "additionalProperties": False,
 }
-# --short: one minute, sized for a tiny model on a small CI machine (the suite's budget)
+# --short: half a minute, sized for a tiny model on a small CI machine (the suite's budget)
 SHORT_MODE = {
-    "minutes": 1.0,
+    "minutes": 0.5,
     "concurrency": 16,
-    "window": 10.0,
+    "window": 5.0,
     "request_timeout": 60.0,
     "ready_timeout": 120.0,
 }

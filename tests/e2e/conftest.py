@@ -8,7 +8,7 @@ def embedded_fp32():
     """`get(quantization)`: the embedded model in an in-process fp32 engine, built once for
     the e2e package (test_embedded_model and test_quantized_model share it): `None` for the
     default (the GGUF's own blocks), "none" for the GGUF dequantized at load. Room for
-    test_quantized_model's 2048-token text, in prefill chunks of 512."""
+    test_quantized_model's 1024-token text, in prefill chunks of 512."""
     built = {}
 
     def get(quantization: str | None):

@@ -1,6 +1,6 @@
 """The embedded model on its own GGUF blocks (the default), against the same weights
 dequantized to fp32 (`quantization="none"`), and with Q8_0 weights made at load ("int8"):
-greedy ids, and the log-likelihood of a fixed ~2k-token text from prompt logprobs. The fp32
+greedy ids, and the log-likelihood of a fixed 1k-token text from prompt logprobs. The fp32
 engines are the ones test_embedded_model uses (tests/e2e/conftest.py)."""
 
 import inspect
@@ -15,8 +15,7 @@ from vserve.models.quant_linear import QuantLinear
 
 pytestmark = pytest.mark.slow
 
-TEXT_TOKENS = 2048
-SAME_MODEL_TOKENS = 1024  # the fp32 GGUF run's share of the text (half: its time)
+TEXT_TOKENS = 1024
 # transformers, fp32, greedy, "The capital of France is" (tests/e2e/test_embedded_model.py)
 REFERENCE_IDS = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506]
 
@@ -70,20 +69,19 @@ def dequantized(embedded_fp32):
 
 def test_gguf_native_is_the_same_model(embedded_fp32, dequantized):
     """The default engine (the GGUF's blocks, fp32): the same greedy ids, and the same
-    log-likelihood over the first SAME_MODEL_TOKENS of the text (two prefill chunks, the
-    second on the first's KV); prompt logprobs are causal, so the reference is the prefix
-    of the whole text's."""
+    logprob for every token of the text (two prefill chunks, the second on the first's
+    KV)."""
     llm = embedded_fp32(None)
     ids = _greedy(llm, quantized=True)
-    lps = _token_logprobs(llm, _text_ids(llm.get_tokenizer())[:SAME_MODEL_TOKENS])
+    lps = _token_logprobs(llm, _text_ids(llm.get_tokenizer()))
     ref_ids, ref_lps = dequantized
     assert ref_ids == REFERENCE_IDS
     assert ids == ref_ids
     # token by token: fp32 activations take the kernels' exact path (fp32 sums of the same
     # dequantized weights, in another order), so each logprob agrees to fp32 rounding
-    worst = max(abs(a - b) for a, b in zip(lps, ref_lps[: SAME_MODEL_TOKENS - 1]))
+    worst = max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True))
     print("gguf fp32 vs dequantized fp32, max |logprob difference|:", worst)
-    assert len(lps) == SAME_MODEL_TOKENS - 1 and worst < 1e-3
+    assert len(lps) == TEXT_TOKENS - 1 and worst < 1e-3
 
 
 def test_gguf_native_default_bf16(dequantized):
