@@ -42,6 +42,50 @@ def test_grouped_experts_equal_a_per_token_loop():
     )
 
 
+def test_one_token_alone_equals_the_same_token_in_a_batch():
+    """Batch 1 takes its own path (no sort, no scatter): the same experts, summed in the same
+    order, as the token gets inside a batch (ids given out of order on purpose)."""
+    experts = _experts()
+    x = torch.randn(5, 12)
+    ids = torch.tensor([[6, 1], [2, 3], [1, 0], [7, 4], [5, 2]])
+    weights = torch.rand(5, 2)
+    batched = experts(x, weights, ids, "silu")
+    for t in range(5):
+        alone = experts(x[t : t + 1], weights[t : t + 1], ids[t : t + 1], "silu")
+        torch.testing.assert_close(alone, batched[t : t + 1], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(alone, _per_token(experts, x, weights, ids)[t : t + 1])
+
+
+def test_one_bf16_token_streams_its_experts_through_the_gemv():
+    """bf16 with the CPU kernels attached (as a bf16 model loads): one token's experts run the
+    kernels' one-row gemv on the row-major weights, within bf16 rounding of the loop."""
+    from vserve import cpu_ops
+
+    kernel = cpu_ops.load()
+    if kernel is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    experts = _experts(hidden=64).to(torch.bfloat16)
+    experts.kernel = counting = _Counting(kernel)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    ids, weights = torch.tensor([[5, 2]]), torch.tensor([[0.6, 0.4]], dtype=torch.bfloat16)
+    got = experts(x, weights, ids, "silu").float()
+    ref = _per_token(_experts(hidden=64), x.float(), weights.float(), ids)
+    assert counting.gemv_calls == 4  # gate/up and down of two experts
+    torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+
+
+class _Counting:
+    def __init__(self, kernel) -> None:
+        self.kernel, self.gemv_calls = kernel, 0
+
+    def gemv(self, *args):
+        self.gemv_calls += 1
+        return self.kernel.gemv(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
 def test_a_step_reads_only_the_routed_experts():
     experts = _experts()
     ids = torch.tensor([[1, 6]])

@@ -115,6 +115,7 @@ class Experts(nn.Module):
         self.quant: dict[tuple[int, int], QuantBlocks] = {}
         self.q13: nn.ModuleList | None = None
         self.q2: nn.ModuleList | None = None
+        self.kernel = None  # the CPU kernels (bf16 one-row gemv), set by attach_kernel
 
     def load_weight(self, leaf: str, tensor: torch.Tensor | QuantBlocks) -> str:
         expert, part = (int(x) for x in leaf.split("_"))
@@ -165,6 +166,8 @@ class Experts(nn.Module):
             from vserve.csrc_triton.fused_moe import fused_experts
 
             return fused_experts(x, self.w13, self.w2, weights, ids, partial(act_and_mul, act=act))
+        if x.shape[0] == 1:
+            return self._one_token(x, weights[0], ids[0].tolist(), act)
         out = torch.zeros_like(x)
         k = ids.shape[1]
         flat = ids.reshape(-1)
@@ -181,10 +184,25 @@ class Experts(nn.Module):
             start += count
         return out
 
-    def _projections(self, expert: int):
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: list[int], act: str):
+        """A decode step at batch 1: its k experts in turn, summed in expert order (as the
+        batched path sums each token's), without sorting and scattering the pairs."""
+        out = None
+        for slot in sorted(range(len(experts)), key=experts.__getitem__):
+            gate_up, down = self._projections(experts[slot], one_row=True)
+            y = gated_mlp(x, gate_up, down, act, self.kernel) * weights[slot]
+            out = y if out is None else out.add_(y)
+        return out
+
+    def _projections(self, expert: int, one_row: bool = False):
         if self.q13 is not None and self.q2 is not None:
             return self.q13[expert], self.q2[expert]
         w13, w2 = self.w13[expert], self.w2[expert]
+        kernel = self.kernel
+        if one_row and kernel is not None and w13.dtype == torch.bfloat16:
+            # the CPU kernels' one-row gemv streams the row-major weight; bf16 F.linear
+            # reorders it into oneDNN's layout on every call (packed_linear.py)
+            return (lambda h: kernel.gemv(h, w13, None)), (lambda h: kernel.gemv(h, w2, None))
         return (lambda h: F.linear(h, w13)), (lambda h: F.linear(h, w2))
 
 
