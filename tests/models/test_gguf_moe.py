@@ -1,5 +1,6 @@
-"""Mixture-of-experts GGUF files made by llama.cpp (tests/fixtures/llamacpp): Qwen3-MoE and
-Qwen2-MoE, their experts stacked in 3-D tensors. The config comes from the file's keys, the
+"""Mixture-of-experts GGUF files made by llama.cpp (tests/fixtures/llamacpp): Qwen3-MoE,
+Qwen2-MoE and Mixtral (`llama` with experts, its q/k rows permuted), their experts stacked in
+3-D tensors. The config comes from the file's keys, the
 experts stay in their blocks and a decode step runs only the routed ones; the model on its
 blocks is the same file dequantized, and with fp32 weights vserve's greedy ids are
 llama.cpp's own (recorded by the fixture script from `llama-server`)."""
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
-KINDS = ["qwen3_moe", "qwen2_moe"]
+KINDS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of France"]
 ENGINE = dict(max_model_len=256, multiprocess=False, distributed_executor_backend="uni")
 
@@ -36,13 +37,19 @@ def _model(llm):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_config_is_the_files(kind):
-    """transformers' GGUF mapping leaves the experts' size at its default (768): the file's
-    keys set it, with the expert counts; Qwen3-MoE renormalizes its top k as llama.cpp does."""
+    """transformers' GGUF mapping leaves the experts' size at its default (768) and reads a
+    Mixtral file as a dense Llama: the file's keys set the experts, and Qwen3-MoE renormalizes
+    its top k as llama.cpp does."""
     from transformers import AutoConfig
 
     from vserve.models.resolve import resolve_model_path
 
     cfg = AutoConfig.from_pretrained(resolve_model_path(str(fixture(f"tiny-{kind}-q4_k_m.gguf"))))
+    assert cfg.model_type == kind
+    if kind == "mixtral":  # each expert's size is the file's feed_forward_length
+        experts = (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size)
+        assert experts == (4, 2, 256)
+        return
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (4, 2)
     assert cfg.moe_intermediate_size == 256
     if kind == "qwen3_moe":

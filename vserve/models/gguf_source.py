@@ -98,8 +98,9 @@ def write_manifest(folder: Path, gguf: Path, hf_config) -> str:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    names = get_gguf_hf_weights_map(model, TensorProcessor())
     table = read_tensor_table(gguf)
+    # by the file's architecture: a Mixtral file is llama.cpp's `llama` with experts
+    names = get_gguf_hf_weights_map(model, TensorProcessor(), model_type=table.architecture)
     manifest = {
         "file": str(gguf.resolve()),
         "architecture": table.architecture,

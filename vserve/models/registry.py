@@ -33,6 +33,7 @@ _GGUF_MODELS = (
     "Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 
