@@ -37,7 +37,7 @@ BLOCK_SIZES = {2: 32, 6: 32, 8: 32, 12: 256, 13: 256, 14: 256}  # inputs per blo
 # of 32 in 88 bytes; `quant_linear.install`)
 Q5_0, Q8_0, Q5_0R = 6, 8, 1006
 _NAMES, _SIZES = {**BLOCK_FORMATS, Q5_0R: "Q5_0R"}, {**BLOCK_SIZES, Q5_0R: 128}
-_PERMUTE_QK = ("llama", "mistral")
+_PERMUTE_QK = ("llama", "mistral", "granite", "smollm3")  # llama.cpp's rotary row order
 HEAD_BYTES = 16 * 2**20  # first read of a header; those with large vocabularies run to MiBs
 
 

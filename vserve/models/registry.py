@@ -34,6 +34,9 @@ _GGUF_MODELS = (
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 
 

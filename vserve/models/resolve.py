@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vserve.cache_files import cache_dir
+from vserve.models.gguf_config import known_architectures
 from vserve.models.gguf_source import write_manifest
 from vserve.models.gguf_tokens import mark_special, read_special_tokens
 
@@ -101,7 +102,7 @@ def convert_gguf(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        with gguf_parsed_once():
+        with gguf_parsed_once(), known_architectures():
             _describe(gguf, tmp, chat_template, bar, steps)
         bar.set_postfix_str(steps[3])
         if extra_eos:
