@@ -1,8 +1,10 @@
-"""Dense families transformers' GGUF reader does not know (Granite, OLMo 2, SmolLM3), in files
-made by llama.cpp's converter and quantizer (tests/fixtures/llamacpp): the config comes from
-the file's keys (Granite's four scales; SmolLM3's layers without rotary, every fourth as
+"""Dense families whose GGUF files transformers' reader does not know (Granite, OLMo 2,
+SmolLM3) or reads in part (Gemma 2's soft-caps, Phi-3's partial rotary and LongRoPE factors),
+in files made by llama.cpp's converter and quantizer (tests/fixtures/llamacpp): the config
+comes from the file (Granite's four scales; SmolLM3's layers without rotary, every fourth as
 llama.cpp's graph fixes it), Q8_0 on its blocks is the file dequantized, and with fp32 weights
-vserve's greedy ids are llama.cpp's own."""
+vserve's greedy ids are llama.cpp's own (Phi-3 on its short factors: the context, 256, is
+within its original 512, as llama-server's was)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 
 from tests.models.test_gguf_moe import FIXTURES, _llm, fixture
 
-FAMILIES = ["granite", "olmo2", "smollm3"]
+FAMILIES = ["granite", "olmo2", "smollm3", "gemma2", "phi3"]
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of France"]
 
 
@@ -29,6 +31,14 @@ def test_config_is_the_files(kind):
         assert scales == (2.0, 0.5, 1.5) and cfg.attention_multiplier == pytest.approx(0.15)
     if kind == "smollm3":
         assert cfg.no_rope_layers == [1, 1, 1, 0] and cfg.tie_word_embeddings
+    if kind == "gemma2":  # the tiny model's caps, not transformers' defaults (50, 30)
+        caps = (cfg.attn_logit_softcapping, cfg.final_logit_softcapping)
+        assert caps == (5.0, 3.0) and cfg.query_pre_attn_scalar == 32
+    if kind == "phi3":
+        rope = cfg.rope_parameters
+        assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.5
+        assert rope["long_factor"] == [1.5, 3.0, 6.0, 12.0]
+        assert rope["original_max_position_embeddings"] == 512
 
 
 def _greedy_and_logprobs(path, quantization: str):

@@ -1,9 +1,9 @@
 """The dense families beyond the first five (Granite, OLMo 2, SmolLM3, Phi-3, Gemma 2): the
 fused CPU decode layers run only those whose layers are Llama's or Gemma's (Phi-3, partial
 rotary included, and Gemma 2), their bf16 path stays within bf16 noise of transformers' bf16,
-Phi-3's LongRoPE table, and the architectures a model may name (GGUF files of Gemma 2 and
-Phi-3 are refused up front; Granite, OLMo 2 and SmolLM3 files: test_gguf_families.py). Their
-fp32 greedy tokens equal transformers': tests/e2e/test_equivalence_hf.py."""
+Phi-3's LongRoPE table, and the architectures a model may name (a GGUF of OLMoE is refused up
+front; the families' GGUF files: test_gguf_families.py). Their fp32 greedy tokens equal
+transformers': tests/e2e/test_equivalence_hf.py."""
 
 import pytest
 import torch
@@ -161,6 +161,6 @@ def test_the_wrapper_s_own_eos_and_dtype_win_over_the_text_config_s():
 
 
 def test_gguf_files_of_families_without_gguf_support_are_refused(tiny_gguf_dir):
-    model = tiny_gguf_dir("gemma2")
-    with pytest.raises(ValueError, match="GGUF files of Gemma2ForCausalLM are not supported"):
+    model = tiny_gguf_dir("olmoe")
+    with pytest.raises(ValueError, match="GGUF files of OlmoeForCausalLM are not supported"):
         EngineArgs(model=model, dtype="float32").create_engine_config()

@@ -18,6 +18,7 @@ from torch import nn
 
 from vserve.attention.base import AttentionLayerSpec, AttentionMetadata
 from vserve.distributed.tp_comm import TPShard
+from vserve.models.gguf_source import QuantBlocks
 from vserve.models.hf_config import layer_windows
 from vserve.models.layers import (
     Attention,
@@ -275,8 +276,16 @@ def split_fused(weights, hf_config):
             yield name, tensor
             continue
         names, sizes = parts[fused]
-        for part, piece in zip(names, tensor.split(sizes)):
+        for part, piece in zip(names, _split_rows(tensor, sizes), strict=True):
             yield name.replace(fused, f".{part}."), piece
+
+
+def _split_rows(tensor, sizes: list[int]):
+    """Consecutive row ranges of a dense weight or of GGUF blocks (whole rows: views)."""
+    if not isinstance(tensor, QuantBlocks):
+        return tensor.split(sizes)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [tensor.rows(start, size) for start, size in zip(starts, sizes, strict=True)]
 
 
 def _tie(weights, tie: bool, is_last: bool):

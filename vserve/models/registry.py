@@ -37,6 +37,8 @@ _GGUF_MODELS = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "SmolLM3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vserve.cache_files import cache_dir
-from vserve.models.gguf_config import known_architectures
+from vserve.models.gguf_config import completed_config, known_architectures
 from vserve.models.gguf_source import write_manifest
 from vserve.models.gguf_tokens import mark_special, read_special_tokens
 
@@ -124,7 +124,7 @@ def _describe(gguf: Path, folder: Path, chat_template: str | None, bar, steps) -
     bar.set_postfix_str(steps[0])
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     _drop_quantization(config)
-    config = _experts_config(config, gguf)
+    config = completed_config(config, gguf)
     bar.update()
     bar.set_postfix_str(steps[1])
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -191,52 +191,6 @@ def _drop_quantization(config) -> None:
     for c in (config, getattr(config, "text_config", None)):
         if c is not None and hasattr(c, "quantization_config"):
             delattr(c, "quantization_config")
-
-
-# a mixture's GGUF keys transformers' config mapping leaves out -> the config's names
-_EXPERT_KEYS = {
-    "expert_count": "num_experts",
-    "expert_used_count": "num_experts_per_tok",
-    "expert_feed_forward_length": "moe_intermediate_size",
-    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-}
-
-
-def _experts_config(config, gguf: Path):
-    """A mixture of experts' config as the file's keys say: transformers' mapping leaves the
-    experts' intermediate size at its default, and reads a Mixtral file (llama.cpp writes
-    it as `llama` with experts) as a dense Llama. Qwen3-MoE renormalizes its top k, as
-    llama.cpp's graph does for every `qwen3moe` file."""
-    if config.model_type not in ("qwen3_moe", "qwen2_moe", "llama"):
-        return config
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf)).fields
-    arch = fields["general.architecture"].contents()
-    found = {
-        attr: int(fields[f"{arch}.{key}"].contents())
-        for key, attr in _EXPERT_KEYS.items()
-        if f"{arch}.{key}" in fields
-    }
-    if config.model_type == "llama":
-        if not found.get("num_experts"):
-            return config
-        from transformers import MixtralConfig
-
-        dense = config.to_dict()
-        for key in ("model_type", "architectures", "transformers_version"):
-            dense.pop(key, None)
-        # a Mixtral expert's size is the file's feed_forward_length (intermediate_size)
-        return MixtralConfig(
-            **dense,
-            num_local_experts=found["num_experts"],
-            num_experts_per_tok=found["num_experts_per_tok"],
-        )
-    for attr, value in found.items():
-        setattr(config, attr, value)
-    if config.model_type == "qwen3_moe":
-        config.norm_topk_prob = True
-    return config
 
 
 def _add_eos(path: Path, extra: list[int]) -> None:
