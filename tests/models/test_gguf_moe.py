@@ -1,6 +1,6 @@
 """Mixture-of-experts GGUF files made by llama.cpp (tests/fixtures/llamacpp): Qwen3-MoE,
-Qwen2-MoE and Mixtral (`llama` with experts, its q/k rows permuted), their experts stacked in
-3-D tensors. The config comes from the file's keys, the
+Qwen2-MoE, Mixtral (`llama` with experts, its q/k rows permuted) and OLMoE, their experts
+stacked in 3-D tensors. The config comes from the file's keys, the
 experts stay in their blocks and a decode step runs only the routed ones; the model on its
 blocks is the same file dequantized, and with fp32 weights vserve's greedy ids are
 llama.cpp's own (recorded by the fixture script from `llama-server`)."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
-KINDS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+KINDS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of France"]
 ENGINE = dict(max_model_len=256, multiprocess=False, distributed_executor_backend="uni")
 
@@ -46,6 +46,10 @@ def test_config_is_the_files(kind):
 
     cfg = AutoConfig.from_pretrained(resolve_model_path(str(fixture(f"tiny-{kind}-q4_k_m.gguf"))))
     assert cfg.model_type == kind
+    if kind == "olmoe":  # a family transformers' GGUF reader does not know (gguf_config)
+        experts = (cfg.num_experts, cfg.num_experts_per_tok, cfg.intermediate_size)
+        assert experts == (4, 2, 256) and not cfg.norm_topk_prob
+        return
     if kind == "mixtral":  # each expert's size is the file's feed_forward_length
         experts = (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size)
         assert experts == (4, 2, 256)

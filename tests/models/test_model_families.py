@@ -1,8 +1,8 @@
 """The dense families beyond the first five (Granite, OLMo 2, SmolLM3, Phi-3, Gemma 2): the
 fused CPU decode layers run only those whose layers are Llama's or Gemma's (Phi-3, partial
 rotary included, and Gemma 2), their bf16 path stays within bf16 noise of transformers' bf16,
-Phi-3's LongRoPE table, and the architectures a model may name (a GGUF of OLMoE is refused up
-front; the families' GGUF files: test_gguf_families.py). Their fp32 greedy tokens equal
+Phi-3's LongRoPE table, and the architectures a model may name (the families' GGUF files:
+test_gguf_families.py). Their fp32 greedy tokens equal
 transformers': tests/e2e/test_equivalence_hf.py."""
 
 import pytest
@@ -12,7 +12,6 @@ from tests.models.test_bf16_vs_transformers import PROMPTS, _within, logprob_dif
 from tests.support.engines import make_llm
 from tests.support.tiny_models import _config
 from vserve import SamplingParams, cpu_ops
-from vserve.engine.arg_utils import EngineArgs
 from vserve.models.hf_config import ModelHFConfig, load_hf_config
 from vserve.models.layers import rope_inv_freq
 from vserve.models.packed_linear import can_pack
@@ -160,7 +159,11 @@ def test_the_wrapper_s_own_eos_and_dtype_win_over_the_text_config_s():
     }
 
 
-def test_gguf_files_of_families_without_gguf_support_are_refused(tiny_gguf_dir):
-    model = tiny_gguf_dir("olmoe")
-    with pytest.raises(ValueError, match="GGUF files of OlmoeForCausalLM are not supported"):
-        EngineArgs(model=model, dtype="float32").create_engine_config()
+def test_gguf_files_of_architectures_without_gguf_support_are_refused():
+    """The multimodal wrapper has no GGUF form (llama.cpp writes its text model as Gemma 3):
+    such a file is refused with the list of those that load."""
+    from vserve.models.registry import check_gguf_architecture
+
+    with pytest.raises(ValueError, match="GGUF files of Gemma3ForConditionalGeneration .*Olmoe"):
+        check_gguf_architecture("Gemma3ForConditionalGeneration")
+    check_gguf_architecture("OlmoeForCausalLM")

@@ -1,10 +1,10 @@
 """A GGUF file's config where transformers' GGUF reader falls short, while a file is described
 (`resolve.convert_gguf`).
 
-Architectures it does not know (Granite, OLMo 2 and SmolLM3, as llama.cpp's converter writes
-them) are taught to it. transformers reads a GGUF's config and tokenizer through one table of
+Architectures it does not know (Granite, OLMo 2, SmolLM3 and OLMoE, as llama.cpp's converter
+writes them) are taught to it. transformers reads a GGUF's config and tokenizer through one table of
 metadata keys per architecture (`GGUF_CONFIG_MAPPING`) and a list of the architectures it
-accepts; `known_architectures()` adds these three for the duration, so the config class is the
+accepts; `known_architectures()` adds these for the duration, so the config class is the
 family's own (`model_type` is the file's architecture) and the tokenizer comes out as for any
 other file.
 
@@ -44,6 +44,8 @@ MAPPINGS = {
     },
     "olmo2": dict(_COMMON),
     "smollm3": dict(_COMMON),
+    # OLMoE: each expert's size is feed_forward_length (its config's intermediate_size)
+    "olmoe": {**_COMMON, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
 }
 DEFAULTS = {"smollm3": {"no_rope_layer_interval": 4}}
 

@@ -18,8 +18,8 @@ expert, `w2`: down), and a step groups its tokens by expert: each expert the ste
 runs one matmul pair over its tokens, so a decode step reads only the routed experts'
 weights (k of E at batch 1). Tensor parallel splits every expert's intermediate rows as it
 splits a dense MLP; the experts' sum is all-reduced. Qwen-MoE layers outside the sparse step
-(`decoder_sparse_step`, `mlp_only_layers`) keep a dense MLP. From a GGUF file (Qwen3-MoE,
-Qwen2-MoE, Mixtral) the experts stay in their blocks: each expert's rows of the file's 3-D tensors
+(`decoder_sparse_step`, `mlp_only_layers`) keep a dense MLP. From a GGUF file the
+experts stay in their blocks: each expert's rows of the file's 3-D tensors
 become two quantized linears (`install_quant`), and a step runs the routed experts' only. The
 fused CPU decode layers never run these models (`supports_fused_decode`). On CUDA the dense
 experts run as two Triton grouped GEMMs (`csrc_triton/fused_moe.py`) instead of the loop.

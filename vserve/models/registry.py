@@ -39,6 +39,7 @@ _GGUF_MODELS = (
     "SmolLM3ForCausalLM",
     "Gemma2ForCausalLM",
     "Phi3ForCausalLM",
+    "OlmoeForCausalLM",
 )
 
 
