@@ -80,3 +80,44 @@ def test_fp32_greedy_equals_llamacpp(kind):
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == recorded["greedy"][name]
+
+
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+def test_bf16_and_f16_files_hold_the_f32_files_weights_rounded(half):
+    """BF16 and F16 files (llama-quantize of the F32 file) load dense: every weight is the F32
+    file's rounded to the type, bit for bit."""
+    import torch
+
+    from vserve.models.gguf_source import iter_gguf_weights
+    from vserve.models.resolve import resolve_model_path
+
+    rounded = {"bf16": torch.bfloat16, "f16": torch.float16}[half]
+    f32 = resolve_model_path(str(fixture("tiny-olmo2-f32.gguf")))
+    ref = dict(iter_gguf_weights(f32, torch.float32, quantized=True))
+    got = dict(
+        iter_gguf_weights(
+            resolve_model_path(str(fixture(f"tiny-olmo2-{half}.gguf"))),
+            torch.float32,
+            quantized=True,
+        )
+    )
+    assert got.keys() == ref.keys()
+    for name, w in ref.items():
+        expect = w if w.dim() == 1 else w.to(rounded).float()  # the norms stay F32
+        assert torch.equal(got[name], expect), name
+
+
+def test_a_bf16_file_runs_as_the_f32_file_in_bf16():
+    """In bf16 the BF16 file's model is the F32 file's: the same greedy ids and logprobs."""
+    from vserve import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    runs = []
+    for name in ("tiny-olmo2-bf16.gguf", "tiny-olmo2-f32.gguf"):
+        llm = _llm(fixture(name), dtype="bfloat16")
+        try:
+            outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs])
+    assert runs[0] == runs[1]

@@ -28,7 +28,7 @@ def fixture(name: str) -> Path:
 def _llm(path: Path, quantization: str = "gguf", **kw):
     from vserve import LLM
 
-    return LLM(str(path), quantization=quantization, dtype="float32", **{**ENGINE, **kw})
+    return LLM(str(path), quantization=quantization, **{"dtype": "float32", **ENGINE, **kw})
 
 
 def _model(llm):
