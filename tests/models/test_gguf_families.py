@@ -8,14 +8,18 @@ within its original 512, as llama-server's was)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.models.test_gguf_moe import FIXTURES, _llm, fixture
+from tests.support.llamacpp_files import (
+    PROMPTS,
+    fixture,
+    greedy_and_logprobs,
+    greedy_of_recorded_prompts,
+    make_llm,
+    worst_difference,
+)
 
 FAMILIES = ["granite", "olmo2", "smollm3", "gemma2", "phi3"]
-PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of France"]
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -41,45 +45,19 @@ def test_config_is_the_files(kind):
         assert rope["original_max_position_embeddings"] == 512
 
 
-def _greedy_and_logprobs(path, quantization: str):
-    from vserve import SamplingParams
-
-    llm = _llm(path, quantization)
-    try:
-        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
-        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    lps = [
-        [e[t].logprob for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs
-    ]
-    return [list(o.outputs[0].token_ids) for o in outs], lps
-
-
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_q8_0_on_its_blocks_is_the_dequantized_model(kind):
     path = fixture(f"tiny-{kind}-q8_0.gguf")
-    ids, lps = _greedy_and_logprobs(path, "gguf")
-    ref_ids, ref_lps = _greedy_and_logprobs(path, "none")
+    ids, lps = greedy_and_logprobs(make_llm(path, "gguf"))
+    ref_ids, ref_lps = greedy_and_logprobs(make_llm(path, "none"))
     assert ids == ref_ids
-    worst = max(abs(a - b) for ra, rb in zip(lps, ref_lps) for a, b in zip(ra, rb))
-    assert worst < 1e-4
+    assert worst_difference(lps, ref_lps) < 1e-4
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_fp32_greedy_equals_llamacpp(kind):
-    from vserve import SamplingParams
-
-    name = f"tiny-{kind}-f32.gguf"
-    recorded = json.loads((FIXTURES / "llamacpp_greedy.json").read_text())
-    llm = _llm(fixture(name))
-    try:
-        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        prompts = [{"prompt_token_ids": p} for p in recorded["prompts"]]
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == recorded["greedy"][name]
+    ours, llamacpp = greedy_of_recorded_prompts(f"tiny-{kind}-f32.gguf")
+    assert ours == llamacpp
 
 
 @pytest.mark.parametrize("half", ["bf16", "f16"])
@@ -114,7 +92,7 @@ def test_a_bf16_file_runs_as_the_f32_file_in_bf16():
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     runs = []
     for name in ("tiny-olmo2-bf16.gguf", "tiny-olmo2-f32.gguf"):
-        llm = _llm(fixture(name), dtype="bfloat16")
+        llm = make_llm(fixture(name), dtype="bfloat16")
         try:
             outs = llm.generate(PROMPTS, sp, use_tqdm=False)
         finally:

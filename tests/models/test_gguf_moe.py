@@ -7,32 +7,21 @@ llama.cpp's own (recorded by the fixture script from `llama-server`)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp"
+from tests.support.llamacpp_files import (
+    ENGINE,
+    PROMPTS,
+    fixture,
+    greedy_and_logprobs,
+    greedy_of_recorded_prompts,
+    make_llm,
+    runner_model,
+    worst_difference,
+)
+
 KINDS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
-PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of France"]
-ENGINE = dict(max_model_len=256, multiprocess=False, distributed_executor_backend="uni")
-
-
-def fixture(name: str) -> Path:
-    path = FIXTURES / name
-    assert path.is_file(), f"{path} is missing: tests/fixtures/llamacpp/make_fixtures.py"
-    return path
-
-
-def _llm(path: Path, quantization: str = "gguf", **kw):
-    from vserve import LLM
-
-    return LLM(str(path), quantization=quantization, **{"dtype": "float32", **ENGINE, **kw})
-
-
-def _model(llm):
-    return llm.engine.client.core.executor.worker.runner.model
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -62,24 +51,14 @@ def test_config_is_the_files(kind):
         assert cfg.shared_expert_intermediate_size == 256
 
 
-def _run(path: Path, quantization: str):
-    from vserve import SamplingParams
+def _run(path, quantization: str):
     from vserve.models.quant_linear import QuantLinear
 
-    llm = _llm(path, quantization)
-    try:
-        experts = [m for m in _model(llm).modules() if type(m).__name__ == "Experts"]
-        assert len(experts) == 2
-        on_blocks = [e.q13 is not None and isinstance(e.q13[0], QuantLinear) for e in experts]
-        assert on_blocks == [quantization == "gguf"] * 2
-        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
-        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    lps = [
-        [e[t].logprob for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs
-    ]
-    return [list(o.outputs[0].token_ids) for o in outs], lps
+    llm = make_llm(path, quantization)
+    experts = [m for m in runner_model(llm).modules() if type(m).__name__ == "Experts"]
+    on_blocks = [e.q13 is not None and isinstance(e.q13[0], QuantLinear) for e in experts]
+    assert on_blocks == [quantization == "gguf"] * 2
+    return greedy_and_logprobs(llm)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -90,8 +69,7 @@ def test_experts_on_their_blocks_are_the_dequantized_model(kind):
     ids, lps = _run(path, "gguf")
     ref_ids, ref_lps = _run(path, "none")
     assert ids == ref_ids
-    worst = max(abs(a - b) for ra, rb in zip(lps, ref_lps) for a, b in zip(ra, rb))
-    assert worst < 1e-4
+    assert worst_difference(lps, ref_lps) < 1e-4
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -99,26 +77,16 @@ def test_fp32_greedy_equals_llamacpp(kind):
     """llama.cpp's own greedy continuation of each prompt (token ids in and out, fp32 weights
     and KV cache): the same ids, so routing, renormalization and the shared expert's gate are
     llama.cpp's."""
-    from vserve import SamplingParams
-
-    name = f"tiny-{kind}-f32.gguf"
-    recorded = json.loads((FIXTURES / "llamacpp_greedy.json").read_text())
-    llm = _llm(fixture(name))
-    try:
-        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        prompts = [{"prompt_token_ids": p} for p in recorded["prompts"]]
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == recorded["greedy"][name]
+    ours, llamacpp = greedy_of_recorded_prompts(f"tiny-{kind}-f32.gguf")
+    assert ours == llamacpp
 
 
 def test_a_token_runs_only_its_routed_experts():
     """One token through a sparse layer: the quantized linears of its top-k experts run, no
     other expert's (a decode step reads k of E experts' blocks)."""
-    llm = _llm(fixture("tiny-qwen3_moe-q4_k_m.gguf"))
+    llm = make_llm(fixture("tiny-qwen3_moe-q4_k_m.gguf"))
     try:
-        layer = _model(llm).model.layers[0]
+        layer = runner_model(llm).model.layers[0]
         moe = layer.mlp
         ran: list[int] = []
         for e, (q13, q2) in enumerate(zip(moe.experts.q13, moe.experts.q2, strict=True)):
@@ -144,7 +112,7 @@ def test_tensor_parallel_checks_the_experts_blocks():
 
     folder = resolve_model_path(str(fixture("tiny-qwen3_moe-q4_k_m.gguf")))
     with pytest.raises(ValueError, match=r"o_proj.*whole blocks of 256"):
-        _llm(fixture("tiny-qwen3_moe-q4_k_m.gguf"), tensor_parallel_size=2)
+        make_llm(fixture("tiny-qwen3_moe-q4_k_m.gguf"), tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"experts\.down_proj.*whole blocks of 256"):
         check_tp_blocks(folder, 2, (".down_proj.weight",))
     check_tp_blocks(folder, 1, (".down_proj.weight",))
