@@ -99,7 +99,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     pairs = flat.numel()
     tiles = -(-pairs // block_m) + num_experts  # a bound: each run wastes under one tile
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # bincount would read the ids' range back to the host: a scatter keeps it on the device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(counts, 0) - counts  # each expert's first place in `order`
     padded_end = torch.cumsum(padded, 0)

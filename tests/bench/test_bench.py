@@ -313,3 +313,24 @@ def test_hf_backend_model_of_a_gguf_is_transformers_reading_it():
     ids = torch.tensor([[2, 86, 260, 270, 86, 300, 17, 45, 400, 33]])
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_hf_backend_model_of_a_mixture_gguf_is_llamacpps_model(kind):
+    """A mixture's experts, read one by one, stacked as transformers holds them: transformers'
+    greedy ids on the F32 file are llama.cpp's own (recorded by the fixture script)."""
+    import torch
+
+    from tests.support.llamacpp_files import FIXTURES, fixture
+    from vserve.bench.hf_backend import load_hf_model
+    from vserve.models.resolve import resolve_model_path
+
+    name = f"tiny-{kind}-f32.gguf"
+    recorded = json.loads((FIXTURES / "llamacpp_greedy.json").read_text())
+    model = load_hf_model(resolve_model_path(str(fixture(name))), torch.float32)
+    for prompt, expected in zip(recorded["prompts"], recorded["greedy"][name], strict=True):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in expected:
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert seq[len(prompt) :] == expected

@@ -46,7 +46,7 @@ def greedy_and_logprobs(llm, max_tokens: int = 12):
 
 
 def worst_difference(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
 def greedy_of_recorded_prompts(name: str) -> tuple[list[list[int]], list[list[int]]]:

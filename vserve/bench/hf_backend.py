@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -51,7 +52,8 @@ def load_hf_model(model_path: str, dtype: torch.dtype):
     tensors dequantized by vserve's reader (under transformers' own names, its fixes of
     llama.cpp's storage undone), not through transformers' GGUF loader, which parses the
     whole vocabulary again and dequantizes in a slower loop (33 s against a few for the
-    embedded model); the same values (tests/bench/test_bench.py)."""
+    embedded model); the same values (tests/bench/test_bench.py). A mixture's experts, read
+    one by one, are stacked as transformers holds them."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -63,6 +65,7 @@ def load_hf_model(model_path: str, dtype: torch.dtype):
     with no_init_weights():  # every weight is about to be assigned
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = dict(iter_gguf_weights(model_path, dtype, quantized=False))
+    state = _stacked_experts(state, set(model.state_dict()))
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     result = model.load_state_dict(state, strict=False)
@@ -78,6 +81,30 @@ def load_hf_model(model_path: str, dtype: torch.dtype):
             f"does not know {result.unexpected_keys[:4]}"
         )
     return model.eval()
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _stacked_experts(state: dict, names: set[str]) -> dict:
+    """Per-expert tensors (`...experts.3.up_proj.weight`) as transformers' stacked experts
+    (`...experts.gate_up_proj` [E, 2 I, H], gate rows first, and `...experts.down_proj`)
+    where its model has them."""
+    pieces: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    out = {}
+    for name, tensor in state.items():
+        found = _EXPERT.match(name)
+        if found is None or f"{found[1]}.gate_up_proj" not in names:
+            out[name] = tensor
+            continue
+        pieces.setdefault(found[1], {})[(int(found[2]), found[3])] = tensor
+    for prefix, parts in pieces.items():
+        experts = range(1 + max(e for e, _ in parts))
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in experts]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in experts])
+    return out
 
 
 def _left_pad(prompts: list[list[int]], pad: int):

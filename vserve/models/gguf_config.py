@@ -18,6 +18,7 @@ soft-caps, Phi-3's partial rotary and LongRoPE factors (stored as tensors).
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,24 +51,29 @@ MAPPINGS = {
 DEFAULTS = {"smollm3": {"no_rope_layer_interval": 4}}
 
 
+_TABLES = threading.RLock()  # transformers' tables are module-wide: one description at a time
+
+
 @contextmanager
 def known_architectures():
-    """transformers' GGUF reader accepts MAPPINGS' architectures while this lasts."""
+    """transformers' GGUF reader accepts MAPPINGS' architectures while this lasts (one
+    thread at a time: the tables are transformers' module-wide state)."""
     from transformers import modeling_gguf_pytorch_utils as reader
     from transformers.integrations import ggml
 
-    added = [a for a in MAPPINGS if a not in reader.GGUF_SUPPORTED_ARCHITECTURES]
-    for arch in added:
-        reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
-        ggml.GGUF_CONFIG_MAPPING[arch] = MAPPINGS[arch]
-        ggml.GGUF_CONFIG_DEFAULTS_MAPPING[arch] = DEFAULTS.get(arch, {})
-    try:
-        yield
-    finally:
+    with _TABLES:
+        added = [a for a in MAPPINGS if a not in reader.GGUF_SUPPORTED_ARCHITECTURES]
         for arch in added:
-            reader.GGUF_SUPPORTED_ARCHITECTURES.remove(arch)
-            ggml.GGUF_CONFIG_MAPPING.pop(arch, None)
-            ggml.GGUF_CONFIG_DEFAULTS_MAPPING.pop(arch, None)
+            reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
+            ggml.GGUF_CONFIG_MAPPING[arch] = MAPPINGS[arch]
+            ggml.GGUF_CONFIG_DEFAULTS_MAPPING[arch] = DEFAULTS.get(arch, {})
+        try:
+            yield
+        finally:
+            for arch in added:
+                reader.GGUF_SUPPORTED_ARCHITECTURES.remove(arch)
+                ggml.GGUF_CONFIG_MAPPING.pop(arch, None)
+                ggml.GGUF_CONFIG_DEFAULTS_MAPPING.pop(arch, None)
 
 
 # a mixture's GGUF keys transformers' config mapping leaves out -> the config's names

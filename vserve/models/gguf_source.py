@@ -128,7 +128,7 @@ def check_tp_blocks(model_path: str | Path, tp_size: int, row_parallel: tuple[st
     256 for the K-quants)."""
     manifest = json.loads(manifest_path(model_path).read_text())
     for info in read_tensor_table(Path(manifest["file"])).tensors:
-        name = manifest["names"].get(info.name, "")
+        name = manifest["names"].get(info.name) or ""  # tensors no weight takes: None
         block = _kernel_block(info.qtype)
         if block is None or not name.endswith(row_parallel):
             continue
