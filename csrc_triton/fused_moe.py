@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -180,11 +179,6 @@ def fused_experts(
     flat_weights = weights.reshape(-1).contiguous()
     down = _grouped_gemm(h, w2, plan, pairs, top_k, by_token=False, weights=flat_weights)
     return down.view(tokens, top_k, -1).sum(dim=1)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def fused_experts_reference(x, w13, w2, weights, ids, activation) -> torch.Tensor:

@@ -4,6 +4,7 @@ equal the per-pair torch loop, under the Triton interpreter on CPU (tiny shapes)
 that a run fills exactly or leaves part empty."""
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -16,10 +17,11 @@ from vserve.csrc_triton.fused_moe import (  # noqa: E402
     align,
     fused_experts,
     fused_experts_reference,
-    silu_and_mul,
 )
+from vserve.models.layers import act_and_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+silu_and_mul = partial(act_and_mul, act="silu")  # the gated activation the layer hands over
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 

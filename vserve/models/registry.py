@@ -23,24 +23,10 @@ _MODELS = {
     # the Gemma 3 4B-27B checkpoints: their text model (images are not read)
     "Gemma3ForConditionalGeneration": ("vserve.models.gemma3", "Gemma3ForCausalLM"),
 }
-# the architectures whose GGUF files load (their tensor names, llama.cpp's q/k row order and
-# norm storage: gguf_source); the others load from safetensors only
-_GGUF_MODELS = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Qwen2MoeForCausalLM",
-    "MixtralForCausalLM",
-    "GraniteForCausalLM",
-    "Olmo2ForCausalLM",
-    "SmolLM3ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Phi3ForCausalLM",
-    "OlmoeForCausalLM",
-)
+# the architectures with no GGUF form (llama.cpp writes the Gemma 3 4B-27B text model as
+# `gemma3`); every other one reads its GGUF files (their tensor names, llama.cpp's q/k row
+# order and norm storage: gguf_source; configs: gguf_config)
+_NO_GGUF = ("Gemma3ForConditionalGeneration",)
 
 
 def supported_architectures() -> list[str]:
@@ -49,11 +35,11 @@ def supported_architectures() -> list[str]:
 
 def check_gguf_architecture(architecture: str) -> None:
     """ValueError unless GGUF files of `architecture` load."""
-    if architecture not in _GGUF_MODELS:
+    if architecture not in _MODELS or architecture in _NO_GGUF:
+        readable = sorted(a for a in _MODELS if a not in _NO_GGUF)
         raise ValueError(
             f"GGUF files of {architecture} are not supported; vserve reads GGUF files of "
-            f"{', '.join(sorted(_GGUF_MODELS))} (load this model from its safetensors "
-            "checkpoint instead)"
+            f"{', '.join(readable)} (load this model from its safetensors checkpoint instead)"
         )
 
 
