@@ -137,10 +137,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     n = p.parse_args().batch
     torch.set_num_threads(1)
-    print(f"worker feedback push + write back + plan: {feedback_us(n):7.0f} us/step")
-    print(f"torch attention prepare (decode only):    {attention_prepare_us(n):7.0f} us/step")
+    feedback, prepare = feedback_us(n), attention_prepare_us(n)
+    print(f"worker feedback push + write back + plan: {feedback:7.0f} us/step")
+    print(f"torch attention prepare (decode only):    {prepare:7.0f} us/step")
     schedule, commit = scheduler_us(n)
     print(f"scheduler schedule / update_from_output:  {schedule:7.0f} / {commit:.0f} us/step")
+    total = feedback + prepare + schedule + commit
+    print(f"host loop in all:                         {total:7.0f} us/step")
 
 
 if __name__ == "__main__":

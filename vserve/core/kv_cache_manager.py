@@ -118,8 +118,12 @@ class KVCacheManager:
         Returns the ids of the blocks added (hits first), or None when a pool is short; on
         None nothing changed, except that sliding-window blocks which left the window of the
         request's next query are returned (they are dead either way)."""
-        hit = hit or PrefixHit()
         req_id = request.request_id
+        if hit is None and self.local is None:  # most steps: the blocks held suffice
+            held = self.req_blocks.get(req_id)
+            if held is not None and num_total_tokens <= len(held) * self.block_size:
+                return ([],)
+        hit = hit or PrefixHit()
         held = self.req_blocks.setdefault(req_id, [])
         num_required = -(-num_total_tokens // self.block_size)
         num_new = max(0, num_required - len(held) - len(hit.full))
@@ -144,14 +148,14 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_settled_tokens: int) -> None:
         """Register the request's full blocks among its first `num_settled_tokens` tokens."""
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if min(num_settled_tokens, request.num_tokens) // self.block_size <= start:
+            return  # no new full block (most calls: a decode step fills one token)
         if not self.uses_cache(request):
             return
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:
             return
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        if min(num_settled_tokens, request.num_tokens) // self.block_size <= start:
-            return  # no new full block (most calls: a decode step fills one token)
         hashes = self._hashes_upto(request, num_settled_tokens)
         end = min(len(hashes), len(blocks))
         for i in range(start, end):

@@ -120,17 +120,19 @@ class Scheduler:
         return self._build_output(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
+        pp, drafting = self.config.pipeline_parallel_size > 1, self.spec is not None
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            decode = req.num_uncomputed == 1
-            num_new = (
-                0 if self._pp_defers(req, decode, plan) else self._num_new_tokens(req, plan.budget)
-            )
+            decode = pp and req.num_uncomputed == 1  # counted for pipeline parallel only
+            if pp and self._pp_defers(req, decode, plan):
+                i += 1
+                continue
+            num_new = self._num_new_tokens(req, plan.budget)
             if num_new == 0:
                 i += 1
                 continue
-            drafts = self._propose(req, num_new, plan.budget)
+            drafts = self._propose(req, num_new, plan.budget) if drafting else []
             num_computed = req.num_computed_tokens
             block_ids = self._allocate_or_preempt(req, num_new + len(drafts), plan)
             if block_ids is None:
@@ -146,7 +148,7 @@ class Scheduler:
         `pp` steps old, when stage 0 has that token (vLLM V2's decode cadence); and a step
         takes at most 1/pp of the running requests as decodes, so the groups stay even."""
         pp = self.config.pipeline_parallel_size
-        if pp == 1 or not decode:
+        if not decode:
             return False
         if req.num_output_placeholders and plan.step_id - req.inflight_step_ids[-1] < pp:
             return True
@@ -228,15 +230,16 @@ class Scheduler:
         if budget <= 0:
             return 0
         ph = req.num_output_placeholders
-        max_tokens = req.max_tokens
-        if max_tokens is not None and req.num_output_tokens + ph >= max_tokens:
+        num_tokens = len(req.all_token_ids)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None and num_tokens - len(req.prompt_token_ids) + ph >= max_tokens:
             return 0
-        if req.num_tokens + ph >= self.config.max_model_len:
+        if num_tokens + ph >= self.config.max_model_len:
             return 0
         if self.spec is not None and ph > 0 and self._waits_for_drafts(req, ph):
             self.num_draft_waits += 1
             return 0  # its next step may carry drafts: they need every earlier id on the host
-        pending = req.num_tokens - req.num_computed_tokens
+        pending = num_tokens - req.num_computed_tokens
         if self.config.async_scheduling:
             pending += ph
         return max(0, min(pending, budget))
@@ -307,27 +310,29 @@ class Scheduler:
     def _schedule_req(
         self, req: Request, num_new: int, plan: _StepPlan, drafts: Sequence[int] = ()
     ) -> None:
-        prompt_left = req.num_prompt_tokens - req.num_computed_tokens
-        plan.num_prompt_tokens += max(0, min(num_new, prompt_left))
+        req_id, num_tokens = req.request_id, len(req.all_token_ids)
+        prompt_left = len(req.prompt_token_ids) - req.num_computed_tokens
+        if prompt_left > 0:
+            plan.num_prompt_tokens += min(num_new, prompt_left)
         num_new += len(drafts)
         req.num_computed_tokens += num_new
         plan.budget -= num_new
-        plan.num_scheduled[req.request_id] = num_new
-        plan.epochs[req.request_id] = req.epoch
+        plan.num_scheduled[req_id] = num_new
+        plan.epochs[req_id] = req.epoch
         req.inflight_step_ids.append(plan.step_id)
         if drafts:
             # placeholders for every token the step may yield: the drafts and one more
             req.num_output_placeholders += 1 + len(drafts)
-            plan.sampling.add(req.request_id)
-            plan.spec_tokens[req.request_id] = list(drafts)
-        elif req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            plan.sampling.add(req_id)
+            plan.spec_tokens[req_id] = list(drafts)
+        elif req.num_computed_tokens == num_tokens + req.num_output_placeholders:
             if req.use_grammar:
-                plan.grammar_ids.append(req.request_id)
+                plan.grammar_ids.append(req_id)
                 # tokens in flight have not advanced the grammar yet: sample after they commit
                 plan.pending_grammar |= req.num_output_placeholders > 0
             req.num_output_placeholders += 1
-            plan.sampling.add(req.request_id)
-        self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            plan.sampling.add(req_id)
+        self.kv.cache_blocks(req, min(req.num_computed_tokens, num_tokens))
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         new = [self._new_request_data(r, plan.num_scheduled[r.request_id]) for r in plan.new_reqs]
@@ -400,20 +405,26 @@ class Scheduler:
     def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:
         index = {req_id: i for i, req_id in enumerate(ro.req_ids)}
         outputs, self._error_outputs = self._error_outputs, []
+        requests, epochs, sampling = self.requests, so.req_epochs, so.sampling_req_ids
+        prompt_logprobs, pooled, drafts = ro.prompt_logprobs, ro.pooled, so.spec_token_ids
         for req_id in so.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is None or req.epoch != so.req_epochs[req_id]:
+            req = requests.get(req_id)
+            if req is None or req.epoch != epochs[req_id]:
                 continue  # finished, aborted or preempted since this step was scheduled
             assert req.inflight_step_ids.popleft() == so.step_id, "steps committed out of order"
-            if req_id in ro.prompt_logprobs:
-                _add_prompt_logprobs(req, *ro.prompt_logprobs[req_id])
-            if req_id in ro.pooled:
-                add_pooled(req, *ro.pooled[req_id])
-            if req_id not in so.sampling_req_ids:
+            if prompt_logprobs and req_id in prompt_logprobs:
+                _add_prompt_logprobs(req, *prompt_logprobs[req_id])
+            if pooled and req_id in pooled:
+                add_pooled(req, *pooled[req_id])
+            if req_id not in sampling:
                 continue  # a partial prefill chunk yields nothing
             i = index[req_id]
             tokens = ro.sampled_token_ids[i]
-            self._settle_placeholders(req, len(so.spec_token_ids.get(req_id, ())), len(tokens))
+            num_drafts = len(drafts[req_id]) if drafts and req_id in drafts else 0
+            if num_drafts or len(tokens) != 1:
+                self._settle_placeholders(req, num_drafts, len(tokens))
+            else:  # one token, no drafts: its placeholder becomes the token
+                req.num_output_placeholders -= 1
             out = self._commit_tokens(req, tokens, ro.logprobs[i] if ro.logprobs else None)
             outputs.append(out)
         self._num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
@@ -445,7 +456,7 @@ class Scheduler:
         out = EngineCoreOutput(
             req.request_id,
             emitted,
-            new_logprobs=_logprobs_delta(logprobs, len(emitted)),
+            None if logprobs is None else _logprobs_delta(logprobs, len(emitted)),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             prompt_logprobs=req.prompt_logprobs,
             incarnation=req.incarnation,
@@ -461,7 +472,7 @@ class Scheduler:
             out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
             out.error = req.error
         else:
-            self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+            self.kv.cache_blocks(req, min(req.num_computed_tokens, len(req.all_token_ids)))
         return out
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
@@ -470,15 +481,17 @@ class Scheduler:
         sp = req.sampling_params
         if req.grammar is not None and req.grammar.is_terminated():
             return RequestStatus.FINISHED_STOPPED  # nothing can follow, whatever ignore_eos
-        if req.num_output_tokens > sp.min_tokens:
+        num_tokens = len(req.all_token_ids)
+        num_output = num_tokens - len(req.prompt_token_ids)
+        if num_output > sp.min_tokens:
             if not sp.ignore_eos and token_id in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if sp.stop_token_ids and token_id in sp.stop_token_ids:
                 req.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
