@@ -97,10 +97,14 @@ class SamplerOutput:
 
 class Sampler:
     """`use_kernel`: sample CPU logits with the fused kernel (vserve/cpu_ops/sample.cpp) when it
-    builds; False keeps the torch path everywhere (the oracle the kernel is tested against)."""
+    builds, and CUDA logits' rows without top-k / top-p / min-p with the Triton kernel
+    (csrc_triton/sample.py); False keeps the torch path everywhere (the oracle both are tested
+    against). `triton`: True takes the Triton kernel on any device (on CPU tensors under
+    TRITON_INTERPRET=1, for tests), False never; None where Triton compiles (CUDA)."""
 
-    def __init__(self, use_kernel: bool = True) -> None:
+    def __init__(self, use_kernel: bool = True, triton: bool | None = None) -> None:
         self.use_kernel = use_kernel
+        self.triton = triton
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [rows, vocab] in the model's dtype (fp32 only where it is needed)."""
@@ -166,12 +170,45 @@ class Sampler:
 
     # -- random sampling -------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if self._takes_triton(logits):
+            return self._sample_triton(logits, meta)
         kernel = self.kernel(logits)
         if kernel is not None:
             return sample_with_kernel(
                 kernel, logits, meta, CANDIDATES, _keep_top, _pick, _sample_filtered
             )
         return self._sample_torch(logits.float(), meta)
+
+    def _takes_triton(self, logits: torch.Tensor) -> bool:
+        if not self.use_kernel or self.triton is False or logits.stride(-1) != 1:
+            return False
+        return self.triton or logits.device.type == "cuda"
+
+    def _sample_triton(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy and unfiltered rows in one launch over the logits as they are; rows with
+        top-k / top-p / min-p through the torch path."""
+        from vserve.csrc_triton.sample import sample_rows
+
+        device, temps = logits.device, meta.temperature
+        filtered = [i for i, t in enumerate(temps) if t > 0.0 and _filters(meta, i)]
+        plain = [i for i in range(len(temps)) if not (temps[i] > 0.0 and _filters(meta, i))]
+        out = torch.empty(logits.shape[0], dtype=torch.long, device=device)
+        if plain:
+            u = [uniform_for(meta.seeds[i], meta.positions[i]) for i in plain]
+            picks = sample_rows(
+                logits,
+                upload(plain, device, torch.long),
+                upload([temps[i] for i in plain], device, torch.float32),
+                upload(u, device, torch.float64),
+            )
+            if not filtered:
+                return picks
+            out[upload(plain, device)] = picks
+        idx = upload(filtered, device)
+        scaled = logits[idx].float() / upload([temps[i] for i in filtered], device).unsqueeze(1)
+        u_f = [uniform_for(meta.seeds[i], meta.positions[i]) for i in filtered]
+        out[idx] = _sample_filtered(scaled, upload(u_f, device, torch.float64), meta, filtered)
+        return out
 
     def _sample_torch(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         out = fast_argmax(logits)
