@@ -7,10 +7,12 @@
   on-device feedback of the previous step's samples, positions, slot mapping).
 - `fused_moe`: a mixture of experts' step as two grouped GEMMs over the (token, slot) pairs
   sorted by expert, each tile reading one expert's weights (the CUDA path of the experts).
+- `sample`: sampling rows without top-k / top-p / min-p in one launch (the CUDA path of the
+  sampler): argmax, or the (seed, position) inverse CDF of softmax(x / T).
 - `variants`: counts the compiled variants a run of the kernels needs, by Triton's
   specialization rules (tests keep that count bounded).
 
 Importing a submodule imports `triton`; nothing in `vserve` imports this package except the
-Triton attention backend and, on CUDA, the experts of a mixture, so vserve still imports
-where triton is missing.
+Triton attention backend and, on CUDA, the experts of a mixture and the sampler, so vserve
+still imports where triton is missing.
 """

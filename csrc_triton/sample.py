@@ -3,13 +3,15 @@
 
 One program per row reads the logits in the model's dtype, with no copy of the row:
   pass 1: the maximum m and its first index (a greedy row, T == 0, stops here: argmax);
-  pass 2: the total of e_i = exp(x_i / T - m / T) in fp32, chunk sums added in fp64, as
-          softmax(x / T) computes its terms;
+  pass 2: the total of e_i = exp(x_i / T - m / T) in fp32 (IEEE division), chunk sums added
+          in fp64, as softmax(x / T) computes its terms;
   pass 3: the first token whose cumulative sum exceeds u * total, u the row's uniform number
           from (request seed, position) (`vserve.core.seeds.uniform_for`): the inverse CDF of
           `workers/sampler.py`'s torch path and of the CPU kernel, so a seeded request picks
           the same token on every device, except where u falls within rounding of a CDF edge.
-          The cumulative sum is taken inside the one chunk where it crosses the target only.
+          The cumulative sum is taken inside the one chunk where it crosses the target only;
+          should rounding leave that chunk's running sum short of the target, its last token
+          of nonzero probability is taken (never a masked one).
 `sample_rows_reference` is the float64 torch computation it is tested against.
 """
 
@@ -48,13 +50,13 @@ def _sample_kernel(
         m = tl.maximum(m, cm)
     t = tl.load(temp_ptr + i)
     if t > 0.0:
-        mt = m / t
+        mt = tl.div_rn(m, t)
         # pass 2: the total
         total = tl.full([], 0.0, tl.float64)
         for start in range(0, V, BLOCK):
             idx = start + offs
             x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            e = tl.exp(x / t - mt)
+            e = tl.exp(tl.div_rn(x, t) - mt)
             total += tl.sum(e.to(tl.float64), 0)
         # pass 3: the first cumulative sum above u * total
         target = tl.load(u_ptr + i) * total
@@ -63,14 +65,15 @@ def _sample_kernel(
         for start in range(0, V, BLOCK):
             idx = start + offs
             x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            e = tl.exp(x / t - mt).to(tl.float64)
+            e = tl.exp(tl.div_rn(x, t) - mt).to(tl.float64)
             s = tl.sum(e, 0)
             if (pick == V) & (run + s > target):
                 c = tl.cumsum(e, 0) + run
                 first = tl.min(tl.where((c > target) & (idx < V), idx, V), 0).to(tl.int64)
-                pick = tl.minimum(pick, first)
+                last = tl.max(tl.where(e > 0, idx, -1), 0).to(tl.int64)
+                pick = tl.where(first < V, first, last)
             run += s
-        arg = tl.minimum(pick, V - 1)  # rounding left u * total at the end: the last token
+        arg = tl.minimum(pick, V - 1)  # (run ends at total, so some chunk crosses u * total)
     tl.store(out_ptr + i, arg)
 
 

@@ -13,6 +13,7 @@ logprobs stay on the device (`PendingLogprobs`) until the step's host copy has l
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from vserve.core.outputs import LogprobsDelta
 from vserve.core.seeds import uniform_for
 from vserve.workers.cpu_sampling import sample_with_kernel
 from vserve.workers.device import host_reads_are_free, upload
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -182,7 +185,7 @@ class Sampler:
     def _takes_triton(self, logits: torch.Tensor) -> bool:
         if not self.use_kernel or self.triton is False or logits.stride(-1) != 1:
             return False
-        return self.triton or logits.device.type == "cuda"
+        return bool(self.triton) or (logits.device.type == "cuda" and _HAS_TRITON)
 
     def _sample_triton(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy and unfiltered rows in one launch over the logits as they are; rows with
@@ -195,15 +198,16 @@ class Sampler:
         out = torch.empty(logits.shape[0], dtype=torch.long, device=device)
         if plain:
             u = [uniform_for(meta.seeds[i], meta.positions[i]) for i in plain]
+            rows = upload(plain, device, torch.long)
             picks = sample_rows(
                 logits,
-                upload(plain, device, torch.long),
+                rows,
                 upload([temps[i] for i in plain], device, torch.float32),
                 upload(u, device, torch.float64),
             )
             if not filtered:
                 return picks
-            out[upload(plain, device)] = picks
+            out[rows] = picks
         idx = upload(filtered, device)
         scaled = logits[idx].float() / upload([temps[i] for i in filtered], device).unsqueeze(1)
         u_f = [uniform_for(meta.seeds[i], meta.positions[i]) for i in filtered]

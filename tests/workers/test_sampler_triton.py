@@ -55,7 +55,7 @@ def test_kernel_reads_rows_of_a_strided_view_and_keeps_ties_first():
     assert (got[temps == 0] == 17).all()
 
 
-def test_a_u_at_the_top_of_the_cdf_takes_the_last_token():
+def test_a_u_just_below_one_takes_the_last_token():
     logits = torch.zeros(1, 50, device=DEVICE)
     one = torch.tensor([1.0], device=DEVICE)
     top = torch.tensor([1.0 - 2.0**-53], dtype=torch.float64, device=DEVICE)
@@ -77,22 +77,37 @@ def test_triton_tokens_follow_the_distribution(temperature):
         assert not chi_square_ok(_draw(row, temperature=1.0), reference_probs(row, temperature))
 
 
-def test_a_mixed_batch_equals_the_torch_path_token_for_token():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("processed", [False, True], ids=["raw", "biased"])
+def test_a_mixed_batch_equals_the_torch_path_token_for_token(dtype, processed, monkeypatch):
+    import vserve.csrc_triton.sample as kernel
+
+    launched = []
+    monkeypatch.setattr(
+        kernel, "sample_rows", lambda *a: launched.append(len(a[1])) or sample_rows(*a)
+    )
     g = torch.Generator().manual_seed(5)
     n = 24
-    logits = (torch.randn(n, 700, generator=g) * 2).to(DEVICE)
+    logits = (torch.randn(n, 700, generator=g) * 2).to(dtype).to(DEVICE)
     meta = _meta(n, temperature=1.0, seed=3)
     meta.temperature = [(0.0, 0.7, 1.0, 1.6)[i % 4] for i in range(n)]
     meta.top_k = [20 if i % 5 == 1 else 0 for i in range(n)]
     meta.top_p = [0.8 if i % 7 == 2 else 1.0 for i in range(n)]
     meta.seeds = [100 + i for i in range(n)]
+    if processed:  # an fp32 copy with the bias applied is what gets sampled
+        meta.logit_bias = [{i: 5.0, 3: -100.0} if i % 3 == 0 else None for i in range(n)]
     triton_ids = Sampler(triton=True)(logits, meta).token_ids
     torch_ids = Sampler(use_kernel=False)(logits, meta).token_ids
     assert torch.equal(triton_ids.cpu(), torch_ids.cpu())
+    hot = [t > 0 for t in meta.temperature]
+    filters = [k > 0 or p < 1 for k, p in zip(meta.top_k, meta.top_p)]
+    filtered = sum(h and f for h, f in zip(hot, filters))
+    assert launched == [n - filtered]  # one launch, for every unfiltered row
 
 
-def test_the_torch_oracle_and_cpu_kernel_paths_do_not_take_triton():
+def test_which_samplers_take_triton():
     logits = torch.randn(2, 64)
+    assert Sampler(triton=True)._takes_triton(logits)
     assert not Sampler(use_kernel=False, triton=True)._takes_triton(logits)
     assert not Sampler()._takes_triton(logits)  # CPU tensors: the fused CPU kernel
     assert not Sampler(triton=True)._takes_triton(logits.t())  # vocabulary not contiguous
