@@ -68,6 +68,7 @@ def _draw(row: torch.Tensor, **params) -> torch.Tensor:
     return Sampler(triton=True)(logits, meta).token_ids.cpu()
 
 
+@pytest.mark.slow  # 500 interpreted programs a draw
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_triton_tokens_follow_the_distribution(temperature):
     row = _row()
