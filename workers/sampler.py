@@ -208,34 +208,34 @@ class Sampler:
             if not filtered:
                 return picks
             out[rows] = picks
-        idx = upload(filtered, device)
-        scaled = logits[idx].float() / upload([temps[i] for i in filtered], device).unsqueeze(1)
-        u_f = [uniform_for(meta.seeds[i], meta.positions[i]) for i in filtered]
-        out[idx] = _sample_filtered(scaled, upload(u_f, device, torch.float64), meta, filtered)
+        idx, scaled, u_f = _scaled_rows(logits, meta, filtered)
+        out[idx] = _sample_filtered(scaled, u_f, meta, filtered)
         return out
 
     def _sample_torch(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         out = fast_argmax(logits)
-        device = logits.device
         rows = [i for i, t in enumerate(meta.temperature) if t > 0.0]
         plain = [i for i in rows if not _filters(meta, i)]
         filtered = [i for i in rows if _filters(meta, i)]
         for group, sort in ((plain, False), (filtered, True)):
             if not group:
                 continue
-            idx = upload(group, device)
-            temps = upload([meta.temperature[i] for i in group], device)
-            scaled = logits[idx] / temps.unsqueeze(1)
-            u = upload(
-                [uniform_for(meta.seeds[i], meta.positions[i]) for i in group],
-                device,
-                torch.float64,
-            )
+            idx, scaled, u = _scaled_rows(logits, meta, group)
             if sort:
                 out[idx] = _sample_filtered(scaled, u, meta, group)
             else:
                 out[idx] = inverse_cdf(scaled.softmax(dim=-1), u)
         return out
+
+
+def _scaled_rows(logits: torch.Tensor, meta: SamplingMetadata, group: list[int]):
+    """For the rows `group`: their ids on the device, their logits / temperature in fp32, and
+    their uniform numbers from (seed, position) in fp64."""
+    device = logits.device
+    idx = upload(group, device)
+    temps = upload([meta.temperature[i] for i in group], device)
+    u = [uniform_for(meta.seeds[i], meta.positions[i]) for i in group]
+    return idx, logits[idx].float() / temps.unsqueeze(1), upload(u, device, torch.float64)
 
 
 def fast_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
