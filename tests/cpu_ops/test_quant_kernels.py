@@ -620,9 +620,8 @@ def test_avx2_int8_gemv_is_the_product(quant, qtype, n, k):
 @pytest.mark.parametrize("qtype", SMALL_FORMATS, ids=[q.name for q in SMALL_FORMATS])
 @pytest.mark.parametrize("blocks", [4, 5, 6, 7, 9, 15, 20])
 def test_avx2_gemv_of_eight_block_groups_and_the_blocks_after_them(quant, qtype, blocks):
-    """The AVX2 Q4_0 / Q5_0 rows convert their scales eight blocks at a time, and the last
-    blocks % 8 as one shorter group (Q8_0, one scale a block, alongside): every split is the
-    product, for 1, 3 and 8 rows."""
+    """The AVX2 Q4_0 / Q5_0 / Q8_0 rows convert their scales eight blocks at a time, and the
+    last blocks % 8 as one shorter group: every split is the product, for 1, 3 and 8 rows."""
     k = 32 * blocks
     data = random_weight(qtype, 45, k, seed=20 + blocks)
     w = reference(data, qtype)

@@ -12,8 +12,8 @@
 // vpmaddubsw, with Q4_0's and Q5_0's offsets (8, 16) and the K-quants' mins taken away as
 // d * offset * d_x * sum(q_x) (K-quants: dmin * min_j per sub-block). The eight int32 lanes
 // of a block's dot are scaled in fp32 by d_w * d_x (Q6_K: lanes 0-3 and 4-7 by their own
-// 16-weight scales) into fp32 accumulators; Q4_0 / Q5_0 convert eight blocks' scales at once
-// (rows32). With AVX-VNNI one vpdpbusd takes the place of vpmaddubsw and vpmaddwd
+// 16-weight scales) into fp32 accumulators; Q4_0 / Q5_0 / Q8_0 convert eight blocks' scales
+// at once (rows32). With AVX-VNNI one vpdpbusd takes the place of vpmaddubsw and vpmaddwd
 // (`dot_lanes`). The only error beyond fp32 summation is the activations' rounding, as on the
 // VNNI path (the offsets' and mins' terms are subtracted in fp32, so a block of weights at
 // their offset gives a residue of fp32 rounding rather than an exact 0).
@@ -63,8 +63,8 @@ QUANT_INLINE __m256i bit_bytes(uint32_t h) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 
-// Each rows() format's (Q8_0, the K-quants, Q6_K) `block(p, emit, mins)` calls emit(C<j>, w, scale) for the 32-weight groups j
-// of the block at p: w its 32 quants (signed when kSigned, else unsigned), scale the fp32
+// Each rows() format's (the K-quants, Q6_K) `block(p, emit, mins)` calls emit(C<j>, w, scale)
+// for the 32-weight groups j of the block at p: w its 32 quants (signed when kSigned, else unsigned), scale the fp32
 // factor of each int32 lane of their dot. The K-quants with mins also call mins(v): v lane j
 // = dmin * min_j of sub-block j.
 
@@ -91,13 +91,6 @@ struct Q8_0 {
   static constexpr int kBlock = 32, kBytes = 34, kOffset = 0;
   static constexpr bool kSigned = true;
   static QUANT_INLINE __m256i quants(const uint8_t* b) { return load32(b + 2); }
-  // rows()'s form, one scale a block, for a few rows: measured faster for Q8_0 than rows32's
-  // at one row (Q8_0 reads 34 bytes a block, so its scales are fewer of the work; 2 threads,
-  // 0.87-0.94x in rows32); from kQ8Rows32 rows rows32's
-  template <class Emit, class Mins>
-  static QUANT_INLINE void block(const uint8_t* b, Emit&& emit, Mins&&) {
-    emit(C<0>{}, quants(b), _mm256_set1_ps(half_at(b)));
-  }
 };
 
 // Q4_K / Q5_K: 32-byte group g of nibbles holds sub-block 2g (low) and 2g + 1 (high); Q5_K
@@ -408,10 +401,6 @@ void rows32(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool b
   }
 }
 
-// Q8_0 takes rows32's form (eight blocks' d_w * d_x at once: one multiply fewer per block
-// and row) from this many rows; below, rows()'s (see Q8_0)
-constexpr int kQ8Rows32 = 4;
-
 template <class F, int M = 1>
 void dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const XRows& x, void* y,
               bool bf16_out, int64_t n, int64_t r0, int64_t r1) {
@@ -421,8 +410,8 @@ void dispatch(int64_t m, const uint8_t* w, int64_t row_bytes, const XRows& x, vo
       return;
     }
   }
-  // Q4_0, Q5_0; and Q8_0 from kQ8Rows32 rows, where the products outweigh the weight bytes
-  if constexpr (F::kBlock == 32 && (!F::kSigned || M >= kQ8Rows32))
+  // the 32-weight formats (Q4_0, Q5_0, Q8_0) eight blocks a step; the 256-weight ones a block
+  if constexpr (F::kBlock == 32)
     rows32<F, M>(w, row_bytes, x, y, bf16_out, n, r0, r1);
   else
     rows<F, M>(w, row_bytes, x, y, bf16_out, n, r0, r1);
