@@ -64,8 +64,8 @@ QUANT_INLINE __m256i bit_bytes(uint32_t h) {
 }
 
 // Each rows() format's (the K-quants, Q6_K) `block(p, emit, mins)` calls emit(C<j>, w, scale)
-// for the 32-weight groups j of the block at p: w its 32 quants (signed when kSigned, else unsigned), scale the fp32
-// factor of each int32 lane of their dot. The K-quants with mins also call mins(v): v lane j
+// for the 32-weight groups j of the block at p: w its 32 quants (signed when kSigned, else
+// unsigned), scale the fp32 factor of each int32 lane of their dot. The K-quants with mins also call mins(v): v lane j
 // = dmin * min_j of sub-block j.
 
 // The 32-weight formats: an fp16 scale, then the quants. `quants(b)` gives them as bytes in
@@ -268,13 +268,14 @@ QUANT_INLINE void store_y(void* y, bool bf16_out, int64_t n, int64_t mi, int64_t
     static_cast<float*>(y)[mi * n + r] = v;
 }
 
-// y[m, r] = x[m] . w[r] for rows r0..r1, all M activation rows at once: each weight group is
-// unpacked once and dotted with the M rows' quants; one row alone keeps two accumulator
-// chains (a 32-weight format takes two blocks a step to fill them)
+// y[m, r] = x[m] . w[r] for rows r0..r1 of a 256-weight format, all M activation rows at
+// once: each weight group is unpacked once and dotted with the M rows' quants; one row alone
+// keeps two accumulator chains (the 32-weight formats take rows32)
 template <class F, int M>
 void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf16_out,
           int64_t n, int64_t r0, int64_t r1) {
-  constexpr int A = M == 1 ? 2 : 1, G = F::kBlock / 32, U = G == 1 ? 2 : 1;
+  static_assert(F::kBlock == 256, "rows() takes the super-block formats");
+  constexpr int A = M == 1 ? 2 : 1, G = F::kBlock / 32;
   const int64_t units = x.blocks / G;
   for (int64_t r = r0; r < r1; ++r) {
     vserve_rows::fetch_ahead(w, row_bytes, r, r1);
@@ -284,12 +285,12 @@ void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf1
       macc[m.value] = _mm256_setzero_ps();
       unroll<A>([&](auto a) QUANT_FLATTEN { acc[m.value][a.value] = _mm256_setzero_ps(); });
     });
-    auto step = [&](int64_t u, auto uu) QUANT_FLATTEN {
+    for (int64_t u = 0; u < units; ++u) {
       const int64_t b0 = u * G;
       F::block(
           row + u * F::kBytes,
           [&](auto j, __m256i q, __m256 scale) QUANT_FLATTEN {
-            constexpr int a = (decltype(uu)::value * G + decltype(j)::value) % A;
+            constexpr int a = decltype(j)::value % A;
             const int64_t b = b0 + decltype(j)::value;
             add_dots<F::kSigned>(q, x.q + b * M * 32, acc, C<a>{}, [&](auto m) QUANT_FLATTEN {
               return _mm256_mul_ps(scale, _mm256_broadcast_ss(x.dx + m.value * x.blocks + b));
@@ -302,10 +303,7 @@ void rows(const uint8_t* w, int64_t row_bytes, const XRows& x, void* y, bool bf1
                                          macc[mi]);
             });
           });
-    };
-    int64_t u = 0;
-    for (; u + U <= units; u += U) unroll<U>([&](auto uu) QUANT_FLATTEN { step(u + uu.value, uu); });
-    for (; u < units; ++u) step(u, C<0>{});
+    }
     unroll<M>([&](auto m) QUANT_FLATTEN {
       constexpr int mi = decltype(m)::value;
       __m256 s = acc[mi][0];
