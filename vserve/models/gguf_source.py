@@ -214,6 +214,12 @@ def _parse_table(buf: memoryview, path: Path) -> TensorTable:
             etype, count = take("I"), take("Q")
             if etype in _SCALARS:
                 pos += _SCALARS[etype] * count
+            elif etype == 8:  # a vocabulary: walk the lengths, decode nothing
+                length = struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    pos += 8 + length(buf, pos)[0]
+                if pos > len(buf):
+                    raise struct.error("past the end")
             else:
                 for _ in range(count):
                     skip(etype)

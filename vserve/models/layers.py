@@ -70,8 +70,6 @@ def rope_inv_freq(
     context (`max_positions`) may pass the original training length, else its short ones
     (transformers switches per call by the sequence's length, and recomputes its cache when
     a sequence crosses that length)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = getattr(hf_config, "rope_parameters", None) or {}
     if layer_type is not None and layer_type in params:
         params = params[layer_type]
@@ -84,6 +82,9 @@ def rope_inv_freq(
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         arange = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
         return 1.0 / (base ** (arange / dim)), 1.0
+    # transformers only for the scaled kinds: importing it costs a worker ~1.5 s of start-up
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     fn = ROPE_INIT_FUNCTIONS[rope_type]
     kwargs: dict = {"layer_type": layer_type} if layer_type is not None else {}
     if rope_type == "longrope" and max_positions is not None:

@@ -45,7 +45,7 @@ def load_model(
             model = cls(hf_config, stage, max_positions, tp)
     finally:
         torch.set_default_dtype(previous)
-    model.to_empty(device=device)
+    _materialize(model, device)
     qkernel = _quant_kernel(quantization, device, dtype)
     if gguf_file(model_path) is not None:
         quantized = quantization == "gguf" and qkernel is not None
@@ -75,6 +75,12 @@ def load_model(
         if kernel is not None:
             share_head(model, kernel)
     return model
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)` without its meta-tensor `empty_like`, whose reference
+    implementation imports sympy (~0.6 s of a worker's start-up)."""
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def _quant_kernel(quantization: str, device: torch.device, dtype: torch.dtype):
