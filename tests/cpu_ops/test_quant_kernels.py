@@ -823,3 +823,55 @@ def test_q5_0r_rows_stay_rows_and_bad_inputs_are_refused(q5_0r):
         q5_0r.gemv(torch.randn(1, 96, dtype=BF), r[:, :66].contiguous(), Q5_0R, 96)
     with pytest.raises(RuntimeError, match="row_bytes"):
         q5_0r.gemv(torch.randn(1, 128, dtype=BF), r, Q5_0R, 128)
+
+
+# ---- Q5_0 as Q8_0: rewritten at load for the 256-bit int8 products (quant_formats.cpp) ----
+
+
+def assert_q8_0_is_the_same_weights(quant, data: torch.Tensor, k: int) -> None:
+    """As Q8_0, the rows hold exactly Q5_0's weights (gguf's dequantization of either), and
+    the products on them equal the Q5_0 ones to fp32 summation's rounding (the same integer
+    block dots, summed by another kernel), and bf16 outputs to one bf16 step where that
+    rounding lands on either side of a bf16 value."""
+    q8 = quant.q5_0_as_q8_0(data, k)
+    assert q8.shape == (data.shape[0], k // 32 * 34) and q8.dtype == torch.uint8
+    ref = reference(data.numpy(), Q.Q5_0)
+    assert_bitwise(reference(q8.numpy(), Q.Q8_0), ref)
+    assert_bitwise(quant.dequantize(q8, int(Q.Q8_0), k), ref)
+    torch.manual_seed(3)
+    for dtype in (BF, torch.float32):
+        for m in (1, 3, 8, 9, 33):
+            x = activations(m, k, dtype)
+            got = quant.matmul(x, q8, int(Q.Q8_0), k).float()
+            want = quant.matmul(x, data, int(Q.Q5_0), k).float()
+            rtol = 1e-5 if dtype == torch.float32 else 2**-7
+            atol = rtol * want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("k", [32, 640, 1024])
+def test_q5_0_as_q8_0_is_the_same_weights(quant, exact, k):
+    assert_q8_0_is_the_same_weights(quant, torch.from_numpy(random_weight(Q.Q5_0, 37, k)), k)
+
+
+def test_q5_0_as_q8_0_of_a_real_gguf_tensor(quant, exact, gguf_slices):
+    data, qtype, k = gguf_slices["blk.0.attn_q.weight"]
+    assert qtype == Q.Q5_0
+    assert_q8_0_is_the_same_weights(quant, torch.from_numpy(data), k)
+
+
+def test_q5_0_as_q8_0_every_fifth_bit_and_nibble():
+    """Each of the 32 positions takes each of the 32 values -16..15 once over 32 blocks."""
+    quant = cpu_ops.load_quant()
+    values = (np.arange(32)[:, None] + np.arange(32)[None, :]) % 32  # [block, position]
+    raw = np.zeros((32, 22), dtype=np.uint8)
+    raw[:, :2] = np.full(32, 0.5, dtype=np.float16).view(np.uint8).reshape(32, 2)
+    high = (((values >> 4) & 1) << np.arange(32)).sum(axis=1).astype("<u4")
+    raw[:, 2:6] = high.view(np.uint8).reshape(32, 4)
+    raw[:, 6:] = (values[:, :16] & 15) | ((values[:, 16:] & 15) << 4)
+    data = torch.from_numpy(raw.reshape(1, -1))
+    q8 = quant.q5_0_as_q8_0(data, 32 * 32).reshape(32, 34)
+    assert torch.equal(q8[:, 2:].view(torch.int8), torch.from_numpy(values - 16).to(torch.int8))
+    assert torch.equal(q8[:, :2], data.reshape(32, 22)[:, :2])
+    with pytest.raises(RuntimeError, match="row_bytes"):
+        quant.q5_0_as_q8_0(torch.from_numpy(random_weight(Q.Q8_0, 4, 128)), 128)

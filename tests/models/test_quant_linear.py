@@ -249,7 +249,8 @@ def test_install_moves_streamed_blocks_into_one_arena(kernel):
     assert install(model, kernel, torch.float32) == 3
     o_data, head_data = model.o.parts[0].data, model.lm_head.parts[0].data
     assert o_data.data_ptr() != o.data.data_ptr() and torch.equal(o_data, o.data)
-    assert torch.equal(head_data, head.data)
+    rewritten = model.lm_head.parts[0].qtype != Q.Q5_0  # as Q8_0 (AVX2's int8 products)
+    assert torch.equal(head_data, kernel.q5_0_as_q8_0(head.data, 64) if rewritten else head.data)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         assert o_data.data_ptr() % (2 << 20) == 0  # the arena starts on a huge page
     assert head_data.data_ptr() == o_data.data_ptr() + o_data.numel()  # 64 x 34: aligned
@@ -264,8 +265,9 @@ def test_install_moves_streamed_blocks_into_one_arena(kernel):
 def test_install_repacks_streamed_q5_0_for_the_quad_gemv(kernel, monkeypatch, repack):
     """Where the gemv reads Q5_0R, a linear's Q5_0 rows of whole quads (K % 128 == 0) are
     repacked into it on their way into the arena, a tied head's too (the embedding then
-    looks its rows up in them); rows of K % 128 != 0 stay Q5_0; VSERVE_QUANT_REPACK=0 keeps
-    them all. The outputs are the dense layers' either way."""
+    looks its rows up in them); rows of K % 128 != 0 stay Q5_0. Where the int8 products are
+    the 256-bit ones (AVX2, AVX-VNNI), every Q5_0 linear becomes Q8_0 (34 bytes a block).
+    VSERVE_QUANT_REPACK=0 keeps them all. The outputs are the dense layers' either way."""
     monkeypatch.setattr(quant_linear, "ENV", replace(quant_linear.ENV, quant_repack=repack))
     model = nn.Module()
     model.embed = nn.Embedding(96, 128)
@@ -278,10 +280,14 @@ def test_install_repacks_streamed_q5_0_for_the_quad_gemv(kernel, monkeypatch, re
     model.up.quant_weight, model.down.quant_weight = up, down
     model.lm_head.quant_weight = model.embed.quant_weight = head  # tied
     assert install(model, kernel, torch.float32) == 4
-    name = "Q5_0R" if repack and kernel.q5_0r_supported() else "Q5_0"
+    as_q8_0 = repack and not kernel.q5_0r_supported() and kernel.int8_gemv() in ("avx2", "avx_vnni")
+    name = "Q5_0R" if repack and kernel.q5_0r_supported() else "Q8_0" if as_q8_0 else "Q5_0"
     assert model.up.parts[0].name == name and model.lm_head.parts[0].name == name
-    assert model.up.parts[0].data.shape == up.data.shape  # as many bytes, reordered
-    assert model.down.parts[0].name == "Q5_0"
+    if as_q8_0:
+        assert model.up.parts[0].data.shape == (64, 128 // 32 * 34)
+    else:
+        assert model.up.parts[0].data.shape == up.data.shape  # as many bytes, reordered
+    assert model.down.parts[0].name == ("Q8_0" if as_q8_0 else "Q5_0")
     assert model.embed.blocks is model.lm_head.parts[0]
     x = torch.randn(3, 128)
     for dtype in (torch.float32, torch.bfloat16):  # (bf16 outside the exact path: int8 gemv)
@@ -305,6 +311,14 @@ def test_arena_copy_transforms_one_tensor_at_a_time():
     a, b = torch.arange(8, dtype=torch.uint8).reshape(2, 4), torch.arange(3, dtype=torch.uint8)
     copies = arena_copy([a, b], [double, None])
     assert torch.equal(copies[0], a * 2) and torch.equal(copies[1], b) and seen == [8]
+
+
+def test_arena_copy_takes_transforms_that_change_the_size():
+    a, b = torch.arange(8, dtype=torch.uint8).reshape(2, 4), torch.arange(3, dtype=torch.uint8)
+    widen = lambda t: torch.cat([t, t + 100], dim=1)  # noqa: E731
+    copies = arena_copy([a, b], [widen, None], [(2, 8), None])
+    assert torch.equal(copies[0], widen(a)) and torch.equal(copies[1], b)
+    assert copies[1].data_ptr() == copies[0].data_ptr() + 64  # 16 bytes, aligned to 64
 
 
 def test_arena_copy_aligns_each_tensor():

@@ -10,7 +10,7 @@
 | quant_api.cpp         | that API: checks, each product's path   | cpu_ops/test_quant_kernels.py  |
 | quant_paths.h         | the paths a build has, their entries    | cpu_ops/test_quant_kernels.py  |
 | quant_blocks.h        | type ids, format dispatch, fp16 scales  | cpu_ops/test_quant_kernels.py  |
-| quant_formats.{h,cpp} | block layouts, dequantize, Q5_0R repack | cpu_ops/test_quant_kernels.py  |
+| quant_formats.{h,cpp} | layouts, dequantize, Q5_0R, Q5_0->Q8_0  | cpu_ops/test_quant_kernels.py  |
 | quant_gemv.cpp        | gemv, M <= 8 rows: exact and int8 VNNI  | cpu_ops/test_quant_kernels.py  |
 | quant_vnni.h          | what the int8 gemv and the GEMMs share  | cpu_ops/test_quant_kernels.py  |
 | quant_gemm.cpp        | int8 GEMM, M > 8 rows (AVX512-VNNI)     | cpu_ops/test_quant_kernels.py  |

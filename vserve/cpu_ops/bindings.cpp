@@ -110,6 +110,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   quant.def("amx_gemm", &vserve_quant::amx_gemm);
   quant.def("q5_0r_supported", &vserve_quant::q5_0r_supported);
   quant.def("repack_q5_0", &vserve_quant::repack_q5_0, py::arg("data"), py::arg("k"));
+  quant.def("q5_0_as_q8_0", &vserve_quant::q5_0_as_q8_0, py::arg("data"), py::arg("k"));
   quant.def("int8_gemv", &vserve_quant::int8_gemv);
   quant.def("int8_activations", &vserve_quant::int8_activations, py::arg("dtype"));
   quant.def("gemv_avx2", &vserve_quant::gemv_avx2_checked, py::arg("x"), py::arg("data"),

@@ -52,6 +52,9 @@ int64_t row_bytes_of(int64_t qtype, int64_t k);  // -1 when k is not a whole num
 bool q5_0r_supported();
 // Q5_0 blocks [N, K / 32 * 22] as Q5_0R [N, K / 128 * 88] (K % 128 == 0), a new tensor
 at::Tensor repack_q5_0(const at::Tensor& data, int64_t k);
+// Q5_0 blocks [N, K / 32 * 22] as Q8_0 [N, K / 32 * 34], a new tensor: each weight d * (q - 16)
+// becomes the int8 q - 16 under the same fp16 d, so the values are exactly the same
+at::Tensor q5_0_as_q8_0(const at::Tensor& data, int64_t k);
 
 // The kernels' two switches, vserve/envs.py's VSERVE_QUANT_EXACT and VSERVE_QUANT_AMX, which
 // vserve/cpu_ops/__init__.py sets once when it loads the extension (tests set them to run the

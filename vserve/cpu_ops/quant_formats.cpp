@@ -117,6 +117,30 @@ at::Tensor repack_q5_0(const at::Tensor& data, int64_t k) {
   return out;
 }
 
+at::Tensor q5_0_as_q8_0(const at::Tensor& data, int64_t k) {
+  check_weight(data, kQ5_0, k);
+  const int64_t n = data.size(0), blocks = n * (k / Q5_0::kBlock);
+  auto out = at::empty({n, k / Q8_0::kBlock * Q8_0::kBytes}, data.options());
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  // on the loading thread (the embedded model's 44 MB take milliseconds): a worker's thread
+  // team is not started before its thread count and placement are set
+  for (int64_t i = 0; i < blocks; ++i) {
+    const uint8_t* b = src + i * Q5_0::kBytes;
+    uint8_t* o = dst + i * Q8_0::kBytes;
+    uint32_t high;
+    std::memcpy(&high, b + 2, sizeof(high));
+    std::memcpy(o, b, 2);  // d, as it is
+    for (int j = 0; j < 16; ++j) {  // weight j: low nibble of byte j, j + 16: its high one
+      const int lo5 = (b[6 + j] & 15) | (((high >> j) & 1) << 4);
+      const int hi5 = (b[6 + j] >> 4) | (((high >> (j + 16)) & 1) << 4);
+      o[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(lo5 - 16));
+      o[18 + j] = static_cast<uint8_t>(static_cast<int8_t>(hi5 - 16));
+    }
+  }
+  return out;
+}
+
 bool supported_qtype(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: case kQ5_0: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;

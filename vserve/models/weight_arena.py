@@ -23,24 +23,38 @@ HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor starts on a cache line
 
 
-def arena_copy(tensors: list[torch.Tensor], transforms: list | None = None) -> list[torch.Tensor]:
-    """uint8 copies of `tensors` (each contiguous, same shapes) in one huge-page mapping;
-    `transforms[i]`, when given and not None, makes what is copied for tensor i (a tensor of
-    its shape), one at a time: a load holds at most one transformed tensor besides the arena."""
+def arena_copy(
+    tensors: list[torch.Tensor],
+    transforms: list | None = None,
+    shapes: list[tuple[int, ...] | None] | None = None,
+) -> list[torch.Tensor]:
+    """uint8 copies of `tensors` (each contiguous) in one huge-page mapping; `transforms[i]`,
+    when given and not None, makes what is copied for tensor i (a tensor of shape
+    `shapes[i]` where that is given, else of its own), one at a time: a load holds at most
+    one transformed tensor besides the arena."""
     if not tensors:
         return []
+    shapes = shapes or [None] * len(tensors)
+    sizes = [t.shape if shape is None else shape for t, shape in zip(tensors, shapes, strict=True)]
     offsets, size = [], 0
-    for t in tensors:
+    for shape in sizes:
         offsets.append(size)
-        size += -(-t.numel() // ALIGN) * ALIGN
+        size += -(-_numel(shape) // ALIGN) * ALIGN
     base = huge_page_buffer(size)
     out = []
-    for i, (t, offset) in enumerate(zip(tensors, offsets, strict=True)):
-        dst = base[offset : offset + t.numel()].view(t.shape)
+    for i, (t, offset, shape) in enumerate(zip(tensors, offsets, sizes, strict=True)):
+        dst = base[offset : offset + _numel(shape)].view(shape)
         fn = transforms[i] if transforms is not None else None
         dst.copy_(t if fn is None else fn(t))
         out.append(dst)
     return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def huge_page_buffer(size: int) -> torch.Tensor:
