@@ -280,7 +280,9 @@ def test_install_repacks_streamed_q5_0_for_the_quad_gemv(kernel, monkeypatch, re
     model.up.quant_weight, model.down.quant_weight = up, down
     model.lm_head.quant_weight = model.embed.quant_weight = head  # tied
     assert install(model, kernel, torch.float32) == 4
-    as_q8_0 = repack and not kernel.q5_0r_supported() and kernel.int8_gemv() in ("avx2", "avx_vnni")
+    as_q8_0 = (
+        repack and not kernel.q5_0r_supported() and kernel.int8_gemv() in quant_linear.Q8_0_FOR_Q5_0
+    )
     name = "Q5_0R" if repack and kernel.q5_0r_supported() else "Q8_0" if as_q8_0 else "Q5_0"
     assert model.up.parts[0].name == name and model.lm_head.parts[0].name == name
     if as_q8_0:

@@ -65,8 +65,8 @@ QUANT_INLINE __m256i bit_bytes(uint32_t h) {
 
 // Each rows() format's (the K-quants, Q6_K) `block(p, emit, mins)` calls emit(C<j>, w, scale)
 // for the 32-weight groups j of the block at p: w its 32 quants (signed when kSigned, else
-// unsigned), scale the fp32 factor of each int32 lane of their dot. The K-quants with mins also call mins(v): v lane j
-// = dmin * min_j of sub-block j.
+// unsigned), scale the fp32 factor of each int32 lane of their dot. The K-quants with mins
+// also call mins(v): v lane j = dmin * min_j of sub-block j.
 
 // The 32-weight formats: an fp16 scale, then the quants. `quants(b)` gives them as bytes in
 // order: Q8_0 signed; Q4_0 / Q5_0 unsigned (0..15 / 0..31), their offset kOffset (8 / 16)

@@ -37,14 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vserve.envs import ENV
-from vserve.models.gguf_source import Q5_0, Q5_0R, QuantBlocks
+from vserve.models.gguf_source import Q5_0, Q5_0R, Q8_0, QuantBlocks
 from vserve.models.parallel_layers import VocabParallelEmbedding, vocab_lookup
 from vserve.models.stage import FusedLinear
 from vserve.models.weight_arena import arena_copy
 
 Part = QuantBlocks | torch.Tensor  # a run of rows in one block format, or dense rows
 GEMV_MAX_ROWS = 8  # the kernel's register-blocked gemv takes up to 8 activation rows
-Q8_0 = 8
 
 
 class QuantLinear(nn.Module):

@@ -15,6 +15,7 @@ read stay resident beside the arena (page cache, reclaimable) while the model li
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -39,22 +40,15 @@ def arena_copy(
     offsets, size = [], 0
     for shape in sizes:
         offsets.append(size)
-        size += -(-_numel(shape) // ALIGN) * ALIGN
+        size += -(-math.prod(shape) // ALIGN) * ALIGN
     base = huge_page_buffer(size)
     out = []
     for i, (t, offset, shape) in enumerate(zip(tensors, offsets, sizes, strict=True)):
-        dst = base[offset : offset + _numel(shape)].view(shape)
+        dst = base[offset : offset + math.prod(shape)].view(shape)
         fn = transforms[i] if transforms is not None else None
         dst.copy_(t if fn is None else fn(t))
         out.append(dst)
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def huge_page_buffer(size: int) -> torch.Tensor:
