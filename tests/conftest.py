@@ -89,6 +89,21 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_server(tiny_model_dir):
+    """`vserve serve` on the tiny llama (fp32, served as "tiny", 512 tokens of context),
+    started once for the modules that test the OpenAI surface and `vserve bench serve`
+    through it; its exit status is checked when the session ends. Tests that share it read
+    what they caused (prompts no other test sends, counters as differences)."""
+    from tests.support.openai_server import TINY_ARGS, TINY_MAX_MODEL_LEN, TINY_NAME, serving
+
+    model_dir = tiny_model_dir("llama")
+    args = [model_dir, *TINY_ARGS, "--served-model-name", TINY_NAME]
+    with serving([*args, "--max-model-len", str(TINY_MAX_MODEL_LEN)]) as srv:
+        srv.model_dir = model_dir
+        yield srv
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf_dir(tiny_model_dir, tmp_path_factory):
     """tiny_model_dir's model written as a GGUF model folder (tests/support/tiny_gguf.py)."""
     from tests.support.tiny_gguf import build_gguf_model

@@ -9,25 +9,12 @@ import sys
 
 import pytest
 
-from tests.support.openai_server import TINY_ARGS, ServerProcess
 from vserve.bench.serve import RequestResult, compute_metrics
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = ServerProcess(
-        [
-            tiny_model_dir("llama"),
-            *TINY_ARGS,
-            "--max-model-len",
-            "512",
-            "--served-model-name",
-            "tiny",
-        ]
-    ).wait_ready()
-    srv.model_dir = tiny_model_dir("llama")
-    yield srv
-    assert srv.stop() == 0
+def server(tiny_llama_server):
+    return tiny_llama_server
 
 
 LABELS = [

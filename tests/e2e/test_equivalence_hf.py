@@ -2,7 +2,7 @@
 batching, chunked prefill, prefix-cache hits and preemption by a tiny KV cache. The later
 families (Granite, OLMo 2, SmolLM3, Phi-3, Gemma 2) and the mixtures of experts (Qwen3-MoE,
 Qwen2-MoE, Mixtral, OLMoE) differ from the first five in their layers only, not in how steps
-are scheduled: they run plain and chunked."""
+are scheduled: they run plain, and chunked in the slow tier."""
 
 import pytest
 
@@ -30,8 +30,10 @@ def _generate(model_dir, prompts, **engine_kwargs):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-CASES = [(k, s) for k in KINDS for s in SCENARIOS] + [
-    (k, s) for k in FAMILY_KINDS + MOE_KINDS for s in ("plain", "chunked")
+CASES = [
+    *[(k, s) for k in KINDS for s in SCENARIOS],
+    *[(k, "plain") for k in FAMILY_KINDS + MOE_KINDS],
+    *[pytest.param(k, "chunked", marks=pytest.mark.slow) for k in FAMILY_KINDS + MOE_KINDS],
 ]
 
 

@@ -36,6 +36,9 @@ from vserve.executor.multiproc import free_port
 
 RANK = 1
 QUIET_S = 1.0  # how long a stranger gets to do harm
+# a stranger taking a rank stays in the fast tier; the other strangers' tests wait out
+# QUIET_S windows, and run in the slow tier
+slow = pytest.mark.slow
 
 
 def _endpoint_port(addr: str) -> int:
@@ -165,6 +168,7 @@ def test_a_stranger_cannot_take_a_rank(loopback):
         head.close(host)
 
 
+@slow
 def test_a_stranger_cannot_receive_add_frames(loopback):
     """PULL sockets without the keys (or with wrong ones) on an engine's input get none of the
     head's frames: every one goes to the engine."""
@@ -185,6 +189,7 @@ def test_a_stranger_cannot_receive_add_frames(loopback):
         head.close(host)
 
 
+@slow
 def test_a_strangers_connect_and_disconnect_kills_no_engine(loopback):
     """Connections to the engine's sockets that come and go (bare TCP, ZMQ without keys, ZMQ
     with wrong keys) are no sign of the engine's death."""
@@ -206,6 +211,7 @@ def test_a_strangers_connect_and_disconnect_kills_no_engine(loopback):
         head.close(host)
 
 
+@slow
 def test_a_strangers_junk_frames_never_reach_the_head(loopback):
     """Frames a PUSH without the keys sends to an engine's output are never read by the head
     (a junk frame there would mark the engine dead); the engine's own still are."""
@@ -232,6 +238,7 @@ def test_a_strangers_junk_frames_never_reach_the_head(loopback):
         head.close(host)
 
 
+@slow
 def test_a_silent_connection_before_the_engines_kills_no_engine(loopback):
     """A stranger's TCP connection to the engine's output, open before the engine connects
     and closed after: the engine's handshake is not credited to it, nor its close to the

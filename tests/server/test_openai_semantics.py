@@ -20,9 +20,9 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.support.openai_server import TINY_ARGS, offline_app, serving
+from tests.support.openai_server import TINY_NAME, offline_app
 
-MODEL = "tiny"
+MODEL = TINY_NAME
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]
 EOS = 1  # the tiny models' </s>
@@ -237,18 +237,8 @@ def assert_matches(value, spec) -> None:
 
 # -- the server ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with serving(
-        [
-            tiny_model_dir("llama"),
-            *TINY_ARGS,
-            "--served-model-name",
-            MODEL,
-            "--max-model-len",
-            "256",
-        ]
-    ) as srv:
-        yield srv
+def server(tiny_llama_server):
+    return tiny_llama_server
 
 
 @pytest.fixture(scope="module")

@@ -123,6 +123,7 @@ def test_the_message_holds_the_thoughts_apart(client):
     assert re.fullmatch(r"[x-z]{3,6}", message.content), message
 
 
+@pytest.mark.slow
 def test_the_stream_splits_at_tags_across_deltas(client):
     whole = _forced(client, THINKING).choices[0].message
     reasoning, content = [], []

@@ -11,26 +11,17 @@ import httpx
 import openai
 import pytest
 
-from tests.support.openai_server import TINY_ARGS, ServerProcess
+from tests.support.openai_server import TINY_MAX_MODEL_LEN, TINY_NAME
 
-MODEL = "tiny-llama"
-MAX_MODEL_LEN = 512
+MODEL = TINY_NAME
+MAX_MODEL_LEN = TINY_MAX_MODEL_LEN
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    model_dir = tiny_model_dir("llama")
-    srv = ServerProcess(
-        [model_dir, *TINY_ARGS, "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
-    )
-    try:
-        srv.wait_ready()
-        srv.model_dir = model_dir
-        yield srv
-    finally:
-        assert srv.stop() == 0
+def server(tiny_llama_server):
+    return tiny_llama_server
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,10 @@ __all__ = [
 
 # small, fast settings for the tiny test models
 TINY_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "2048"]
+# the tiny llama server that the OpenAI-surface and bench-serve modules share (one start-up
+# for all of them: `tiny_llama_server` in tests/conftest.py)
+TINY_NAME = "tiny"
+TINY_MAX_MODEL_LEN = 512
 
 
 def free_port() -> int:
