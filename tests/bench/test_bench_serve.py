@@ -72,7 +72,7 @@ def _bench_args(server, tmp_path) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+@pytest.mark.parametrize("backend", ["openai", pytest.param("openai-chat", marks=pytest.mark.slow)])
 def test_bench_serve_prints_reference_labels(server, tmp_path, backend):
     stdout, result = _run(
         server,
@@ -125,6 +125,7 @@ def test_bench_serve_reads_a_local_sharegpt_file(server, tmp_path):
     assert result["output_lens"] == [5] * 6
 
 
+@pytest.mark.slow
 def test_bench_serve_poisson_rate(server, tmp_path):
     stdout, result = _run(server, tmp_path, "--request-rate", "20", "--seed", "1")
     assert "Request rate configured (RPS):" in stdout and "20.00" in stdout

@@ -120,6 +120,7 @@ def _late_rank(rank: int, world: int, port: int, shm_dir: str, results) -> None:
         results.put((rank, traceback.format_exc()))
 
 
+@pytest.mark.slow
 def test_shm_all_reduce_times_out_when_a_rank_never_arrives(tmp_path):
     got = _run(_late_rank, 2, str(tmp_path))
     assert "ranks [1] did not arrive" in got[0], got[0]
