@@ -112,6 +112,7 @@ UNPARK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a child process; the fast tier keeps the park's own measure
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for 2 threads")
 def test_unpark_wakes_the_team_before_the_work_ends():
     """After `unpark` the other thread spins (ready for the forward) while fn still runs;

@@ -273,6 +273,7 @@ def test_a_reserved_core_pins_worker_engine_core_and_front_end(tiny_model_dir, m
     assert _thread_cpus(os.getpid()) == before
 
 
+@pytest.mark.slow  # another engine start-up; the fast tier keeps the pinning itself
 def test_the_front_end_gets_its_cpus_back_when_the_engine_core_dies(tiny_model_dir, monkeypatch):
     """The engine core pins the front end beside itself and gives its CPUs back at shutdown;
     killed, it cannot: the front end restores them itself once it sees the core gone (before,
