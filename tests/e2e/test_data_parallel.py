@@ -264,9 +264,11 @@ def test_remote_engine_death_with_keep_serving(model, expected):
         core = next(p for p in tree if b"core_proc" in _cmdline(p))
         kill(core, signal.SIGKILL)
         assert host1.wait(timeout=30) == 1
+        remote = llm.engine.client.clients[1]
         deadline = time.monotonic() + 10
-        while 1 in llm.engine.client.router.alive and time.monotonic() < deadline:
+        while remote.dead_message is None and time.monotonic() < deadline:
             time.sleep(0.05)  # the death is seen from the host's report, not by a request
+        assert remote.dead_message is not None and "exited on its host" in remote.dead_message
         with pytest.raises(ValueError, match="engine 1 is dead"):
             llm.generate(_prompts(PROMPTS[:1]), GREEDY, data_parallel_rank=1)
         assert _ids(llm.generate(_prompts(PROMPTS), GREEDY, use_tqdm=False)) == expected
