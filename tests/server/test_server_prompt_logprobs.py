@@ -192,7 +192,8 @@ def _evaluate(model: str, model_args: dict, folder) -> dict:
         model=model,
         model_args=model_args,
         tasks=tasks,
-        task_manager=TaskManager(include_path=str(folder)),
+        # our two tasks alone: indexing lm-eval's own thousands of tasks takes 10 s a call
+        task_manager=TaskManager(include_path=str(folder), include_defaults=False),
         log_samples=True,
         batch_size=1,
         random_seed=0,
