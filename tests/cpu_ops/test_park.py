@@ -90,6 +90,25 @@ def test_parked_threads_use_no_cpu(ops):
     assert parked < 0.25 * spinning, (parked, spinning)
 
 
+def test_unpark_outside_a_park_does_nothing(ops, two_threads):
+    ops.unpark()
+    assert ops.parked(lambda: (ops.unpark(), ops.unpark(), 4)[2]) == 4  # twice: once counts
+    assert ops.parked(lambda: 5) == 5  # the next park sleeps again (its own state)
+    assert ops.parked(lambda: ops.parked(lambda: (ops.unpark(), 6)[1])) == 6  # nested: the outer
+
+
+def test_a_raise_after_unpark_leaves_the_pool_working(ops, two_threads):
+    def fail():
+        ops.unpark()
+        raise KeyError("after the wake")
+
+    for _ in range(20):
+        with pytest.raises(KeyError):
+            ops.parked(fail)
+    x = torch.randn(256, 256)
+    torch.testing.assert_close(ops.parked(lambda: x @ x), x @ x)
+
+
 UNPARK = textwrap.dedent(
     """
     import time
