@@ -199,3 +199,28 @@ def test_grammars_held_by_requests_are_bounded(embedded_tokenizer):
         assert manager.submit(_regex("(eee|fff)")).result(120) is not None
     finally:
         manager.shutdown()
+
+
+@pytest.mark.slow
+def test_a_worker_started_ahead_is_the_one_used_and_closes_unused(tiny_model_dir):
+    """The worker process starts before the engine core builds its own compiler (their
+    imports overlap): the first compile runs in that process, and a handle closed before any
+    compile leaves no process behind."""
+    import xgrammar as xgr
+
+    from vserve.engine import grammar_worker
+    from vserve.engine.grammar_worker import CompileWorker, Job
+    from vserve.tokenizer import load_tokenizer
+
+    info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(tiny_model_dir("llama")))
+    started = grammar_worker.spawn()
+    worker = CompileWorker(info.serialize_json(), 256, started)
+    try:
+        assert worker.check(Job("regex", LIGHT), 60).ok
+        assert worker._proc is started and worker.num_started == 1
+    finally:
+        worker.close()
+    assert started.poll() is not None
+    unused = grammar_worker.spawn()
+    CompileWorker(info.serialize_json(), 256, unused).close()
+    assert unused.poll() is not None

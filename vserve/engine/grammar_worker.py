@@ -70,10 +70,15 @@ class CompileWorker:
     within a deadline; `kill` (from any thread) ends the job in flight. The process starts
     on first use and again after it was killed or died."""
 
-    def __init__(self, tokenizer_info: str, memory_mb: int) -> None:
+    def __init__(
+        self, tokenizer_info: str, memory_mb: int, started: subprocess.Popen[bytes] | None = None
+    ) -> None:
+        """`started`: a process from `spawn()` still importing, set up on first use (the
+        engine core builds the tokenizer info the worker needs meanwhile)."""
         self._setup = msgspec.msgpack.encode(Setup(tokenizer_info, memory_mb << 20))
         self.memory_mb = memory_mb
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = started
         self._ready_rss = 0  # the worker's resident bytes when it was ready
         self._lock = threading.Lock()
         self.num_started = 0
@@ -112,14 +117,17 @@ class CompileWorker:
     def close(self) -> None:
         with self._lock:
             proc, self._proc = self._proc, None
-        if proc is not None:
-            self._stop(proc)
+            started, self._started = self._started, None
+        for p in (proc, started):
+            if p is not None:
+                self._stop(p)
 
     def _running(self) -> subprocess.Popen[bytes]:
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 return self._proc
-        proc = _spawn()
+            proc, self._started = self._started, None
+        proc = proc or spawn()
         try:
             _write(proc, self._setup)
             ready = _read(proc, START_TIMEOUT_S)
@@ -157,7 +165,9 @@ def _resident_bytes(pid: int) -> int:
         return 0
 
 
-def _spawn() -> subprocess.Popen[bytes]:
+def spawn() -> subprocess.Popen[bytes]:
+    """A worker process: it imports xgrammar (python, torch: seconds) while it waits for its
+    `Setup`."""
     # few malloc arenas: each reserves address space, which the worker's limit counts
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
     return subprocess.Popen(

@@ -24,6 +24,7 @@ import numpy as np
 from vserve.config import StructuredOutputConfig
 from vserve.core.outputs import ERROR_BUSY, ERROR_INVALID, RequestError
 from vserve.core.structured import GrammarMatcher
+from vserve.engine import grammar_worker
 from vserve.engine.grammar_worker import CompileWorker, Job
 from vserve.engine.grammars import BytesLRU, compile_source, constraint_digest, grammar_source
 from vserve.engine.text_gate import TextGate
@@ -306,9 +307,15 @@ class StructuredOutputManager:
 
     def _get_worker(self) -> CompileWorker:
         if self._worker is None:
-            self._get_compiler()
-            info = self._info.serialize_json()
-            self._worker = CompileWorker(info, self.config.compile_memory_mb)
+            started = grammar_worker.spawn()  # its imports run beside this process's own
+            try:
+                self._get_compiler()
+                info = self._info.serialize_json()
+            except BaseException:
+                started.kill()
+                started.wait()
+                raise
+            self._worker = CompileWorker(info, self.config.compile_memory_mb, started)
         return self._worker
 
     def shutdown(self) -> None:
