@@ -180,3 +180,28 @@ def test_a_truncated_or_corrupt_header_is_a_value_error(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(bytes(bad))
     with pytest.raises(ValueError, match="not a readable GGUF header"):
         read_tensor_table(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny-qwen2-q3_k_m.gguf", "tiny-qwen2_moe-q4_k_m.gguf", "tiny-granite-q8_0.gguf"]
+)
+def test_the_kernels_dequantize_as_gguf_does(name):
+    """Dequantized through the CPU kernels (Q4_K, Q5_K, Q6_K, Q8_0 here; Q3_K stays gguf's),
+    a file's weights are gguf's own, bit for bit: a mixture's experts, Llama-family rows."""
+    from pathlib import Path
+
+    from vserve import cpu_ops
+    from vserve.models.resolve import resolve_model_path
+
+    kernels = cpu_ops.load_quant()
+    if kernels is None:
+        pytest.skip("the CPU kernels are not built (no compiler)")
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "llamacpp" / name
+    folder = resolve_model_path(str(path))
+    ours = iter_gguf_weights(folder, torch.float32, quantized=False, kernels=kernels)
+    theirs = dict(iter_gguf_weights(folder, torch.float32, quantized=False))
+    seen = 0
+    for weight_name, values in ours:
+        assert torch.equal(values, theirs.pop(weight_name)), weight_name
+        seen += 1
+    assert seen > 10 and not theirs

@@ -57,6 +57,7 @@ def load_hf_model(model_path: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    from vserve import cpu_ops
     from vserve.models.gguf_source import gguf_file, iter_gguf_weights
 
     if gguf_file(model_path) is None:
@@ -64,7 +65,8 @@ def load_hf_model(model_path: str, dtype: torch.dtype):
     config = AutoConfig.from_pretrained(model_path)
     with no_init_weights():  # every weight is about to be assigned
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = dict(iter_gguf_weights(model_path, dtype, quantized=False))
+    kernels = cpu_ops.load_quant()  # gguf's values, dequantized in a fraction of its time
+    state = dict(iter_gguf_weights(model_path, dtype, quantized=False, kernels=kernels))
     state = _stacked_experts(state, set(model.state_dict()))
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)

@@ -107,7 +107,8 @@ def _fill_gguf(model, model_path, dtype, device, stage, quantized: bool) -> None
         model.load_weights(iter_gguf_weights(model_path, dtype, quantized=True))
         return
     files = [gguf_file(model_path)]
-    weights = partial(iter_gguf_weights, model_path, dtype, quantized=False)
+    kernels = cpu_ops.load_quant() if device.type == "cpu" else None
+    weights = partial(iter_gguf_weights, model_path, dtype, quantized=False, kernels=kernels)
     _fill_cached(model, model_path, files, dtype, device, stage, weights)
 
 
