@@ -230,7 +230,12 @@ def gemma_reference(tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    "mode", ["sync", "async", pytest.param("pp2-async", marks=pytest.mark.slow)]
+    "mode",
+    [
+        pytest.param("sync", marks=pytest.mark.slow),
+        "async",  # the default: the fast tier's case
+        pytest.param("pp2-async", marks=pytest.mark.slow),
+    ],
 )
 def test_gemma3_window_freeing_is_token_identical(gemma_reference, mode):
     model_dir, prompts, expected = gemma_reference

@@ -38,6 +38,7 @@ def _printed(stdout: str, prompt: str) -> str:
     return stdout.split(head, 1)[1].split("\n>>> ", 1)[0].rstrip("\n")
 
 
+@pytest.mark.slow  # the fast tier runs the README's own command below
 def test_generate_prints_the_engines_greedy_text(tiny_model_dir):
     model = tiny_model_dir("llama")
     prompts = ["Paris is", "1 2 3"]
