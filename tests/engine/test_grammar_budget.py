@@ -34,10 +34,23 @@ def _error(future: Future, timeout: float = 120) -> RequestError:
 
 
 @pytest.fixture(scope="module")
-def embedded_tokenizer() -> str:
+def embedded_tokenizer():
+    """The embedded model's folder; its xgrammar tokenizer info (a tokenizer load and a pass
+    over 262k tokens: seconds) is made once for the module's managers, not once by each."""
     from vserve.models.resolve import resolve_model_path
 
-    return resolve_model_path(None)
+    made = {}
+    original = StructuredOutputManager._tokenizer_info
+
+    def info(manager):
+        key = (manager.tokenizer_path, manager.vocab_size, tuple(manager.eos_token_ids))
+        if key not in made:
+            made[key] = original(manager)
+        return made[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StructuredOutputManager, "_tokenizer_info", info)
+        yield resolve_model_path(None)
 
 
 def _manager(path: str, **config) -> StructuredOutputManager:
