@@ -1,7 +1,8 @@
 """The Triton kernels of csrc_triton against their torch references on the shapes the GPU
 check's models run (Llama-1B: 32 q / 8 kv heads of 64; Gemma-3-270M: 4 q / 1 kv head of 256,
-window 512), in bf16: the largest difference, the kernel's time, the torch backend's time on the
-same batch, and the bytes a decode batch reads per second.
+window 512), in bf16: the largest difference, the kernel's time (as launched, split-KV
+where it splits, and unsplit), the torch backend's time on the same batch, and the KV bytes a
+decode batch reads per second against the device's copy bandwidth.
 
     python benchmarks/gpu_kernels.py OUT.json [--small]   # --small: interpreter-sized (CPU)
 """
@@ -82,7 +83,10 @@ def paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size=16, seed
     return meta, query, key, value, randn(2, num_blocks, block_size, kv_heads, head_dim)
 
 
-def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats):
+def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats, copy_gbs):
+    """The kernel as the backend launches it (split-KV where `choose_splits` splits), and
+    unsplit, against the reference and the torch backend; KV bytes read per second, and their
+    share of the device's copy bandwidth."""
     from vserve.attention import get_attention_backend
     from vserve.attention.base import AttentionLayerSpec
     from vserve.csrc_triton.kv_write import kv_write_reference
@@ -92,9 +96,11 @@ def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, re
     kv_write_reference(key, value, kv_cache, meta.slot_mapping)
     spec = AttentionLayerSpec(heads, kv_heads, head_dim, head_dim**-0.5, window)
     args = (query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec)
-    out = paged_attention(*args, max_query_len=meta.max_query_len)
-    ref = paged_attention_reference(*args, max_query_len=meta.max_query_len)
-    triton_ms = timed_ms(lambda: paged_attention(*args, max_query_len=meta.max_query_len), repeats)
+    hints = {"max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len}
+    out = paged_attention(*args, **hints)
+    ref = paged_attention_reference(*args, **hints)
+    triton_ms = timed_ms(lambda: paged_attention(*args, **hints), repeats)
+    unsplit_ms = timed_ms(lambda: paged_attention(*args, **hints, num_splits=1), repeats)
     torch_backend = get_attention_backend("torch", block_size=16)
 
     def torch_forward():
@@ -103,14 +109,17 @@ def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, re
 
     torch_ms = timed_ms(torch_forward, repeats)
     kv_bytes = sum(min(c, window or c) for c in ctx_lens) * 2 * kv_heads * head_dim * 2
+    kv_gbs = kv_bytes / (triton_ms * 1e-3) / 1e9
     return {
         "case": name,
         "max_abs_diff": float((out.float() - ref.float()).abs().max()),
         "ok": bool(torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)),
         "triton_ms": triton_ms,
+        "unsplit_ms": unsplit_ms,
         "torch_backend_ms": torch_ms,
         "speedup_vs_torch": torch_ms / triton_ms,
-        "kv_read_gbs": kv_bytes / (triton_ms * 1e-3) / 1e9,
+        "kv_read_gbs": kv_gbs,
+        "kv_read_share_of_copy": kv_gbs / copy_gbs,
     }
 
 
@@ -196,13 +205,31 @@ def main() -> None:
         cases = [
             ("llama-1b decode x64, ctx 384", [1] * 64, [384] * 64, 32, 8, 64, None),
             ("llama-1b prefill 8 x 256", [256] * 8, [256] * 8, 32, 8, 64, None),
-            ("gemma3 global decode x64, ctx 1024", [1] * 64, [1024] * 64, 4, 1, 256, None),
             ("gemma3 sliding decode x64, ctx 1024", [1] * 64, [1024] * 64, 4, 1, 256, 512),
         ]
+        for reqs, ctx in ((128, 512), (128, 2048), (8, 8192)):  # the KV-read cases
+            cases.append(
+                (f"llama-1b decode x{reqs}, ctx {ctx}", [1] * reqs, [ctx] * reqs, 32, 8, 64, None)
+            )
+            cases.append(
+                (
+                    f"gemma3 global decode x{reqs}, ctx {ctx}",
+                    [1] * reqs,
+                    [ctx] * reqs,
+                    4,
+                    1,
+                    256,
+                    None,
+                )
+            )
         repeats, num_reqs = 20, 256
+    from batch1_roofline import copy_bandwidth
+
+    copy_gbs = copy_bandwidth(mib=64 if args.small else 1024, device=DEVICE)
+    print(json.dumps({"copy_bandwidth_gbs": copy_gbs}), flush=True)
     results = []
     for case in cases:
-        results.append(attention_case(*case, repeats=repeats))
+        results.append(attention_case(*case, repeats=repeats, copy_gbs=copy_gbs))
         print(json.dumps(results[-1]), flush=True)
     results.append(prepare_inputs_case(num_reqs, repeats))
     print(json.dumps(results[-1]), flush=True)
@@ -212,7 +239,8 @@ def main() -> None:
     ):
         results.append(sampler_case(rows, vocab, params, repeats))
         print(json.dumps(results[-1]), flush=True)
-    Path(args.out).write_text(json.dumps({"device": DEVICE, "kernels": results}, indent=1))
+    out = {"device": DEVICE, "copy_bandwidth_gbs": copy_gbs, "kernels": results}
+    Path(args.out).write_text(json.dumps(out, indent=1))
     if not all(r["ok"] for r in results):
         sys.exit("a kernel differs from its reference")
 

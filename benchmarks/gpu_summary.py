@@ -53,15 +53,16 @@ def roofline_rows(results: dict) -> list[str]:
 
 def kernel_rows(results: dict) -> list[str]:
     rows = [
-        "| kernel case | equal to reference | max abs diff | triton (ms) | "
-        "torch backend (ms) | KV read GB/s |",
-        "|---|---|---|---|---|---|",
+        "| kernel case | equal to reference | max abs diff | triton (ms) | unsplit (ms) | "
+        "torch backend (ms) | KV read GB/s | share of copy GB/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in (results.get("kernels") or {}).get("kernels", []):
         rows.append(
             f"| {r['case']} | {r['ok']} | {f(r.get('max_abs_diff'), 4)} | "
-            f"{f(r.get('triton_ms'), 3)} | {f(r.get('torch_backend_ms'), 3)} | "
-            f"{f(r.get('kv_read_gbs'))} |"
+            f"{f(r.get('triton_ms'), 3)} | {f(r.get('unsplit_ms'), 3)} | "
+            f"{f(r.get('torch_backend_ms'), 3)} | "
+            f"{f(r.get('kv_read_gbs'))} | {f(r.get('kv_read_share_of_copy'), 2)} |"
         )
     return rows
 

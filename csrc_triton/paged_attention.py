@@ -14,9 +14,18 @@ which grow strictly with r, so a program finds its request by counting, and the 
 every query head of its kv head's group for each token of the tile as the rows of one
 `[BLOCK_Q * GROUP_PAD, HEAD_PAD]` matrix, so each K/V tile it gathers serves the whole group.
 Rows with q_len 0 launch one program that exits at once.
+
+Split-KV (flash-decoding): a third grid axis cuts each program's keys into `num_splits`
+segments of whole key tiles. Each program then writes its rows' running max, sum and
+unnormalized output in fp32, and `_merge_splits_kernel` combines the segments of every
+(token, head). A decode batch of a model with one KV head fills a large GPU this way, where
+one program per (request, kv head) would leave most of it idle. The split count is a launch
+dimension and a runtime value, never a constexpr, so it compiles no new variant.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -58,12 +67,15 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 # the batch's size and block-table width change every step, the window from layer to layer:
 # one compiled variant serves them all (csrc_triton/variants.py)
-@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "num_reqs", "window", "stride_ps", "stride_ms"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     out_ptr,  # q/out [T, H, D]; k/v [num_blocks, bs, Hkv, D]
+    part_ptr,
+    m_ptr,
+    l_ptr,  # split partials: out [S, T, H, D]; max and sum [S, T, H], all fp32
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,  # [R + 1], [R], [R, max_blocks]
@@ -77,6 +89,8 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    stride_ps,
+    stride_ms,
     num_reqs,
     scale,
     softcap,
@@ -94,6 +108,7 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,6 +144,10 @@ def _paged_attention_kernel(
         kv_lo = tl.maximum(ctx_start + tile_start - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
         kv_lo = 0
+    if SPLIT:  # this program's segment: whole key tiles, the last segments may be empty
+        per_split = tl.cdiv(tl.cdiv(kv_hi - kv_lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + tl.program_id(2) * per_split
+        kv_hi = tl.minimum(kv_lo + per_split, kv_hi)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -161,12 +180,80 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
+    if SPLIT:
+        split = tl.program_id(2)
+        row = token * (tl.num_programs(1) * GROUP) + head  # (token, head) in [T, H]
+        tl.store(part_ptr + split * stride_ps + row[:, None] * HEAD_DIM + d[None, :], acc, q_mask)
+        tl.store(m_ptr + split * stride_ms + row, m_i, mask=row_valid)
+        tl.store(l_ptr + split * stride_ms + row, l_i, mask=row_valid)
+        return
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=q_mask,
     )
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ms"])
+def _merge_splits_kernel(
+    part_ptr,
+    m_ptr,
+    l_ptr,  # out [S, T, H, D]; max and sum [S, T, H], all fp32
+    out_ptr,  # [T, H, D]
+    num_splits,
+    stride_ps,
+    stride_ms,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = token * tl.num_programs(1) + head
+    s = tl.arange(0, SPLIT_PAD)
+    s_valid = s < num_splits
+    m = tl.load(m_ptr + s * stride_ms + row, mask=s_valid, other=float("-inf"))
+    l_s = tl.load(l_ptr + s * stride_ms + row, mask=s_valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    # a segment that saw no key holds -inf: weight 0
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(w * l_s, axis=0)
+    d = tl.arange(0, HEAD_PAD)
+    d_valid = d < HEAD_DIM
+    part = tl.load(
+        part_ptr + s[:, None] * stride_ps + row * HEAD_DIM + d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
+
+
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 512  # below this a split's partials cost more than its keys
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(live_programs: int, max_seq_len: int | None, multiprocessors: int | None) -> int:
+    """Key segments per program: enough for two programs per multiprocessor, each segment
+    at least MIN_KEYS_PER_SPLIT keys of the longest context, at most MAX_SPLITS. 1 where
+    the device has no multiprocessors to fill (the CPU's interpreter)."""
+    if not multiprocessors or not max_seq_len or live_programs <= 0:
+        return 1
+    by_fill = -(-2 * multiprocessors // live_programs)
+    by_length = max_seq_len // MIN_KEYS_PER_SPLIT
+    return max(1, min(MAX_SPLITS, by_fill, by_length))
 
 
 # The decorator picked the interpreter from TRITON_INTERPRET when this module was imported.
@@ -190,7 +277,11 @@ def paged_attention(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
     spec: AttentionLayerSpec,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    """num_splits: key segments per program (None: `choose_splits` from the batch's shape
+    and the device; any count gives the same result up to fp32 rounding)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert num_heads % num_kv_heads == 0, "query heads must split evenly over kv heads"
@@ -201,12 +292,31 @@ def paged_attention(
     if num_tokens == 0 or num_reqs == 0:
         return out.view(num_tokens, -1)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    if num_splits is None:
+        # live programs: one per request in a decode batch, about one per tile otherwise
+        tiles = num_reqs if max_query_len == 1 else -(-num_tokens // block_q)
+        sms = _multiprocessors(query.device) if query.device.type == "cuda" else None
+        num_splits = choose_splits(tiles * num_kv_heads, max_seq_len, sms)
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} outside 1..{MAX_SPLITS}"
+    split = num_splits > 1
+    if split:
+        # three allocations, each 16-byte aligned (a view at an offset of the batch's size
+        # would change its alignment class from step to step: a new variant)
+        fp32 = {"dtype": torch.float32, "device": out.device}
+        part = torch.empty((num_splits, num_tokens, num_heads, head_dim), **fp32)
+        m = torch.empty((num_splits, num_tokens, num_heads), **fp32)
+        l_sum = torch.empty((num_splits, num_tokens, num_heads), **fp32)
+    else:
+        part = m = l_sum = out  # not read
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query,
         key_cache,
         value_cache,
         out,
+        part,
+        m,
+        l_sum,
         query_start_loc,
         seq_lens,
         block_tables,
@@ -220,6 +330,8 @@ def paged_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        num_tokens * num_heads * head_dim,
+        num_tokens * num_heads,
         num_reqs,
         float(spec.scale),
         float(spec.logit_softcap or 1.0),
@@ -238,7 +350,23 @@ def paged_attention(
         # tf32 would cost fp32 inputs ~1e-3 relative error; half types ignore the setting.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=_INTERPRETED and query.dtype == torch.bfloat16,
+        SPLIT=split,
     )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part,
+            m,
+            l_sum,
+            out,
+            num_splits,
+            num_tokens * num_heads * head_dim,
+            num_tokens * num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+            SPLIT_PAD=MAX_SPLITS,
+        )
     return out.view(num_tokens, -1)
 
 
@@ -250,8 +378,11 @@ def paged_attention_reference(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
     spec: AttentionLayerSpec,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-    """Same contract as `paged_attention`, one request at a time in fp32 (syncs the host)."""
+    """Same contract as `paged_attention`, one request at a time in fp32 (syncs the host);
+    the launch hints (max lengths, splits) do not change its result."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads

@@ -5,6 +5,7 @@ Without CUDA the kernels run under the Triton interpreter (exact but ~1000x slow
 cases stay tiny; the `gpu` tests rerun larger shapes natively.
 """
 
+import functools
 import os
 
 import pytest
@@ -26,7 +27,12 @@ from tests.support.attention_reference import make_case, reference_output  # noq
 from vserve.attention import get_attention_backend  # noqa: E402
 from vserve.attention.base import AttentionLayerSpec  # noqa: E402
 from vserve.csrc_triton.kv_write import kv_write, kv_write_reference  # noqa: E402
-from vserve.csrc_triton.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from vserve.csrc_triton.paged_attention import (  # noqa: E402
+    MAX_SPLITS,
+    choose_splits,
+    paged_attention,
+    paged_attention_reference,
+)
 from vserve.csrc_triton.prepare_inputs import prepare_inputs, prepare_inputs_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,6 +64,7 @@ def _attend(fn, case, spec):
         m.block_tables,
         spec,
         max_query_len=m.max_query_len,
+        max_seq_len=m.max_seq_len,
     )
 
 
@@ -120,6 +127,53 @@ def test_paged_attention_other_head_dims_and_block_size(head_dim, block_size):
         atol=TOL[torch.float32],
         rtol=TOL[torch.float32],
     )
+
+
+# -- split-KV ---------------------------------------------------------------------------------
+# contexts at key-tile (32) and block (4) edges, long enough for several segments
+SPLIT_SHAPES = [
+    ([1, 1, 1, 1], [31, 32, 33, 97]),  # decode
+    ([1, 5, 0, 1], [64, 70, 3, 2]),  # mixed, an empty row, contexts shorter than a tile
+]
+
+
+@pytest.mark.parametrize("q_lens, ctx_lens", SPLIT_SHAPES)
+@pytest.mark.parametrize("heads", [(4, 1), (8, 2)])  # one KV head, as Gemma 3's small models
+@pytest.mark.parametrize("window, softcap", [(None, None), (40, 30.0)])
+# MAX_SPLITS: most segments empty (slow: the interpreter runs every program of the grid)
+@pytest.mark.parametrize("num_splits", [2, 3, pytest.param(MAX_SPLITS, marks=pytest.mark.slow)])
+def test_split_kv_equals_reference(q_lens, ctx_lens, heads, window, softcap, num_splits):
+    case = _case(q_lens, ctx_lens, heads, seed=7)
+    kv_write_reference(case.key, case.value, case.kv_cache, case.meta.slot_mapping)
+    spec = _spec(heads, window=window, softcap=softcap)
+    out = _attend(functools.partial(paged_attention, num_splits=num_splits), case, spec)
+    tol = TOL[torch.float32]
+    torch.testing.assert_close(
+        out, _attend(paged_attention_reference, case, spec), atol=tol, rtol=tol
+    )
+    # the segments' merge changes only fp32 rounding against the unsplit kernel
+    torch.testing.assert_close(out, _attend(paged_attention, case, spec), atol=tol, rtol=tol)
+
+
+def test_split_kv_half_type_keeps_its_dtype():
+    case = _case([1, 1], [70, 33], (4, 1), dtype=torch.bfloat16, seed=8)
+    kv_write_reference(case.key, case.value, case.kv_cache, case.meta.slot_mapping)
+    spec = _spec((4, 1), softcap=20.0)
+    out = _attend(functools.partial(paged_attention, num_splits=3), case, spec)
+    assert out.dtype == torch.bfloat16
+    tol = TOL[torch.bfloat16]
+    torch.testing.assert_close(
+        out, _attend(paged_attention_reference, case, spec), atol=tol, rtol=tol
+    )
+
+
+def test_split_count_fills_the_device_and_no_more():
+    assert choose_splits(128, 8192, None) == 1  # no multiprocessors: the interpreter
+    assert choose_splits(64, 8192, 132) == 5  # 64 programs, 132 SMs: two waves
+    assert choose_splits(8, 8192, 132) == MAX_SPLITS  # 8 programs: capped
+    assert choose_splits(8, 1024, 132) == 2  # 512 keys a segment at least
+    assert choose_splits(8, 300, 132) == 1  # too short to split
+    assert choose_splits(512, 8192, 132) == 1  # a long prefill fills the device alone
 
 
 @pytest.mark.parametrize("window, softcap", MASKS)
@@ -217,7 +271,8 @@ def _big_case(dtype, heads, head_dim, seed):
     [(torch.bfloat16, (32, 8), 128), (torch.float16, (16, 16), 64), (torch.float32, (8, 1), 96)],
 )
 @pytest.mark.parametrize("window, softcap", [(None, None), (512, 50.0)])
-def test_gpu_paged_attention_large(dtype, heads, head_dim, window, softcap):
+@pytest.mark.parametrize("num_splits", [None, 1, 7])  # None: as the backend chooses
+def test_gpu_paged_attention_large(dtype, heads, head_dim, window, softcap, num_splits):
     case, _, _ = _big_case(dtype, heads, head_dim, seed=5)
     kv_write(case.key, case.value, case.kv_cache, case.meta.slot_mapping)
     expected_cache = case.kv_cache.clone()
@@ -225,7 +280,7 @@ def test_gpu_paged_attention_large(dtype, heads, head_dim, window, softcap):
     assert torch.equal(case.kv_cache, expected_cache)
     spec = _spec(heads, head_dim, window, softcap)
     torch.testing.assert_close(
-        _attend(paged_attention, case, spec),
+        _attend(functools.partial(paged_attention, num_splits=num_splits), case, spec),
         _attend(paged_attention_reference, case, spec),
         atol=TOL[dtype],
         rtol=TOL[dtype],

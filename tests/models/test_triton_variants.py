@@ -30,7 +30,11 @@ BATCHES = [1, 2, 3, 5, 6, 7, 9, 12, 16, 17, 18, 19, 31, 32, 33]
 @pytest.mark.slow  # the Triton interpreter over a whole serving run
 def test_a_serving_run_compiles_few_variants():
     counter = VariantCounter(
-        {"prepare_inputs": pi._prepare_inputs_kernel, "paged_attention": pa._paged_attention_kernel}
+        {
+            "prepare_inputs": pi._prepare_inputs_kernel,
+            "paged_attention": pa._paged_attention_kernel,
+            "merge_splits": pa._merge_splits_kernel,
+        }
     )
     prep = FusedInputPrep(DeviceShim(torch.device(DEVICE)))
     spec = AttentionLayerSpec(2, 1, 16, 0.25, None, None)
@@ -43,10 +47,12 @@ def test_a_serving_run_compiles_few_variants():
             kv = torch.randn(2, num_blocks, 4, 1, 16, generator=gen).to(DEVICE)
             query = torch.randn(len(host.positions), 2, 16, generator=gen).to(DEVICE)
             max_q = int(max(host.query_start_loc[1:] - host.query_start_loc[:-1]))
-            pa.paged_attention(
-                query, kv, dev.query_start_loc, dev.seq_lens, dev.block_tables, spec, max_q
-            )
+            args = (query, kv, dev.query_start_loc, dev.seq_lens, dev.block_tables, spec, max_q)
+            pa.paged_attention(*args)
+            pa.paged_attention(*args, num_splits=2 + step % 4)  # split-KV, a changing count
     counts = counter.counts()
     assert counts["prepare_inputs"] == 1, counts
-    # decode-only and mixed tiles, times the request-count vector's width (16, 32, 64)
-    assert counts["paged_attention"] <= 6, counts
+    # decode-only and mixed tiles, times the request-count vector's width (16, 32, 64),
+    # times split or not
+    assert counts["paged_attention"] <= 12, counts
+    assert counts["merge_splits"] == 1, counts

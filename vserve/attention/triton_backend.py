@@ -3,8 +3,9 @@
 The whole mixed batch (prefill chunks and decode rows) goes through a single kernel launch
 that reads `AttentionMetadata`'s device tensors directly, so there is no per-step host work
 to share between layers and `prepare` builds nothing. The launches are CUDA-graph safe: grids
-and tile sizes come from tensor shapes and `meta.max_query_len` (a host int; decode graphs
-capture with 1), never from device values. This module is imported only through the backend
+and tile sizes come from tensor shapes and the host ints `meta.max_query_len` and
+`meta.max_seq_len` (decode graphs capture with 1 and the model's length, so a graph splits the
+keys as the longest context would), never from device values. This module is imported only through the backend
 registry, which keeps triton out of a plain `import vserve`.
 """
 
@@ -45,4 +46,5 @@ class TritonAttentionBackend:
             meta.block_tables,
             spec,
             max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
         )
