@@ -241,7 +241,10 @@ MIN_KEYS_PER_SPLIT = 512  # below this a split's partials cost more than its key
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def _multiprocessors(device: torch.device) -> int | None:
+    """The device's streaming multiprocessors (None off CUDA)."""
+    if device.type != "cuda":
+        return None
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -295,17 +298,17 @@ def paged_attention(
     if num_splits is None:
         # live programs: one per request in a decode batch, about one per tile otherwise
         tiles = num_reqs if max_query_len == 1 else -(-num_tokens // block_q)
-        sms = _multiprocessors(query.device) if query.device.type == "cuda" else None
+        sms = _multiprocessors(query.device)
         num_splits = choose_splits(tiles * num_kv_heads, max_seq_len, sms)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits {num_splits} outside 1..{MAX_SPLITS}"
     split = num_splits > 1
     if split:
         # three allocations, each 16-byte aligned (a view at an offset of the batch's size
         # would change its alignment class from step to step: a new variant)
-        fp32 = {"dtype": torch.float32, "device": out.device}
-        part = torch.empty((num_splits, num_tokens, num_heads, head_dim), **fp32)
-        m = torch.empty((num_splits, num_tokens, num_heads), **fp32)
-        l_sum = torch.empty((num_splits, num_tokens, num_heads), **fp32)
+        rows = (num_splits, num_tokens, num_heads)
+        part = torch.empty((*rows, head_dim), dtype=torch.float32, device=out.device)
+        m = torch.empty(rows, dtype=torch.float32, device=out.device)
+        l_sum = torch.empty(rows, dtype=torch.float32, device=out.device)
     else:
         part = m = l_sum = out  # not read
     grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
@@ -341,7 +344,7 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_q * group_pad,
         BLOCK_N=32,
-        BLOCK_R=min(128, max(16, triton.next_power_of_2(num_reqs))),  # 4 variants at most
+        BLOCK_R=128,  # one width for every batch size: one variant
         HEAD_DIM=head_dim,
         HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,

@@ -21,7 +21,9 @@ that the block tables point dead entries at; the other layers hold `num_blocks`.
 |-------------------------------------------|-----------------------------------------------|
 | `num_gpu_blocks_override`                 | given                                         |
 | min(bytes / bytes per block, in-use cap)  | bytes: `kv_cache_memory_bytes`, else the CUDA |
-|                                           | memory left, else 4 GiB on CPU (a ceiling)    |
+|                                           | memory left beside the largest step's peak    |
+|                                           | (`memory_profile`), else 4 GiB on CPU (a      |
+|                                           | ceiling)                                      |
 
 The in-use cap is what the engine can use at once: `max_num_seqs` sequences of
 `max_model_len` tokens. The sliding-window layers' blocks come out of the same bytes: their

@@ -14,6 +14,7 @@ decode-only steps replay a captured CUDA graph (`vserve.workers.cuda_graphs`).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,15 @@ from vserve.workers.kv_cache import (
     kv_bytes_per_block,
     num_blocks_for,
     sliding_window_layers,
+)
+from vserve.workers.memory_profile import (
+    DummyBatch,
+    dummy_metadata,
+    dummy_sampling,
+    kv_budget,
+    peak_bytes,
+    profile_batches,
+    scratch_blocks,
 )
 from vserve.workers.pooling import PoolSlice, compute_pooling, plan_pooling
 from vserve.workers.prompt_logprobs import (
@@ -199,18 +209,21 @@ class ModelRunner:
             self.model.layer_specs, layers, self.config.sliding_window
         )
 
-    def available_kv_bytes(self) -> int:
+    def available_kv_bytes(self, step_peak: int = 0) -> int:
+        """step_peak: the largest step's bytes beside the cache (`profile_run`)."""
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return max(0, int(total * self.config.gpu_memory_utilization) - used)
+            return kv_budget(total, self.config.gpu_memory_utilization, total - free, step_peak)
         return DEFAULT_CPU_KV_CACHE_BYTES  # a ceiling: pages are committed as blocks fill
 
     def num_kv_blocks(self) -> int:
-        """How many blocks this stage could hold (the engine takes the min over stages)."""
+        """How many blocks this stage could hold (the engine takes the min over stages). On
+        CUDA the dummy steps run first: their peak is counted, and they compile the Triton
+        variants a run meets before the engine reports ready."""
         cfg = self.config
+        step_peak = self.profile_run() if self.device.type == "cuda" else 0
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
         layers, local = self._kv_layers()
@@ -219,13 +232,53 @@ class ModelRunner:
         )
         return num_blocks_for(
             full_bytes,
-            self.available_kv_bytes(),
+            self.available_kv_bytes(step_peak),
             cfg.max_num_seqs,
             cfg.max_model_len,
             cfg.block_size,
             local_bytes,
             cfg.local_block_cap,
         )
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """The dummy steps of `memory_profile.profile_batches` over a scratch cache, freed
+        after; returns the largest step's peak bytes (0 on the CPU, which has no such count)."""
+        cfg = self.config
+        batches = profile_batches(
+            cfg.max_num_batched_tokens or cfg.max_model_len, cfg.max_num_seqs, cfg.max_model_len
+        )
+        layers, local = self._kv_layers()
+        n = scratch_blocks(batches, cfg.block_size)
+        scratch = allocate_kv_caches(
+            self.model.layer_specs, layers, local, n, n, cfg.block_size, self.dtype, self.device
+        )
+        peak = peak_bytes(functools.partial(self._dummy_step, batches[0], scratch), self.device)
+        for batch in batches[1:]:
+            self._dummy_step(batch, scratch)
+        scratch.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return peak
+
+    def _dummy_step(self, batch: DummyBatch, kv_caches: list) -> None:
+        """A forward of `batch` and, on the last stage, logits and sampling at temperature 1
+        for `max_num_seqs` rows (the sampler's largest temporaries)."""
+        meta = dummy_metadata(batch, self.config.block_size, self.device)
+        meta.backend_data = self.backend.prepare(meta, self.windows)
+        if self.stage.is_first:
+            first = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
+        else:
+            width = self.hf_config.hidden_size
+            first = torch.zeros(meta.num_tokens, width, dtype=self.dtype, device=self.device)
+        hidden = self.model(first, meta.positions, kv_caches, meta, self.backend)
+        if not self.stage.is_last:
+            return
+        rows = torch.arange(self.config.max_num_seqs, device=self.device) % meta.num_tokens
+        logits = self.model.compute_logits(hidden[rows])
+        if self.is_sampler:
+            self.step_sampler.sampler(logits, dummy_sampling(len(rows)))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         layers, local = self._kv_layers()

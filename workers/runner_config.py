@@ -16,6 +16,7 @@ class RunnerConfig:
     max_model_len: int
     max_num_seqs: int
     block_size: int
+    max_num_batched_tokens: int | None = None  # a step's most tokens (None: max_model_len)
     quantization: str = "none"
     device: str = "cpu"
     attention_backend: str = "torch"
@@ -52,6 +53,7 @@ class RunnerConfig:
             quantization=m.quantization,
             max_model_len=m.max_model_len,
             max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
             block_size=c.block_size,
             device=d.device,
             attention_backend=d.attention_backend,

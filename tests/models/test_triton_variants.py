@@ -52,7 +52,6 @@ def test_a_serving_run_compiles_few_variants():
             pa.paged_attention(*args, num_splits=2 + step % 4)  # split-KV, a changing count
     counts = counter.counts()
     assert counts["prepare_inputs"] == 1, counts
-    # decode-only and mixed tiles, times the request-count vector's width (16, 32, 64),
-    # times split or not
-    assert counts["paged_attention"] <= 12, counts
+    # decode-only and mixed tiles, times split or not
+    assert counts["paged_attention"] <= 4, counts
     assert counts["merge_splits"] == 1, counts

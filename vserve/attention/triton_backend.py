@@ -5,8 +5,8 @@ that reads `AttentionMetadata`'s device tensors directly, so there is no per-ste
 to share between layers and `prepare` builds nothing. The launches are CUDA-graph safe: grids
 and tile sizes come from tensor shapes and the host ints `meta.max_query_len` and
 `meta.max_seq_len` (decode graphs capture with 1 and the model's length, so a graph splits the
-keys as the longest context would), never from device values. This module is imported only through the backend
-registry, which keeps triton out of a plain `import vserve`.
+keys as the longest context would), never from device values. This module is imported only
+through the backend registry, which keeps triton out of a plain `import vserve`.
 """
 
 from __future__ import annotations
