@@ -18,8 +18,8 @@ def f(value, digits=1) -> str:
 def bench_rows(results: dict) -> list[str]:
     rows = [
         "| run | output tok/s | async / sync | avg latency (s) | forward (ms) | "
-        "device span (ms) | launch interval (ms) | span / interval | overlap eff. |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "device span (ms) | launch interval (ms) | span / interval | overlap eff. | compiles |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if not (name.startswith("tput_") or name.startswith("lat_")):
@@ -31,7 +31,7 @@ def bench_rows(results: dict) -> list[str]:
             f"{f(r.get('avg_latency'), 3)} | {f(ov.get('mean_forward_ms'), 2)} | "
             f"{f(ov.get('mean_device_forward_ms'), 2)} | "
             f"{f(ov.get('mean_launch_interval_ms'), 2)} | {f(ov.get('device_busy_share'), 3)} | "
-            f"{f(ov.get('overlap_efficiency'), 3)} |"
+            f"{f(ov.get('overlap_efficiency'), 3)} | {ov.get('triton_compiles', '-')} |"
         )
     return rows
 

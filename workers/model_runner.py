@@ -15,6 +15,7 @@ decode-only steps replay a captured CUDA graph (`vserve.workers.cuda_graphs`).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from vserve.core.sched_output import RunnerOutput, SchedulerOutput, StepTiming
 from vserve.distributed.tp_comm import TPShard
 from vserve.models.loader import load_model
 from vserve.models.stage import StageInfo
+from vserve.workers import compile_count
 from vserve.workers.cuda_graphs import DecodeGraphs, use_cuda_graphs
 from vserve.workers.device import DeviceShim, HostCopy, device_seconds, fix_blas_thread_count
 from vserve.workers.feedback import FeedbackQueue
@@ -57,6 +59,8 @@ from vserve.workers.prompt_logprobs import (
 )
 from vserve.workers.runner_config import RunnerConfig
 from vserve.workers.sample_step import SampleLayout, StepSampler
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -178,6 +182,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prompt_lp_req_ids: set[str] = set()  # rows that asked for prompt logprobs
         self.pool_req_ids: set[str] = set()  # rows that asked for an embedding
+        if self.device.type == "cuda":  # where Triton compiles: count what it compiles
+            compile_count.install()
 
     # -- set up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -294,6 +300,8 @@ class ModelRunner:
             self.device,
         )
         self.graphs = self._capture_graphs()
+        if self.device.type == "cuda":  # the profile run's and the capture's, not a step's
+            logger.info("Triton compiled %d kernel variants at start-up.", compile_count.take())
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """Decode CUDA graphs read the KV cache tensors, so they are captured after them."""
@@ -423,6 +431,7 @@ class ModelRunner:
             host = fb.host = self.shim.host_copy([result.plain_ids])
         for req_id, tokens in result.spec_ids.items():  # verified drafts: host rows now
             self.batch.append_tokens(self.batch.row_of[req_id], tokens)
+        timing.compiles = compile_count.take()
         timing.forward_end = time.perf_counter()
         if self.config.pp_size > 1:  # the last stage's own span (with its sampling)
             timing.stage_forwards.append((timing.forward_start, timing.forward_end))

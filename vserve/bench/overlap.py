@@ -100,6 +100,8 @@ class OverlapReport:
     # times (CPU: the forward above is already the device's)
     mean_device_forward_ms: float | None = None
     device_busy_share: float | None = None
+    # Triton compiles in the workers during the run's steps (CUDA; a warmed engine has none)
+    triton_compiles: int = 0
     warning: str | None = None
 
     def to_dict(self) -> dict:
@@ -156,6 +158,7 @@ class OverlapReport:
             rows.append(
                 ("Device span / interval (busy, at most):", _fmt(self.device_busy_share, 3))
             )
+            rows.append(("Triton compiles during the run:", str(self.triton_compiles)))
         lines = ["{s:{c}^64}".format(s=" Overlap report ", c="=")]
         lines += [
             f"{label:<50}{value:>14}" if len(label) <= 50 else f"{label}  {value}"
@@ -262,6 +265,7 @@ def overlap_report(
         device_busy_share=(mean_device / mean_int)
         if mean_device is not None and mean_int
         else None,
+        triton_compiles=sum(r.compiles for r in records),
         warning=_warning(slowdown),
     )
 

@@ -72,3 +72,4 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_num_drafts: int = 0  # cumulative: speculative steps, draft tokens, accepted
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    triton_compiles: int = 0  # cumulative: Triton compiles in the workers after start-up

@@ -81,6 +81,8 @@ class StepTiming:
     # launches ahead); it includes the device's idle time between them (kernels launched slower
     # than they run; a deferred sampling's wait for the grammar bitmask); 0.0 elsewhere
     device_forward: float = 0.0
+    # Triton compiles the worker made since its previous step (workers/compile_count.py)
+    compiles: int = 0
 
 
 @dataclass

@@ -77,6 +77,7 @@ class EngineCore:
         self.step_fn = self.step_with_batch_queue if self.depth > 1 else self.step
         self._aborts: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
         self.recorder = StepRecorder()
+        self.triton_compiles = 0  # the workers' Triton compiles while serving (cumulative)
         self._idle = True  # nothing ran since the engine last ran out of work
         self._draft_waits = 0  # the scheduler's count of requests held back for drafts ...
         self._held_for_drafts = False  # ... and whether the last schedule held one back
@@ -335,11 +336,15 @@ class EngineCore:
         start = time.perf_counter()
         outputs = self.scheduler.update_from_output(so, runner_output)
         self.recorder.committed(so, runner_output, start, time.perf_counter())
+        timing = getattr(runner_output, "timing", None)
+        if timing is not None:
+            self.triton_compiles += timing.compiles
         return outputs
 
     # -- misc --------------------------------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
+        stats.triton_compiles = self.triton_compiles
         recent = self.recorder.drain_recent()
         if recent:
             forwards = Coverage([(r.forward_start, r.forward_end) for r in recent if r.forward_end])

@@ -39,6 +39,7 @@ class StepRecord:
     launch_interval: float = 0.0  # since the previous launch (0 for the first after idle)
     parked: bool = False  # inputs made in the gap before, the worker's other threads asleep
     device_forward: float = 0.0  # CUDA: the forward and sampling on the device (events)
+    compiles: int = 0  # Triton compiles in the worker during the step
     no_overlap: str | None = None  # why the device waited for the host: no other step with
     #                                tokens in flight at launch, or its sampling waited for older
     #                                steps (a grammar)
@@ -91,6 +92,7 @@ class StepRecorder:
             rec.forward_end, rec.ready = timing.forward_end, timing.ready
             rec.parked = timing.parked
             rec.device_forward = timing.device_forward
+            rec.compiles = timing.compiles
         self.recent.append(rec)
 
     def drain_recent(self) -> list[StepRecord]:

@@ -115,6 +115,7 @@ _CUMULATIVE = (
     "spec_num_drafts",
     "spec_num_draft_tokens",
     "spec_num_accepted_tokens",
+    "triton_compiles",
 )
 
 
@@ -141,6 +142,7 @@ class ServerMetrics:
                 ("spec_num_drafts", "Speculative steps (requests verified with n-gram drafts)"),
                 ("spec_num_draft_tokens", "Draft tokens proposed"),
                 ("spec_num_accepted_tokens", "Draft tokens accepted"),
+                ("triton_compiles", "Triton kernel variants compiled after start-up (CUDA)"),
             )
         }
         self.no_overlap = Counter(
