@@ -120,9 +120,10 @@ else
 fi
 
 tput() {  # tput NAME MODEL TEMPERATURE FLAGS...
-  local name=$1 model=$2 temp=$3
+  local name=$1 model=$2 temp=$3 limit=90
   shift 3
-  step "$name" 90 "${VSERVE[@]}" bench throughput --model "$model" "${DEV[@]}" "${TPUT[@]}" \
+  [[ " $* " == *" --compare-sync "* ]] && limit=140  # three engines: sync, async, sync
+  step "$name" "$limit" "${VSERVE[@]}" bench throughput --model "$model" "${DEV[@]}" "${TPUT[@]}" \
     --temperature "$temp" "$@" --output-json "$RESULTS/$name.json"
 }
 lat() {  # lat NAME MODEL FLAGS...
@@ -151,7 +152,7 @@ tput tput_llama_async_graphs_t1 "$LLAMA" 1.0 --async-scheduling
 step roofline_llama_batch1 90 "$PY" benchmarks/batch1_roofline.py --model "$LLAMA" \
   --dtype bfloat16 --input-len 128 --output-len 64 --num-iters 2 \
   --output-json "$RESULTS/roofline_llama_batch1.json"
-step kernels 120 "$PY" benchmarks/gpu_kernels.py "$RESULTS/kernels.json" "${SMALL[@]}"
+step kernels 150 "$PY" benchmarks/gpu_kernels.py "$RESULTS/kernels.json" "${SMALL[@]}"
 tput tput_llama_async_eager_t0 "$LLAMA" 0 --async-scheduling --enforce-eager
 lat lat_llama_async_graphs "$LLAMA" --async-scheduling
 lat lat_llama_async_eager "$LLAMA" --async-scheduling --enforce-eager

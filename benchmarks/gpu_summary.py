@@ -25,9 +25,11 @@ def bench_rows(results: dict) -> list[str]:
         if not (name.startswith("tput_") or name.startswith("lat_")):
             continue
         ov = r.get("overlap") or {}
-        cmp = (r.get("compare_sync") or {}).get("async_speedup")
+        compared = r.get("compare_sync") or {}
+        cmp, drift = compared.get("async_speedup"), compared.get("sync_drift")
         rows.append(
-            f"| {name} | {f(r.get('output_throughput'))} | {f(cmp, 3)} | "
+            f"| {name} | {f(r.get('output_throughput'))} | {f(cmp, 3)} "
+            f"{'' if drift is None else f'(sync drift {drift:.3f})'} | "
             f"{f(r.get('avg_latency'), 3)} | {f(ov.get('mean_forward_ms'), 2)} | "
             f"{f(ov.get('mean_device_forward_ms'), 2)} | "
             f"{f(ov.get('mean_launch_interval_ms'), 2)} | {f(ov.get('device_busy_share'), 3)} | "

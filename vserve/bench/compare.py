@@ -1,5 +1,8 @@
-"""`--compare-sync` of `vserve bench throughput | latency`: the same workload run twice in one
-process, async scheduling off and then on, every other engine argument the same. That
+"""`--compare-sync` of `vserve bench throughput | latency`: the same workload run three times in
+one process, async scheduling off, on, then off again, every other engine argument the same.
+Async is compared with the mean of the two sync runs, so a machine that drifts (or a one-time
+cost in the first engine of the process) moves both sides alike; the two sync runs' ratio is
+reported as the drift. Every engine takes the same untimed warm-up first. That
 includes the executor: one left unset becomes async's default (worker processes on a CPU) in
 both runs, so the two forwards run in the same process layout and the sync run's step
 records can calibrate the async run's overlap report (see `vserve.bench.overlap`). Async
@@ -37,48 +40,58 @@ def mode_engine_args(engine_args: EngineArgs) -> tuple[EngineArgs, EngineArgs]:
     return dataclasses.replace(async_args, async_scheduling=False), async_args
 
 
-def run_both(run_one: Callable, engine_args: EngineArgs):
-    """`run_one(engine_args, calibration) -> (result, records, ...)`: sync first, its records
-    calibrate the async run. Returns both runs' tuples."""
+def run_modes(run_one: Callable, engine_args: EngineArgs):
+    """`run_one(engine_args, calibration) -> (result, records, ...)`: sync, async, sync; the
+    first sync run's records calibrate the async run. Returns the three runs' tuples."""
     sync_args, async_args = mode_engine_args(engine_args)
-    sync = run_one(sync_args, None)
-    return sync, run_one(async_args, sync[1])
+    first = run_one(sync_args, None)
+    middle = run_one(async_args, first[1])
+    return first, middle, run_one(sync_args, None)
 
 
 def run_maybe_compared(
     args, engine_args: EngineArgs, run_one: Callable, key: str, higher_is_better: bool, unit: str
 ):
     """`run_one(args, engine_args, calibration=None) -> (result, records, spans)` once, or
-    sync then async with `--compare-sync` (the async run's tuple, its result gaining
+    sync, async, sync with `--compare-sync` (the async run's tuple, its result gaining
     `compare_sync` on `key`)."""
     if not args.compare_sync:
         return run_one(args, engine_args)
-    sync, (result, records, spans) = run_both(
+    first, (result, records, spans), second = run_modes(
         lambda ea, calibration: run_one(args, ea, calibration), engine_args
     )
-    result["compare_sync"] = comparison(sync[0], result, key, higher_is_better)
-    result["compare_sync"]["sync_result"] = sync[0]
+    result["compare_sync"] = comparison([first[0], second[0]], result, key, higher_is_better)
+    result["compare_sync"]["sync_result"] = first[0]
+    result["compare_sync"]["second_sync_result"] = second[0]
     print_comparison(result["compare_sync"], unit)
     return result, records, spans
 
 
-def comparison(sync: dict, async_: dict, key: str, higher_is_better: bool) -> dict:
-    """Async's speedup over sync on one figure of the two results."""
-    a, s = async_[key], sync[key]
+def comparison(syncs: list[dict], async_: dict, key: str, higher_is_better: bool) -> dict:
+    """Async's speedup on one figure over the mean of the sync runs' figures, and the sync
+    runs' drift (the last over the first)."""
+    figures = [r[key] for r in syncs]
+    a, s = async_[key], sum(figures) / len(figures)
     speedup = (a / s if higher_is_better else s / a) if a and s else None
     return {
         "metric": key,
         "sync": s,
+        "sync_runs": figures,
+        "sync_drift": figures[-1] / figures[0] if figures[0] else None,
         "async": a,
         "async_speedup": speedup,
-        "sync_executor": sync.get("executor"),
+        "sync_executor": syncs[0].get("executor"),
         "async_executor": async_.get("executor"),
     }
 
 
 def print_comparison(c: dict, unit: str) -> None:
     print("{s:{c}^64}".format(s=" Sync vs async (one process, same workload) ", c="="))
-    print(f"{'sync (' + str(c['sync_executor']) + ' executor):':<44}{c['sync']:>14.3f} {unit}")
+    runs = ", ".join(f"{v:.3f}" for v in c["sync_runs"])
+    print(
+        f"{'sync (' + str(c['sync_executor']) + ' executor), mean:':<44}{c['sync']:>14.3f} {unit}"
+    )
+    print(f"{'  sync runs, before and after async:':<44}{runs:>14}")
     print(f"{'async (' + str(c['async_executor']) + ' executor):':<44}{c['async']:>14.3f} {unit}")
     speedup = "n/a" if c["async_speedup"] is None else f"{c['async_speedup']:.3f}x"
     print(f"{'Async speedup over sync:':<44}{speedup:>14}")
