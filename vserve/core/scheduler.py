@@ -37,7 +37,7 @@ class SchedulerConfig:
     pipeline_parallel_size: int = 1  # PP: a decoding request joins at most every pp-th step
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepPlan:
     step_id: int
     budget: int
