@@ -100,9 +100,11 @@ def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, m
     from vserve.csrc_triton.kv_write import _kv_write_kernel
     from vserve.csrc_triton.variants import VariantCounter
 
-    # a device of 8 multiprocessors: small batches split their keys, as on a GPU
+    # a device of 8 multiprocessors, and segments of 64 keys at least: small batches split
+    # their keys, as on a GPU, at contexts the interpreter runs quickly
     monkeypatch.setattr(pa, "_multiprocessors", lambda device: 8)
-    runner = _runner(tiny_model_dir("llama"), "triton", max_model_len=1100, tokens=48)
+    monkeypatch.setattr(pa, "MIN_KEYS_PER_SPLIT", 64)
+    runner = _runner(tiny_model_dir("llama"), "triton", max_model_len=200, tokens=48)
     counter = VariantCounter(
         {
             "paged_attention": pa._paged_attention_kernel,
@@ -114,9 +116,9 @@ def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, m
     warmed = counter.counts()
     assert warmed["merge_splits"] == 1 and warmed["paged_attention"] == 4, warmed
     batches = [
-        DummyBatch("decode x2", (1, 1), (100, 37)),
-        DummyBatch("mixed x3", (5, 1, 1), (900, 30, 1100)),
-        DummyBatch("decode x3, long", (1, 1, 1), (1100, 1024, 1099)),
+        DummyBatch("decode x2", (1, 1), (60, 37)),
+        DummyBatch("mixed x3", (5, 1, 1), (150, 30, 200)),
+        DummyBatch("decode x3, long", (1, 1, 1), (200, 129, 199)),
         DummyBatch("prefill", (29,), (29,)),
     ]
     n = scratch_blocks(batches, 4)
