@@ -5,7 +5,9 @@ variant of (compiled now, or loaded from Triton's disk cache), never for a launc
 holds. A warmed engine (`workers/memory_profile.py`, the decode graphs' capture) should see
 none while it serves; each step reports the compiles made since the step before
 (`StepTiming.compiles`), and the engine sums them (`/metrics`: `vserve:triton_compiles`, the
-bench's overlap report). Under TRITON_INTERPRET=1 nothing compiles, so nothing is counted.
+bench's overlap report). The step's timing comes back from the sampling worker only, so with
+pipeline or tensor parallelism the count is that worker's (its kernels are the others').
+Under TRITON_INTERPRET=1 nothing compiles, so nothing is counted.
 """
 
 from __future__ import annotations

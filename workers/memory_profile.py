@@ -1,14 +1,16 @@
 """What a step needs beside the KV cache, measured before the cache is sized, and the dummy
-batches that measure it.
+steps that measure it.
 
 On CUDA the cache takes what is left under `gpu_memory_utilization` once the weights, the
-runtime and the largest step's activations and sampler temporaries are counted. The largest
-step is a forward of `max_num_batched_tokens` tokens and a sampler run of `max_num_seqs` rows
-at temperature 1 (fp32 copies of a [rows, vocab] tensor: about 2 GB at 256 x 262k), so the
-runner runs both once over a scratch cache (`profile_batches`) and reads the allocator's peak.
-The same launches compile the Triton variants a serving run meets (prefill and mixed tiles,
-split-KV and not) before the engine says it is ready; the decode graphs' capture compiles the
-decode ones.
+runtime and the steps' peak are counted. The runner runs dummy steps over a scratch cache
+(`profile_batches`) and reads the allocator's peak over all of them: the largest is a forward
+of `max_num_batched_tokens` tokens with a sampler run of `max_num_seqs` rows sampled the
+costliest way (top-k and top-p sort the vocabulary on CUDA, logprobs and penalties copy it in
+fp32: several GB at 256 x 262k). Logits rows past `max_num_seqs` (n-gram drafts, prompt
+logprobs' chunks) are not in it. The same steps, built through the runner's own input
+preparation, compile every Triton variant a serving run meets (input preparation, prefill,
+mixed and decode tiles, split-KV and not, the sampler) before the engine says it is ready;
+the decode graphs' capture adds none.
 
 Every dummy row reads the same scratch blocks (a block table may point any row anywhere; a
 dummy's writes land in scratch the real cache never sees), so the scratch holds one longest
@@ -17,13 +19,13 @@ context, not one per row.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from vserve.attention.base import AttentionMetadata
+from vserve.workers.input_prep import HostInputs
 from vserve.workers.sampler import SamplingMetadata
 
 
@@ -42,9 +44,9 @@ WARM_CONTEXT = 4096  # long enough to split the keys (csrc_triton/paged_attentio
 def profile_batches(
     max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
 ) -> list[DummyBatch]:
-    """The largest step (every token budgeted, as few rows as the length allows), whose peak
-    is measured; then batches that only warm up: small and full mixed and decode batches at a
-    long context (split-KV) and a full one at a short context (not split)."""
+    """The largest step (every token budgeted, as few rows as the length allows, sampled the
+    costliest way), then batches that also warm up every Triton variant a run meets: mixed
+    and decode, small and full, at a long context (split-KV) and at a short one (not)."""
     tokens = max(1, min(max_num_batched_tokens, max_num_seqs * max_model_len))
     rows = min(max_num_seqs, -(-tokens // max_model_len))
     q_lens = tuple(tokens // rows + (i < tokens % rows) for i in range(rows))
@@ -53,6 +55,7 @@ def profile_batches(
     return [
         DummyBatch("largest step", q_lens, q_lens),
         DummyBatch("mixed, small", (chunk, 1), (long, long)),
+        DummyBatch("mixed, short", (chunk, 1), (chunk, 1)),  # never split
         DummyBatch("decode, small", (1,), (long,)),
         DummyBatch("decode, full", (1,) * max_num_seqs, (long,) * max_num_seqs),
         DummyBatch("decode, short", (1,) * max_num_seqs, (1,) * max_num_seqs),  # never split
@@ -65,26 +68,22 @@ def scratch_blocks(batches, block_size: int) -> int:
     return -(-longest // block_size) + 1
 
 
-def dummy_metadata(batch: DummyBatch, block_size: int, device: torch.device) -> AttentionMetadata:
-    """Metadata of `batch` over a scratch cache: every row's table is blocks 0, 1, 2, ..."""
-    qsl = [0, *itertools.accumulate(batch.q_lens)]
-    max_blocks = -(-max(batch.ctx_lens) // block_size)
-    positions = torch.cat(
-        [torch.arange(c - q, c, dtype=torch.int64) for q, c in zip(batch.q_lens, batch.ctx_lens)]
+def dummy_host_inputs(batch: DummyBatch, block_size: int) -> HostInputs:
+    """The host's view of `batch` over a scratch cache: every row's table is blocks 0, 1, 2,
+    ..., so a token's slot is its position; token ids 0."""
+    positions = np.concatenate(
+        [np.arange(c - q, c, dtype=np.int64) for q, c in zip(batch.q_lens, batch.ctx_lens)]
     )
-    table = torch.arange(max_blocks, dtype=torch.int32)
-    int32 = {"dtype": torch.int32, "device": device}
-    return AttentionMetadata(
-        num_tokens=qsl[-1],
-        positions=positions.to(device),
-        slot_mapping=positions.to(device),  # block i of every table is block i: slot = position
-        query_start_loc=torch.tensor(qsl, **int32),
-        seq_lens=torch.tensor(batch.ctx_lens, **int32),
-        block_tables=table.expand(len(batch.q_lens), max_blocks).contiguous().to(device),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=list(batch.ctx_lens),
-        max_query_len=max(batch.q_lens),
-        max_seq_len=max(batch.ctx_lens),
+    max_blocks = -(-max(batch.ctx_lens) // block_size)
+    ctx, q = np.array(batch.ctx_lens, dtype=np.int64), np.array(batch.q_lens, dtype=np.int64)
+    return HostInputs(
+        query_start_loc=np.concatenate([[0], np.cumsum(q)]).astype(np.int64),
+        num_computed=ctx - q,
+        positions=positions,
+        seq_lens=ctx,
+        block_tables=np.tile(np.arange(max_blocks, dtype=np.int32), (len(q), 1)),
+        host_tokens=np.zeros(len(positions), dtype=np.int64),
+        block_size=block_size,
     )
 
 
@@ -109,23 +108,27 @@ def kv_budget(total: int, utilization: float, used: int, step_peak: int) -> int:
     return max(0, int(total * utilization) - used - step_peak)
 
 
-def dummy_sampling(rows: int):
-    """Sampling metadata of `rows` rows at temperature 1, no filters: the default path."""
+def dummy_sampling(rows: int, costliest: bool = False) -> SamplingMetadata:
+    """Sampling metadata of `rows` rows at temperature 1: no filters (the default path, the
+    one Triton kernel), or with everything that copies the logits (`costliest`: top-k and
+    top-p, which sort the vocabulary on CUDA; 20 logprobs; penalties and a bias)."""
 
     def column(value):
         return [value] * rows
 
     return SamplingMetadata(
         temperature=column(1.0),
-        top_k=column(0),
-        top_p=column(1.0),
+        top_k=column(50 if costliest else 0),
+        top_p=column(0.9 if costliest else 1.0),
         min_p=column(0.0),
         seeds=list(range(rows)),
         positions=column(0),
-        num_logprobs=column(None),
-        logit_bias=column(None),
+        num_logprobs=column(20 if costliest else None),
+        logit_bias=column({0: 1.0} if costliest else None),
         masked_ids=column(None),
-        presence=column(0.0),
-        frequency=column(0.0),
-        repetition=column(1.0),
+        presence=column(0.5 if costliest else 0.0),
+        frequency=column(0.5 if costliest else 0.0),
+        repetition=column(1.1 if costliest else 1.0),
+        prompt_ids=[[0] for _ in range(rows)] if costliest else None,
+        output_ids=[[0] for _ in range(rows)] if costliest else None,
     )

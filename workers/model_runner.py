@@ -14,7 +14,6 @@ decode-only steps replay a captured CUDA graph (`vserve.workers.cuda_graphs`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from vserve.workers.kv_cache import (
 )
 from vserve.workers.memory_profile import (
     DummyBatch,
-    dummy_metadata,
+    dummy_host_inputs,
     dummy_sampling,
     kv_budget,
     peak_bytes,
@@ -249,7 +248,7 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> int:
         """The dummy steps of `memory_profile.profile_batches` over a scratch cache, freed
-        after; returns the largest step's peak bytes (0 on the CPU, which has no such count)."""
+        after; returns their peak bytes (0 on the CPU, which has no such count)."""
         cfg = self.config
         batches = profile_batches(
             cfg.max_num_batched_tokens or cfg.max_model_len, cfg.max_num_seqs, cfg.max_model_len
@@ -259,22 +258,26 @@ class ModelRunner:
         scratch = allocate_kv_caches(
             self.model.layer_specs, layers, local, n, n, cfg.block_size, self.dtype, self.device
         )
-        peak = peak_bytes(functools.partial(self._dummy_step, batches[0], scratch), self.device)
-        for batch in batches[1:]:
-            self._dummy_step(batch, scratch)
+
+        def run() -> None:
+            for i, batch in enumerate(batches):  # the first samples the costliest way
+                self._dummy_step(batch, scratch, dummy_sampling(cfg.max_num_seqs, i == 0))
+
+        peak = peak_bytes(run, self.device)
         scratch.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         return peak
 
-    def _dummy_step(self, batch: DummyBatch, kv_caches: list) -> None:
-        """A forward of `batch` and, on the last stage, logits and sampling at temperature 1
-        for `max_num_seqs` rows (the sampler's largest temporaries)."""
-        meta = dummy_metadata(batch, self.config.block_size, self.device)
-        meta.backend_data = self.backend.prepare(meta, self.windows)
+    def _dummy_step(self, batch: DummyBatch, kv_caches: list, sampling) -> None:
+        """A forward of `batch` through the step's own input preparation and, on the last
+        stage, logits and sampling for `max_num_seqs` rows."""
+        host = dummy_host_inputs(batch, self.config.block_size)
+        dev = self.input_prep.build(host, FeedbackPlan(), None)
+        meta = self._attention_metadata(host, dev)
         if self.stage.is_first:
-            first = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
+            first = dev.input_ids
         else:
             width = self.hf_config.hidden_size
             first = torch.zeros(meta.num_tokens, width, dtype=self.dtype, device=self.device)
@@ -284,7 +287,7 @@ class ModelRunner:
         rows = torch.arange(self.config.max_num_seqs, device=self.device) % meta.num_tokens
         logits = self.model.compute_logits(hidden[rows])
         if self.is_sampler:
-            self.step_sampler.sampler(logits, dummy_sampling(len(rows)))
+            self.step_sampler.sampler(logits, sampling)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         layers, local = self._kv_layers()

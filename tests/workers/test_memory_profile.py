@@ -15,7 +15,8 @@ from vserve.models.hf_config import load_hf_config
 from vserve.workers.kv_cache import allocate_kv_caches
 from vserve.workers.memory_profile import (
     DummyBatch,
-    dummy_metadata,
+    dummy_host_inputs,
+    dummy_sampling,
     kv_budget,
     profile_batches,
     scratch_blocks,
@@ -30,10 +31,10 @@ def test_the_largest_step_spends_the_token_budget_in_the_fewest_rows():
     assert profile_batches(100, 4, 64)[0].q_lens == (50, 50)
     assert profile_batches(4096, 2, 512)[0].q_lens == (512, 512)  # rows x length caps it
     assert profile_batches(8, 256, 32768)[0].q_lens == (8,)
-    # the warm-up batches: mixed and decode, small and full, at a context long enough to split
-    assert [b.q_lens for b in warm] == [(8, 1), (1,), (1,) * 256, (1,) * 256]
-    assert {c for b in warm[:-1] for c in b.ctx_lens} == {1024}
-    assert set(warm[-1].ctx_lens) == {1}
+    # the warm-up batches: mixed and decode, small and full, at a context long enough to
+    # split and at a short one
+    assert [b.q_lens for b in warm] == [(8, 1), (8, 1), (1,), (1,) * 256, (1,) * 256]
+    assert [max(b.ctx_lens) for b in warm] == [1024, 8, 1024, 1024, 1]
     assert max(c for b in profile_batches(8, 4, 32768) for c in b.ctx_lens) == 4096
 
 
@@ -43,15 +44,24 @@ def test_kv_budget_leaves_the_step_its_peak():
     assert kv_budget(80 * gib, 0.5, 39 * gib, 2 * gib) == 0  # never negative
 
 
-def test_dummy_metadata_points_every_row_at_the_same_scratch_blocks():
+def test_dummy_inputs_point_every_row_at_the_same_scratch_blocks():
     batch = DummyBatch("b", (3, 1), (10, 7))
-    meta = dummy_metadata(batch, 4, torch.device("cpu"))
-    assert meta.query_start_loc.tolist() == [0, 3, 4]
-    assert meta.positions.tolist() == [7, 8, 9, 6]
-    assert meta.slot_mapping.tolist() == [7, 8, 9, 6]  # table row i is block i
-    assert meta.block_tables.tolist() == [[0, 1, 2], [0, 1, 2]]
-    assert (meta.max_query_len, meta.max_seq_len) == (3, 10)
+    host = dummy_host_inputs(batch, 4)
+    assert host.query_start_loc.tolist() == [0, 3, 4]
+    assert host.num_computed.tolist() == [7, 6] and host.seq_lens.tolist() == [10, 7]
+    assert host.positions.tolist() == [7, 8, 9, 6]
+    assert host.block_tables.tolist() == [[0, 1, 2], [0, 1, 2]]  # slot = position
+    assert host.host_tokens.tolist() == [0, 0, 0, 0]
     assert scratch_blocks([batch], 4) == 4  # every slot a table names exists
+
+
+def test_the_costliest_sampling_copies_what_real_requests_copy():
+    plain, costly = dummy_sampling(3), dummy_sampling(3, costliest=True)
+    assert set(plain.temperature) == set(costly.temperature) == {1.0}
+    assert not any(plain.logit_bias) and plain.prompt_ids is None
+    assert set(costly.top_k) == {50} and set(costly.top_p) == {0.9}
+    assert set(costly.num_logprobs) == {20} and costly.needs_penalties
+    assert len(costly.prompt_ids) == len(costly.output_ids) == 3
 
 
 def _runner(path, backend="torch", max_model_len=64, tokens=40):
@@ -82,14 +92,15 @@ def test_profile_run_steps_the_largest_batch_and_samples_every_row(tiny_model_di
 
     class SpySampler:
         def __call__(self, logits, meta):
-            sampled.append((logits.shape[0], set(meta.temperature)))
+            sampled.append((logits.shape[0], set(meta.temperature), set(meta.top_p)))
             return sampler(logits, meta)
 
     runner.model.forward = forward  # nn.Module's call runs the instance's forward
     runner.step_sampler.sampler = SpySampler()
     assert runner.profile_run() == 0  # the CPU keeps no allocator peak
-    assert forwards == [40, 9, 1, 3, 3]  # the largest step, then the warm-ups
-    assert sampled == [(3, {1.0})] * 5
+    assert forwards == [40, 9, 9, 1, 3, 3]  # the largest step, then the warm-ups
+    # every row sampled at temperature 1: the largest step the costliest way, then plain
+    assert sampled == [(3, {1.0}, {0.9})] + [(3, {1.0}, {1.0})] * 5
     assert runner.kv_caches == []  # the scratch is gone; the cache is sized after
 
 
@@ -101,10 +112,11 @@ def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, m
     from vserve.csrc_triton.variants import VariantCounter
 
     # a device of 8 multiprocessors, and segments of 64 keys at least: small batches split
-    # their keys, as on a GPU, at contexts the interpreter runs quickly
+    # their keys, as on a GPU, at contexts the interpreter runs quickly; the largest step
+    # splits too, so only a short warm-up batch compiles the unsplit mixed tile
     monkeypatch.setattr(pa, "_multiprocessors", lambda device: 8)
     monkeypatch.setattr(pa, "MIN_KEYS_PER_SPLIT", 64)
-    runner = _runner(tiny_model_dir("llama"), "triton", max_model_len=200, tokens=48)
+    runner = _runner(tiny_model_dir("llama"), "triton", max_model_len=200, tokens=200)
     counter = VariantCounter(
         {
             "paged_attention": pa._paged_attention_kernel,
@@ -127,5 +139,5 @@ def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, m
         runner.model.layer_specs, layers, local, n, n, 4, torch.float32, torch.device("cpu")
     )
     for batch in batches:
-        runner._dummy_step(batch, scratch)
+        runner._dummy_step(batch, scratch, dummy_sampling(3))
     assert counter.counts() == warmed

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import time
 
-import msgspec
-
 from vserve.bench.compare import add_compare_arg, mode_fields, run_maybe_compared
 from vserve.bench.datasets import add_dataset_args, load_samples
 from vserve.bench.overlap import overlap_report
@@ -98,17 +96,15 @@ def _run_vserve(args, engine_args, calibration=None) -> tuple[dict, list, list]:
 
 
 def _warm_up(llm, prompts: list, params: list) -> int:
-    """An untimed first batch (up to max_num_seqs prompts, 2 tokens each) before a compared
-    run, so that the first engine of the process does not pay its one-time costs alone (on
-    CUDA, Triton compiles a kernel per new shape specialization: measured on an H200, the
-    sync run, first in the process, had a mean forward of 22 ms against async's 12.5). The
-    prefix cache is reset after it, so the timed run computes every prompt."""
-    n = min(len(prompts), llm.config.scheduler.max_num_seqs)
-    short = [msgspec.structs.replace(p, n=1, max_tokens=2, min_tokens=0) for p in params[:n]]
-    llm.generate(prompts[:n], short, use_tqdm=False)
+    """An untimed run of the timed workload itself before a compared run, so that each
+    engine has met every shape the timed run meets (batch sizes, prefill chunks, decode
+    lengths) and has paid its one-time costs outside it (on CUDA, Triton compiles a variant
+    per new specialization; start-up warms the known ones, and the run reports any it still
+    met). The prefix cache is reset after it, so the timed run computes every prompt."""
+    llm.generate(prompts, params, use_tqdm=False)
     if not llm.reset_prefix_cache():  # the timed run must compute its prompts as before
         raise RuntimeError("warm-up: the prefix cache could not be reset")
-    return n
+    return len(prompts)
 
 
 def _run_hf(args, engine_args) -> int:
