@@ -145,10 +145,16 @@ step gpu_tests 180 "$PY" -m pytest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" 
 
 # -- 2. models built on the device ---------------------------------------------------------------
 step models 120 "$PY" benchmarks/gpu_models.py "$MODELS" "${SMALL[@]}"
+# the engine against transformers on the same models and dtype, before any figure is read
+step equiv_llama 90 "$PY" benchmarks/gpu_equivalence.py "$LLAMA" "$RESULTS/equiv_llama.json" \
+  "${DEV[@]}"
+step equiv_gemma 90 "$PY" benchmarks/gpu_equivalence.py "$GEMMA" "$RESULTS/equiv_gemma.json" \
+  "${DEV[@]}"
 
 # -- 3. figures, most telling first --------------------------------------------------------------
 tput tput_llama_async_graphs_t0_vs_sync "$LLAMA" 0 --async-scheduling --compare-sync
 tput tput_llama_async_graphs_t1 "$LLAMA" 1.0 --async-scheduling
+tput tput_llama_async_graphs_t1_top_p "$LLAMA" 1.0 --async-scheduling --top-p 0.9
 step roofline_llama_batch1 90 "$PY" benchmarks/batch1_roofline.py --model "$LLAMA" \
   --dtype bfloat16 --input-len 128 --output-len 64 --num-iters 2 \
   --output-json "$RESULTS/roofline_llama_batch1.json"
@@ -158,6 +164,7 @@ lat lat_llama_async_graphs "$LLAMA" --async-scheduling
 lat lat_llama_async_eager "$LLAMA" --async-scheduling --enforce-eager
 tput tput_gemma_async_graphs_t0_vs_sync "$GEMMA" 0 --async-scheduling --compare-sync
 tput tput_gemma_async_graphs_t1 "$GEMMA" 1.0 --async-scheduling
+tput tput_gemma_async_graphs_t1_top_p "$GEMMA" 1.0 --async-scheduling --top-p 0.9
 lat lat_llama_sync_graphs "$LLAMA" --no-async-scheduling
 step roofline_gemma_batch1 90 "$PY" benchmarks/batch1_roofline.py --model "$GEMMA" \
   --dtype bfloat16 --input-len 128 --output-len 64 --num-iters 2 \

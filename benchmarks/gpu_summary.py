@@ -53,6 +53,22 @@ def roofline_rows(results: dict) -> list[str]:
     return rows
 
 
+def equivalence_rows(results: dict) -> list[str]:
+    rows = [
+        "| vs transformers | positions | max abs logprob diff | mean | top-1 agreement | "
+        "greedy match lengths |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if name.startswith("equiv_"):
+            rows.append(
+                f"| {name} | {r['positions']} | {f(r['max_abs_logprob_diff'], 4)} | "
+                f"{f(r['mean_abs_logprob_diff'], 4)} | {f(r['top1_agreement'], 3)} | "
+                f"{r['greedy_match_lengths']} of {r['output_len']} |"
+            )
+    return rows
+
+
 def kernel_rows(results: dict) -> list[str]:
     rows = [
         "| kernel case | equal to reference | max abs diff | triton (ms) | unsplit (ms) | "
@@ -84,7 +100,8 @@ def main() -> None:
         "|---|---|---|",
     ]
     lines += [f"| {name} | {status} | {secs} |" for name, status, secs in steps]
-    for rows in (bench_rows(results), roofline_rows(results), kernel_rows(results)):
+    tables = (equivalence_rows, bench_rows, roofline_rows, kernel_rows)
+    for rows in (table(results) for table in tables):
         if len(rows) > 2:
             lines += [""] + rows
     text = "\n".join(lines)
