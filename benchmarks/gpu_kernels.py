@@ -83,10 +83,13 @@ def paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size=16, seed
     return meta, query, key, value, randn(2, num_blocks, block_size, kv_heads, head_dim)
 
 
-def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats, copy_gbs):
+def attention_case(
+    name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats, copy_gbs, hint=None
+):
     """The kernel as the backend launches it (split-KV where `choose_splits` splits), and
     unsplit, against the reference and the torch backend; KV bytes read per second, and their
-    share of the device's copy bandwidth."""
+    share of the device's copy bandwidth. `hint`: the longest context the launch is told of
+    (a decode graph's: the model's length), else the batch's."""
     from vserve.attention import get_attention_backend
     from vserve.attention.base import AttentionLayerSpec
     from vserve.csrc_triton.kv_write import kv_write_reference
@@ -96,7 +99,7 @@ def attention_case(name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, re
     kv_write_reference(key, value, kv_cache, meta.slot_mapping)
     spec = AttentionLayerSpec(heads, kv_heads, head_dim, head_dim**-0.5, window)
     args = (query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, spec)
-    hints = {"max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len}
+    hints = {"max_query_len": meta.max_query_len, "max_seq_len": hint or meta.max_seq_len}
     out = paged_attention(*args, **hints)
     ref = paged_attention_reference(*args, **hints)
     triton_ms = timed_ms(lambda: paged_attention(*args, **hints), repeats)
@@ -199,6 +202,7 @@ def main() -> None:
         cases = [
             ("llama decode", [1] * 2, [20, 33], 4, 2, 16, None),
             ("gemma sliding decode", [1] * 2, [40, 9], 4, 1, 32, 16),
+            ("gemma decode, as a graph", [1] * 2, [40, 9], 4, 1, 32, None, 4096),
         ]
         repeats, num_reqs = 1, 8
     else:
@@ -207,6 +211,9 @@ def main() -> None:
             ("llama-1b prefill 8 x 256", [256] * 8, [256] * 8, 32, 8, 64, None),
             ("gemma3 sliding decode x64, ctx 1024", [1] * 64, [1024] * 64, 4, 1, 256, 512),
         ]
+        # a decode graph is captured for the model's length: short contexts split as long ones
+        gemma = (4, 1, 256, None)
+        cases.append(("gemma3 decode x8, ctx 256, as a graph", [1] * 8, [256] * 8, *gemma, 4096))
         for reqs, ctx in ((128, 512), (128, 2048), (8, 8192)):  # the KV-read cases
             cases.append(
                 (f"llama-1b decode x{reqs}, ctx {ctx}", [1] * reqs, [ctx] * reqs, 32, 8, 64, None)
@@ -228,8 +235,9 @@ def main() -> None:
     copy_gbs = copy_bandwidth(mib=64 if args.small else 1024, device=DEVICE)
     print(json.dumps({"copy_bandwidth_gbs": copy_gbs}), flush=True)
     results = []
-    for case in cases:
-        results.append(attention_case(*case, repeats=repeats, copy_gbs=copy_gbs))
+    for name, *shape in cases:
+        hint = shape.pop() if len(shape) == 7 else None
+        results.append(attention_case(name, *shape, repeats, copy_gbs, hint))
         print(json.dumps(results[-1]), flush=True)
     results.append(prepare_inputs_case(num_reqs, repeats))
     print(json.dumps(results[-1]), flush=True)
