@@ -116,7 +116,7 @@ def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, m
     # splits too, so only a short warm-up batch compiles the unsplit mixed tile
     monkeypatch.setattr(pa, "_multiprocessors", lambda device: 8)
     monkeypatch.setattr(pa, "MIN_KEYS_PER_SPLIT", 64)
-    runner = _runner(tiny_model_dir("llama"), "triton", max_model_len=200, tokens=200)
+    runner = _runner(tiny_model_dir("llama"), "triton", max_model_len=140, tokens=140)
     counter = VariantCounter(
         {
             "paged_attention": pa._paged_attention_kernel,
@@ -129,8 +129,8 @@ def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, m
     assert warmed["merge_splits"] == 1 and warmed["paged_attention"] == 4, warmed
     batches = [
         DummyBatch("decode x2", (1, 1), (60, 37)),
-        DummyBatch("mixed x3", (5, 1, 1), (150, 30, 200)),
-        DummyBatch("decode x3, long", (1, 1, 1), (200, 129, 199)),
+        DummyBatch("mixed x3", (5, 1, 1), (110, 30, 140)),
+        DummyBatch("decode x3, long", (1, 1, 1), (140, 129, 139)),
         DummyBatch("prefill", (29,), (29,)),
     ]
     n = scratch_blocks(batches, 4)
