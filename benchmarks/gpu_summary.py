@@ -15,19 +15,17 @@ def f(value, digits=1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def table(header: str, rows) -> list[str]:
+    """A markdown table: the header row, its rule, then `rows`."""
+    return [header, "|" + "---|" * (header.count("|") - 1), *rows]
+
+
 def bench_rows(results: dict) -> list[str]:
-    rows = [
-        "| run | output tok/s | async / sync | avg latency (s) | forward (ms) | "
-        "device span (ms) | launch interval (ms) | span / interval | overlap eff. | compiles |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        if not (name.startswith("tput_") or name.startswith("lat_")):
-            continue
+    def row(name: str, r: dict) -> str:
         ov = r.get("overlap") or {}
         compared = r.get("compare_sync") or {}
         cmp, drift = compared.get("async_speedup"), compared.get("sync_drift")
-        rows.append(
+        return (
             f"| {name} | {f(r.get('output_throughput'))} | {f(cmp, 3)} "
             f"{'' if drift is None else f'(sync drift {drift:.3f})'} | "
             f"{f(r.get('avg_latency'), 3)} | {f(ov.get('mean_forward_ms'), 2)} | "
@@ -35,54 +33,53 @@ def bench_rows(results: dict) -> list[str]:
             f"{f(ov.get('mean_launch_interval_ms'), 2)} | {f(ov.get('device_busy_share'), 3)} | "
             f"{f(ov.get('overlap_efficiency'), 3)} | {ov.get('triton_compiles', '-')} |"
         )
-    return rows
+
+    return table(
+        "| run | output tok/s | async / sync | avg latency (s) | forward (ms) | "
+        "device span (ms) | launch interval (ms) | span / interval | overlap eff. | compiles |",
+        (row(n, r) for n, r in results.items() if n.startswith(("tput_", "lat_"))),
+    )
 
 
 def roofline_rows(results: dict) -> list[str]:
-    rows = [
+    return table(
         "| batch-1 decode | copy GB/s | weight MB | floor (ms) | step median (ms) | step / floor |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        if name.startswith("roofline_"):
-            rows.append(
-                f"| {name} | {f(r['copy_bandwidth_gbs'])} | "
-                f"{f(r['weight_bytes'] / 1e6)} | {f(r['streaming_ms'], 3)} | "
-                f"{f(r['step_median_ms'], 3)} | {f(r['ratio'], 2)} |"
-            )
-    return rows
+        (
+            f"| {name} | {f(r['copy_bandwidth_gbs'])} | "
+            f"{f(r['weight_bytes'] / 1e6)} | {f(r['streaming_ms'], 3)} | "
+            f"{f(r['step_median_ms'], 3)} | {f(r['ratio'], 2)} |"
+            for name, r in results.items()
+            if name.startswith("roofline_")
+        ),
+    )
 
 
 def equivalence_rows(results: dict) -> list[str]:
-    rows = [
+    return table(
         "| vs transformers | positions | max abs logprob diff | mean | top-1 agreement | "
         "greedy match lengths |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        if name.startswith("equiv_"):
-            rows.append(
-                f"| {name} | {r['positions']} | {f(r['max_abs_logprob_diff'], 4)} | "
-                f"{f(r['mean_abs_logprob_diff'], 4)} | {f(r['top1_agreement'], 3)} | "
-                f"{r['greedy_match_lengths']} of {r['output_len']} |"
-            )
-    return rows
+        (
+            f"| {name} | {r['positions']} | {f(r['max_abs_logprob_diff'], 4)} | "
+            f"{f(r['mean_abs_logprob_diff'], 4)} | {f(r['top1_agreement'], 3)} | "
+            f"{r['greedy_match_lengths']} of {r['output_len']} |"
+            for name, r in results.items()
+            if name.startswith("equiv_")
+        ),
+    )
 
 
 def kernel_rows(results: dict) -> list[str]:
-    rows = [
+    return table(
         "| kernel case | equal to reference | max abs diff | triton (ms) | unsplit (ms) | "
         "torch backend (ms) | KV read GB/s | share of copy GB/s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in (results.get("kernels") or {}).get("kernels", []):
-        rows.append(
+        (
             f"| {r['case']} | {r['ok']} | {f(r.get('max_abs_diff'), 4)} | "
             f"{f(r.get('triton_ms'), 3)} | {f(r.get('unsplit_ms'), 3)} | "
             f"{f(r.get('torch_backend_ms'), 3)} | "
             f"{f(r.get('kv_read_gbs'))} | {f(r.get('kv_read_share_of_copy'), 2)} |"
-        )
-    return rows
+            for r in (results.get("kernels") or {}).get("kernels", [])
+        ),
+    )
 
 
 def main() -> None:
@@ -93,13 +90,10 @@ def main() -> None:
         if Path(steps_tsv).is_file()
         else []
     )
-    lines = [
-        f"GPU check ({'CUDA' if cuda == '1' else 'CPU dry run'}), {elapsed} s",
-        "",
-        "| step | status | seconds |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {name} | {status} | {secs} |" for name, status, secs in steps]
+    lines = [f"GPU check ({'CUDA' if cuda == '1' else 'CPU dry run'}), {elapsed} s", ""]
+    lines += table(
+        "| step | status | seconds |", (f"| {n} | {st} | {sec} |" for n, st, sec in steps)
+    )
     tables = (equivalence_rows, bench_rows, roofline_rows, kernel_rows)
     for rows in (table(results) for table in tables):
         if len(rows) > 2:
