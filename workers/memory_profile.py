@@ -104,7 +104,7 @@ def peak_bytes(run: Callable[[], None], device: torch.device) -> int:
 
 def kv_budget(total: int, utilization: float, used: int, step_peak: int) -> int:
     """Bytes the KV cache may take: `utilization` of the device's memory, less what is in use
-    (weights, runtime, other processes) and the largest step's peak."""
+    (weights, runtime, other processes) and the dummy steps' peak."""
     return max(0, int(total * utilization) - used - step_peak)
 
 

@@ -215,7 +215,7 @@ class ModelRunner:
         )
 
     def available_kv_bytes(self, step_peak: int = 0) -> int:
-        """step_peak: the largest step's bytes beside the cache (`profile_run`)."""
+        """step_peak: the dummy steps' peak bytes beside the cache (`profile_run`)."""
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes
         if self.device.type == "cuda":
