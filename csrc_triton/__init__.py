@@ -9,6 +9,8 @@
   sorted by expert, each tile reading one expert's weights (the CUDA path of the experts).
 - `sample`: sampling rows without top-k / top-p / min-p in one launch (the CUDA path of the
   sampler): argmax, or the (seed, position) inverse CDF of softmax(x / T).
+- `sample_filtered`: rows with top-k / top-p / min-p, the same pick as the torch path's stable
+  sort, found by searching the probabilities' values instead of sorting them.
 - `variants`: counts the compiled variants a run of the kernels needs, by Triton's
   specialization rules (tests keep that count bounded).
 

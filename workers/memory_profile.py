@@ -5,8 +5,8 @@ On CUDA the cache takes what is left under `gpu_memory_utilization` once the wei
 runtime and the steps' peak are counted. The runner runs dummy steps over a scratch cache
 (`profile_batches`) and reads the allocator's peak over all of them: the largest is a forward
 of `max_num_batched_tokens` tokens with a sampler run of `max_num_seqs` rows sampled the
-costliest way (top-k and top-p sort the vocabulary on CUDA, logprobs and penalties copy it in
-fp32: several GB at 256 x 262k). Logits rows past `max_num_seqs` (n-gram drafts, prompt
+costliest way (logprobs, penalties and a bias copy the logits in fp32: several GB at 256 x
+262k). Logits rows past `max_num_seqs` (n-gram drafts, prompt
 logprobs' chunks) are not in it. The same steps, built through the runner's own input
 preparation, compile every Triton variant a serving run meets (input preparation, prefill,
 mixed and decode tiles, split-KV and not, the sampler) before the engine says it is ready;
@@ -109,17 +109,18 @@ def kv_budget(total: int, utilization: float, used: int, step_peak: int) -> int:
 
 
 def dummy_sampling(rows: int, costliest: bool = False) -> SamplingMetadata:
-    """Sampling metadata of `rows` rows at temperature 1: no filters (the default path, the
-    one Triton kernel), or with everything that copies the logits (`costliest`: top-k and
-    top-p, which sort the vocabulary on CUDA; 20 logprobs; penalties and a bias)."""
+    """Sampling metadata of `rows` rows at temperature 1, top-k and top-p on every other row
+    (so both Triton sampling kernels run), and with `costliest` everything that copies the
+    logits in fp32 (20 logprobs, penalties, a bias): together the two meet each kernel over
+    the raw logits and over an fp32 copy."""
 
     def column(value):
         return [value] * rows
 
     return SamplingMetadata(
         temperature=column(1.0),
-        top_k=column(50 if costliest else 0),
-        top_p=column(0.9 if costliest else 1.0),
+        top_k=[50 if i % 2 == 0 else 0 for i in range(rows)],
+        top_p=[0.9 if i % 2 == 0 else 1.0 for i in range(rows)],
         min_p=column(0.0),
         seeds=list(range(rows)),
         positions=column(0),

@@ -100,10 +100,11 @@ class SamplerOutput:
 
 class Sampler:
     """`use_kernel`: sample CPU logits with the fused kernel (vserve/cpu_ops/sample.cpp) when it
-    builds, and CUDA logits' rows without top-k / top-p / min-p with the Triton kernel
-    (csrc_triton/sample.py); False keeps the torch path everywhere (the oracle both are tested
-    against). `triton`: True takes the Triton kernel on any device (on CPU tensors under
-    TRITON_INTERPRET=1, for tests), False never; None where Triton compiles (CUDA)."""
+    builds, and CUDA logits with the Triton kernels (csrc_triton/sample.py for rows without
+    top-k / top-p / min-p, csrc_triton/sample_filtered.py for rows with them); False keeps
+    the torch path everywhere (the oracle the kernels are tested against). `triton`: True
+    takes the Triton kernels on any device (on CPU tensors under TRITON_INTERPRET=1, for
+    tests), False never; None where Triton compiles (CUDA)."""
 
     def __init__(self, use_kernel: bool = True, triton: bool | None = None) -> None:
         self.use_kernel = use_kernel
@@ -188,28 +189,17 @@ class Sampler:
         return bool(self.triton) or (logits.device.type == "cuda" and _HAS_TRITON)
 
     def _sample_triton(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Greedy and unfiltered rows in one launch over the logits as they are; rows with
-        top-k / top-p / min-p through the torch path."""
-        from vserve.csrc_triton.sample import sample_rows
-
-        device, temps = logits.device, meta.temperature
+        """Greedy and unfiltered rows in one launch, rows with top-k / top-p / min-p in
+        another, both over the logits as they are (no copy, no sort, no host read)."""
+        temps = meta.temperature
         filtered = [i for i, t in enumerate(temps) if t > 0.0 and _filters(meta, i)]
-        plain = [i for i in range(len(temps)) if not (temps[i] > 0.0 and _filters(meta, i))]
-        out = torch.empty(logits.shape[0], dtype=torch.long, device=device)
-        if plain:
-            u = [uniform_for(meta.seeds[i], meta.positions[i]) for i in plain]
-            rows = upload(plain, device, torch.long)
-            picks = sample_rows(
-                logits,
-                rows,
-                upload([temps[i] for i in plain], device, torch.float32),
-                upload(u, device, torch.float64),
-            )
-            if not filtered:
-                return picks
-            out[rows] = picks
-        idx, scaled, u_f = _scaled_rows(logits, meta, filtered)
-        out[idx] = _sample_filtered(scaled, u_f, meta, filtered)
+        if not filtered:
+            return _triton_picks(logits, meta, list(range(len(temps))), False)
+        plain = sorted(set(range(len(temps))) - set(filtered))
+        out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        for group, filters in ((plain, False), (filtered, True)):
+            if group:
+                out[upload(group, logits.device)] = _triton_picks(logits, meta, group, filters)
         return out
 
     def _sample_torch(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -226,6 +216,31 @@ class Sampler:
             else:
                 out[idx] = inverse_cdf(scaled.softmax(dim=-1), u)
         return out
+
+
+def _triton_picks(
+    logits: torch.Tensor, meta: SamplingMetadata, group: list[int], filters: bool
+) -> torch.Tensor:
+    """The Triton kernels' tokens for the rows `group`: csrc_triton/sample_filtered.py's when
+    they filter, else csrc_triton/sample.py's."""
+    from vserve.csrc_triton.sample import sample_rows
+    from vserve.csrc_triton.sample_filtered import sample_filtered
+
+    def column(values, dtype):
+        return upload([values[i] for i in group], logits.device, dtype)
+
+    rows = upload(group, logits.device, torch.long)
+    u = [uniform_for(meta.seeds[i], meta.positions[i]) for i in group]
+    u = upload(u, logits.device, torch.float64)
+    temps = column(meta.temperature, torch.float32)
+    if not filters:
+        return sample_rows(logits, rows, temps, u)
+    limits = (
+        column(meta.top_k, torch.long),
+        column(meta.top_p, torch.float64),
+        column(meta.min_p, torch.float32),
+    )
+    return sample_filtered(logits, rows, temps, u, *limits)
 
 
 def _scaled_rows(logits: torch.Tensor, meta: SamplingMetadata, group: list[int]):

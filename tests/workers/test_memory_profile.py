@@ -59,7 +59,8 @@ def test_the_costliest_sampling_copies_what_real_requests_copy():
     plain, costly = dummy_sampling(3), dummy_sampling(3, costliest=True)
     assert set(plain.temperature) == set(costly.temperature) == {1.0}
     assert not any(plain.logit_bias) and plain.prompt_ids is None
-    assert set(costly.top_k) == {50} and set(costly.top_p) == {0.9}
+    for meta in (plain, costly):  # filtered rows and plain ones: both sampling kernels run
+        assert meta.top_k == [50, 0, 50] and meta.top_p == [0.9, 1.0, 0.9]
     assert set(costly.num_logprobs) == {20} and costly.needs_penalties
     assert len(costly.prompt_ids) == len(costly.output_ids) == 3
 
@@ -92,7 +93,7 @@ def test_profile_run_steps_the_largest_batch_and_samples_every_row(tiny_model_di
 
     class SpySampler:
         def __call__(self, logits, meta):
-            sampled.append((logits.shape[0], set(meta.temperature), set(meta.top_p)))
+            sampled.append((logits.shape[0], set(meta.temperature), bool(any(meta.logit_bias))))
             return sampler(logits, meta)
 
     runner.model.forward = forward  # nn.Module's call runs the instance's forward
@@ -100,7 +101,7 @@ def test_profile_run_steps_the_largest_batch_and_samples_every_row(tiny_model_di
     assert runner.profile_run() == 0  # the CPU keeps no allocator peak
     assert forwards == [40, 9, 9, 1, 3, 3]  # the largest step, then the warm-ups
     # every row sampled at temperature 1: the largest step the costliest way, then plain
-    assert sampled == [(3, {1.0}, {0.9})] + [(3, {1.0}, {1.0})] * 5
+    assert sampled == [(3, {1.0}, True)] + [(3, {1.0}, False)] * 5
     assert runner.kv_caches == []  # the scratch is gone; the cache is sized after
 
 
@@ -140,4 +141,31 @@ def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, m
     )
     for batch in batches:
         runner._dummy_step(batch, scratch, dummy_sampling(3))
+    assert counter.counts() == warmed
+
+
+def test_the_profile_samplings_meet_every_sampling_variant():
+    pytest.importorskip("triton")
+    from vserve.csrc_triton.sample import _sample_kernel
+    from vserve.csrc_triton.sample_filtered import _sample_filtered_kernel
+    from vserve.csrc_triton.variants import VariantCounter
+    from vserve.workers.sampler import Sampler
+
+    counter = VariantCounter({"plain": _sample_kernel, "filtered": _sample_filtered_kernel})
+    sampler = Sampler(triton=True)  # the CUDA path, interpreted
+    logits = torch.randn(8, 96).to(torch.bfloat16)
+    for costliest in (True, False):  # what the profile run samples
+        sampler(logits[:3], dummy_sampling(3, costliest))
+    warmed = counter.counts()
+    assert warmed == {"plain": 2, "filtered": 2}, warmed  # over raw bf16 and an fp32 copy each
+    # requests as they come: other batch sizes, a greedy row, a filter or a bias alone
+    greedy, top_p_only, bias_only, min_p_biased = (dummy_sampling(n) for n in (2, 5, 4, 1))
+    greedy.temperature[1] = 0.0
+    top_p_only.top_k = [0] * 5
+    bias_only.top_k, bias_only.top_p = [0] * 4, [1.0] * 4
+    bias_only.logit_bias = [{7: -3.0}] * 4
+    min_p_biased.top_k, min_p_biased.top_p, min_p_biased.min_p = [0], [1.0], [0.1]
+    min_p_biased.logit_bias = [{1: 2.0}]
+    for meta in (greedy, top_p_only, bias_only, min_p_biased):
+        sampler(logits[: len(meta.temperature)], meta)
     assert counter.counts() == warmed

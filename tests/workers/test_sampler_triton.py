@@ -1,11 +1,14 @@
-"""The Triton sampling kernel (csrc_triton/sample.py, the CUDA path for rows without filters)
-picks what its float64 torch reference picks, and through the Sampler its tokens follow
-softmax(logits / T) at T = 0.5, 1 and 2 (the chi-square check of test_sampling_distribution.py)
-and equal the torch path's token for token, filtered and greedy rows beside them included.
+"""The Triton sampling kernels (the CUDA path of the sampler: csrc_triton/sample.py for rows
+without filters, csrc_triton/sample_filtered.py for rows with top-k / top-p / min-p) pick what
+their float64 torch references pick, and through the Sampler their tokens follow the
+distribution the parameters define at T = 0.5, 1 and 2 (the chi-square check of
+test_sampling_distribution.py) and equal the torch path's token for token, filtered and greedy
+rows beside them included.
 
 Without CUDA the kernel runs under the Triton interpreter, so the shapes stay small.
 """
 
+import math
 import os
 
 import pytest
@@ -21,6 +24,11 @@ from tests.support.distribution import chi_square_ok, reference_probs  # noqa: E
 from tests.workers.test_sampling_distribution import _meta, _row  # noqa: E402
 from vserve.core.seeds import uniform_for  # noqa: E402
 from vserve.csrc_triton.sample import BLOCK, sample_rows, sample_rows_reference  # noqa: E402
+from vserve.csrc_triton.sample_filtered import BLOCK as FILTERED_BLOCK  # noqa: E402
+from vserve.csrc_triton.sample_filtered import (  # noqa: E402
+    sample_filtered,
+    sample_filtered_reference,
+)
 from vserve.workers.sampler import Sampler  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,3 +120,112 @@ def test_which_samplers_take_triton():
     assert not Sampler(use_kernel=False, triton=True)._takes_triton(logits)
     assert not Sampler()._takes_triton(logits)  # CPU tensors: the fused CPU kernel
     assert not Sampler(triton=True)._takes_triton(logits.t())  # vocabulary not contiguous
+
+
+# -- rows with top-k / top-p / min-p (csrc_triton/sample_filtered.py) ------------------------
+
+LIMITS = [  # (top_k, top_p, min_p): each rule alone, together, and at its extremes
+    (5, 1.0, 0.0),
+    (0, 0.9, 0.0),
+    (0, 1.0, 0.05),
+    (50, 0.5, 0.02),
+    (1, 1.0, 0.0),
+    (0, 0.99, 0.0),
+    (0, 1.0, 1.0),
+    (3, 0.1, 0.0),
+]
+
+
+def _filtered_case(rows: int, vocab: int, dtype, ties: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    if ties:  # whole numbers: groups of equal probability, ordered by id
+        logits = logits.round()
+    logits = logits.to(dtype).to(DEVICE)
+    limits = [LIMITS[i % len(LIMITS)] for i in range(rows)]
+    return (
+        logits,
+        torch.arange(rows - 1, -1, -1, device=DEVICE),
+        torch.tensor([(0.5, 1.0, 2.0)[i % 3] for i in range(rows)], device=DEVICE),
+        torch.rand(rows, generator=g, dtype=torch.float64).to(DEVICE),
+        torch.tensor([k for k, _, _ in limits], device=DEVICE),
+        torch.tensor([p for _, p, _ in limits], dtype=torch.float64, device=DEVICE),
+        torch.tensor([m for _, _, m in limits], device=DEVICE),
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype, vocab, ties",
+    [
+        (torch.float32, 60, True),
+        (torch.bfloat16, 300, False),
+        (torch.float32, FILTERED_BLOCK + 77, False),  # two chunks, the second ragged
+    ],
+    ids=["ties", "bf16", "ragged"],
+)
+def test_filtered_kernel_equals_its_reference(dtype, vocab, ties):
+    case = _filtered_case(16 if vocab < FILTERED_BLOCK else 8, vocab, dtype, ties)
+    assert torch.equal(sample_filtered(*case), sample_filtered_reference(*case))
+
+
+def _one_row(logits: list[float], u: float, top_k=0, top_p=1.0, min_p=0.0, t=1.0) -> int:
+    def col(value, dtype=None):
+        return torch.tensor([value], dtype=dtype, device=DEVICE)
+
+    x = torch.tensor([logits], device=DEVICE)
+    args = (col(0), col(t), col(u, torch.float64), col(top_k), col(top_p, torch.float64))
+    return int(sample_filtered(x, *args, col(min_p)))
+
+
+def test_filtered_kernel_at_the_edges():
+    ninf = float("-inf")
+    tied = [0.0, 3.0, 3.0, 1.0, 3.0, 3.0]  # four tokens share the maximum
+    assert _one_row(tied, 0.999, top_k=2) == 2  # the two lowest ids of the tie, then the last
+    assert _one_row(tied, 0.0, top_k=2) == 1
+    assert _one_row(tied, 0.999, min_p=1.0) == 5  # min-p 1 keeps exactly the maximal tokens
+    assert _one_row(tied, 0.7, top_k=1) == 1  # top-k 1: the first maximal token
+    # masked tokens are never picked, even with nothing left to filter
+    masked = [ninf, 2.0, ninf, 2.0, ninf]
+    assert _one_row(masked, 1.0 - 2.0**-53, top_k=5) == 3
+    # top-p: mass strictly before a token below top_p keeps it (0.5 + 0.25 >= 0.75: not 2)
+    halves = [math.log(0.5), math.log(0.25), math.log(0.125), math.log(0.125)]
+    assert _one_row(halves, 1.0 - 2.0**-53, top_p=0.75) == 1
+    assert _one_row(halves, 1.0 - 2.0**-53, top_p=0.76) == 2
+    # ... and inside a group of ties, ids in order while that holds (1.5 >= 0.6 x 2.5: not 2)
+    tied_halves = [0.0] + [math.log(0.5)] * 3
+    assert _one_row(tied_halves, 1.0 - 2.0**-53, top_p=0.6) == 1
+    assert _one_row(tied_halves, 1.0 - 2.0**-53, top_p=0.61) == 2
+
+
+FILTERED_DRAWS = 150
+
+
+@pytest.mark.slow  # 150 interpreted programs
+@pytest.mark.parametrize(
+    "params, broken",
+    [
+        (dict(temperature=0.5, top_k=10), dict(temperature=1.0)),
+        (dict(temperature=1.0, top_p=0.8), dict(top_p=1.0)),
+        (dict(temperature=2.0, top_k=40, min_p=0.05), dict(temperature=1.0)),
+    ],
+    ids=["t0.5-top_k", "t1-top_p", "t2-top_k-min_p"],
+)
+def test_filtered_tokens_follow_the_distribution(params, broken):
+    row = _row()[:48]
+    n = FILTERED_DRAWS
+    logits = row.unsqueeze(0).expand(n, -1).contiguous().to(DEVICE)
+    meta = _meta(n, seed=13, **params)
+    tokens = Sampler(triton=True)(logits, meta).token_ids.cpu()
+    assert chi_square_ok(tokens, reference_probs(row, **params))
+    # the check has the power to see the break: the same draws with a parameter ignored
+    wrong = dict(params, **broken)
+    picks = sample_filtered_reference(
+        row.unsqueeze(0),
+        torch.zeros(n, dtype=torch.long),
+        torch.full((n,), wrong["temperature"]),
+        torch.tensor([uniform_for(13, i) for i in range(n)], dtype=torch.float64),
+        torch.full((n,), wrong.get("top_k", 0)),
+        torch.full((n,), wrong.get("top_p", 1.0), dtype=torch.float64),
+        torch.full((n,), wrong.get("min_p", 0.0)),
+    )
+    assert not chi_square_ok(picks, reference_probs(row, **params))
