@@ -127,7 +127,7 @@ class KVCacheManager:
         held = self.req_blocks.setdefault(req_id, [])
         num_required = -(-num_total_tokens // self.block_size)
         num_new = max(0, num_required - len(held) - len(hit.full))
-        num_free_hits = sum(1 for b in hit.full if b.ref_cnt == 0)
+        num_free_hits = sum(b.ref_cnt == 0 for b in hit.full) if hit.full else 0
         local = self.local
         if local is not None:
             first_pos = request.num_computed_tokens + len(hit.full) * self.block_size
@@ -146,17 +146,19 @@ class KVCacheManager:
         ids = [b.block_id for b in added]
         return (ids,) if local is None else (ids, local.allocate(req_id, num_new, hit.local))
 
-    def cache_blocks(self, request: Request, num_settled_tokens: int) -> None:
-        """Register the request's full blocks among its first `num_settled_tokens` tokens."""
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's full blocks among its settled tokens: min(C, N), those
+        computed (or being computed) whose ids are known."""
         start = self.num_cached_blocks.get(request.request_id, 0)
-        if min(num_settled_tokens, request.num_tokens) // self.block_size <= start:
+        boundary = (start + 1) * self.block_size  # the settled tokens that fill another block
+        if request.num_computed_tokens < boundary or len(request.all_token_ids) < boundary:
             return  # no new full block (most calls: a decode step fills one token)
         if not self.uses_cache(request):
             return
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:
             return
-        hashes = self._hashes_upto(request, num_settled_tokens)
+        hashes = self._hashes_upto(request, request.num_computed_tokens)
         end = min(len(hashes), len(blocks))
         for i in range(start, end):
             self.pool.cache_block(blocks[i], hashes[i])

@@ -132,7 +132,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            drafts = self._propose(req, num_new, plan.budget) if drafting else []
+            drafts = self._propose(req, num_new, plan.budget) if drafting else ()
             num_computed = req.num_computed_tokens
             block_ids = self._allocate_or_preempt(req, num_new + len(drafts), plan)
             if block_ids is None:
@@ -242,7 +242,9 @@ class Scheduler:
         pending = num_tokens - req.num_computed_tokens
         if self.config.async_scheduling:
             pending += ph
-        return max(0, min(pending, budget))
+        if pending > budget:
+            return budget
+        return pending if pending > 0 else 0
 
     # -- n-gram drafts -----------------------------------------------------------------------------
     # Whether the step that samples position p = N + PH may carry drafts is decided from the
@@ -332,15 +334,15 @@ class Scheduler:
                 plan.pending_grammar |= req.num_output_placeholders > 0
             req.num_output_placeholders += 1
             plan.sampling.add(req_id)
-        self.kv.cache_blocks(req, min(req.num_computed_tokens, num_tokens))
+        self.kv.cache_blocks(req)
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         new = [self._new_request_data(r, plan.num_scheduled[r.request_id]) for r in plan.new_reqs]
-        cached = CachedRequestData()
-        for req, block_ids, num_computed in plan.cached_reqs:
-            cached.req_ids.append(req.request_id)
-            cached.new_block_ids.append(block_ids)
-            cached.num_computed_tokens.append(num_computed)
+        cached = CachedRequestData(
+            [req.request_id for req, _, _ in plan.cached_reqs],
+            [block_ids for _, block_ids, _ in plan.cached_reqs],
+            [num_computed for _, _, num_computed in plan.cached_reqs],
+        )
         out = SchedulerOutput(
             step_id=plan.step_id,
             scheduled_new_reqs=new,
@@ -407,6 +409,7 @@ class Scheduler:
         outputs, self._error_outputs = self._error_outputs, []
         requests, epochs, sampling = self.requests, so.req_epochs, so.sampling_req_ids
         prompt_logprobs, pooled, drafts = ro.prompt_logprobs, ro.pooled, so.spec_token_ids
+        generated = 0
         for req_id in so.num_scheduled_tokens:
             req = requests.get(req_id)
             if req is None or req.epoch != epochs[req_id]:
@@ -427,7 +430,8 @@ class Scheduler:
                 req.num_output_placeholders -= 1
             out = self._commit_tokens(req, tokens, ro.logprobs[i] if ro.logprobs else None)
             outputs.append(out)
-        self._num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+            generated += len(out.new_token_ids)
+        self._num_generation_tokens += generated
         return outputs
 
     def _settle_placeholders(self, req: Request, num_drafts: int, num_tokens: int) -> None:
@@ -472,7 +476,7 @@ class Scheduler:
             out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
             out.error = req.error
         else:
-            self.kv.cache_blocks(req, min(req.num_computed_tokens, len(req.all_token_ids)))
+            self.kv.cache_blocks(req)
         return out
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
