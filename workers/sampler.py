@@ -401,19 +401,24 @@ def _pick(kept: torch.Tensor, u: torch.Tensor, num_kept: torch.Tensor) -> torch.
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """Repetition, presence and frequency penalties of every penalised row at once (in place;
+    a row's absent penalty leaves it as it is: x / 1, x - 0)."""
     rows = [
         i
         for i in range(logits.shape[0])
         if meta.repetition[i] != 1.0 or meta.presence[i] != 0.0 or meta.frequency[i] != 0.0
     ]
     counts, seen = _token_counts(logits, meta, rows)
-    for k, i in enumerate(rows):
-        rep, pres, freq = meta.repetition[i], meta.presence[i], meta.frequency[i]
-        row = logits[i]
-        if rep != 1.0:
-            row.copy_(torch.where(seen[k], torch.where(row > 0, row / rep, row * rep), row))
-        if pres != 0.0 or freq != 0.0:
-            row -= freq * counts[k] + pres * (counts[k] > 0).to(logits.dtype)
+
+    def column(values):
+        return upload([values[i] for i in rows], logits.device, logits.dtype).unsqueeze(1)
+
+    rep, pres, freq = column(meta.repetition), column(meta.presence), column(meta.frequency)
+    idx = upload(rows, logits.device)
+    x = logits[idx]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x -= freq * counts + pres * (counts > 0).to(logits.dtype)
+    logits[idx] = x
 
 
 def _token_counts(
