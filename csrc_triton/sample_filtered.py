@@ -12,8 +12,9 @@ by searching over the probabilities' values instead of sorting them. One program
   holds is found by a 16-way search: each pass over the row tests 16 keys at once, and eight
   passes narrow the 2^30 keys of [0, 1] down to one.
 - The kept prefix is every token with a key above some b, and the first n_b tokens (by id) of
-  key b: b + 1 is the least w with N(w) < k and M(w) < top_p x total, raised to min-p's key
-  when that is higher (min-p keeps every token at or above it); n_b follows from the counts.
+  key b: b + 1 is the least w with N(w) < k and M(w) < top_p x total (no search for a row
+  with min-p alone), raised to min-p's key when that is higher (min-p keeps every token at
+  or above it); n_b follows from the counts.
 - The pick: the target u x (kept mass), u from (request seed, position); the token whose
   stretch of the prefix's cumulative mass holds the target is in the group of key c, c + 1
   the least w with M(w) <= target (or c = b), at rank floor((target - M(c + 1)) / e_c) among
@@ -136,7 +137,9 @@ def _sample_filtered_kernel(
     top_p = tl.load(top_p_ptr + i)
     bound = tl.where(top_p < 1.0, top_p * total, float("inf"))
     # the kept prefix: every key above b, and the first n_b ids of key b
-    b = _least(base, V, t, mt, 1, KEY_ONE + 1, k, bound, True, BLOCK) - 1
+    b = tl.full([], 0, tl.int64)  # without top-k and top-p: every token (key 0 has no mass)
+    if (k < V) | (top_p < 1.0):
+        b = _least(base, V, t, mt, 1, KEY_ONE + 1, k, bound, True, BLOCK) - 1
     n_above, m_above, n_at = _tally(base, V, t, mt, b, BLOCK)
     e_b = b.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
     by_mass = tl.minimum(tl.ceil((bound - m_above) / e_b), V).to(tl.int64)
