@@ -23,8 +23,9 @@ from vserve.workers.device import DeviceShim  # noqa: E402
 from vserve.workers.input_prep import FusedInputPrep  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# batch sizes a run passes through as requests arrive and finish, every residue mod 4 and 16
-BATCHES = [1, 2, 3, 5, 6, 7, 9, 12, 16, 17, 18, 19, 31, 32, 33]
+# batch sizes a run passes through as requests arrive and finish: 1, every residue mod 4 (the
+# packed buffers' offsets, hence their alignment), a multiple of 16 and the sizes around it
+BATCHES = [1, 2, 3, 5, 6, 7, 9, 12, 15, 16, 17, 18, 19]
 
 
 @pytest.mark.slow  # the Triton interpreter over a whole serving run
