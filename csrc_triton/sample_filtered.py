@@ -45,19 +45,29 @@ def _keys(base, idx, V, t, mt):
 
 
 @triton.jit
+def _counts(base, V, t, mt, piv, BLOCK: tl.constexpr):
+    """N and M at each of the 16 keys `piv`. Every count and mass the kernel compares comes
+    from here, summed in one order, so the same set of tokens always has the same mass."""
+    offs = tl.arange(0, BLOCK)
+    n = tl.full([16], 0, tl.int64)  # (tl.full, not tl.zeros: a builtin, cheap to interpret)
+    mass = tl.full([16], 0.0, tl.float64)
+    for start in range(0, V, BLOCK):
+        e, key = _keys(base, start + offs, V, t, mt)
+        ge = key[:, None] >= piv[None, :]
+        n += tl.sum(ge.to(tl.int64), 0)
+        mass += tl.sum(tl.where(ge, e[:, None], 0.0), 0).to(tl.float64)
+    return n, mass
+
+
+@triton.jit
 def _tally(base, V, t, mt, v, BLOCK: tl.constexpr):
     """N(v + 1) and M(v + 1), the count and the mass of the tokens whose key is above v, and
     the count of those whose key is v."""
-    offs = tl.arange(0, BLOCK)
-    n = tl.full([], 0, tl.int64)
-    mass = tl.full([], 0.0, tl.float64)
-    n_at = tl.full([], 0, tl.int64)
-    for start in range(0, V, BLOCK):
-        e, key = _keys(base, start + offs, V, t, mt)
-        n += tl.sum((key > v).to(tl.int64), 0)
-        mass += tl.sum(tl.where(key > v, e, 0.0), 0).to(tl.float64)
-        n_at += tl.sum((key == v).to(tl.int64), 0)
-    return n, mass, n_at
+    j = tl.arange(0, 16)
+    n, mass = _counts(base, V, t, mt, tl.where(j == 0, v + 1, v), BLOCK)
+    n_above = tl.sum(tl.where(j == 0, n, 0), 0)
+    n_at = tl.sum(tl.where(j == 1, n, 0), 0) - n_above
+    return n_above, tl.sum(tl.where(j == 0, mass, 0.0), 0), n_at
 
 
 @triton.jit
@@ -65,20 +75,12 @@ def _least(base, V, t, mt, lo, hi, k, bound, STRICT: tl.constexpr, BLOCK: tl.con
     """The least w in [lo, hi] with N(w) < k and M(w) < bound (STRICT), or with M(w) <= bound
     (not STRICT); the rule must hold at hi."""
     j = tl.arange(0, 16)
-    offs = tl.arange(0, BLOCK)
     lo += tl.full([], 0, tl.int64)
     hi += tl.full([], 0, tl.int64)
     while lo < hi:
         step = (hi - lo + 15) // 16
         piv = tl.minimum(lo + j * step, hi)
-        n = tl.full([16], 0, tl.int64)  # (tl.full, not tl.zeros: a builtin, cheap to interpret)
-        mass = tl.full([16], 0.0, tl.float64)
-        for start in range(0, V, BLOCK):
-            e, key = _keys(base, start + offs, V, t, mt)
-            ge = key[:, None] >= piv[None, :]
-            if STRICT:  # (the pick's search has no count to meet)
-                n += tl.sum(ge.to(tl.int64), 0)
-            mass += tl.sum(tl.where(ge, e[:, None], 0.0), 0).to(tl.float64)
+        n, mass = _counts(base, V, t, mt, piv, BLOCK)
         if STRICT:
             ok = (n < k) & (mass < bound)
         else:
@@ -127,10 +129,14 @@ def _sample_filtered_kernel(
     offs = tl.arange(0, BLOCK)
     t = tl.load(temp_ptr + i)
     m = tl.full([], float("-inf"), tl.float32)
+    arg = tl.full([], 0, tl.int64)  # the first most likely token: always kept
     for start in range(0, V, BLOCK):
         idx = start + offs
         x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        m = tl.maximum(m, tl.max(x, 0))
+        cm = tl.max(x, 0)
+        ci = tl.min(tl.where((x == cm) & (idx < V), idx, V), 0).to(tl.int64)
+        arg = tl.where(cm > m, ci, arg)
+        m = tl.maximum(m, cm)
     mt = tl.div_rn(m, t)
     _, total, _ = _tally(base, V, t, mt, -1, BLOCK)
     k = tl.load(top_k_ptr + i)
@@ -149,7 +155,9 @@ def _sample_filtered_kernel(
         b = floor_key - 1
         n_above, m_above, _ = _tally(base, V, t, mt, b, BLOCK)
         n_b = n_b * 0
-    target = tl.load(u_ptr + i) * (m_above + n_b.to(tl.float64) * e_b)
+    kept = m_above + n_b.to(tl.float64) * e_b
+    # u x kept may round up to kept: the last kept token's stretch ends just below it
+    target = tl.minimum(tl.load(u_ptr + i) * kept, kept - kept * 2.220446049250313e-16)
     # the pick: the group of key c holding the target, then its rank there
     if m_above > target:
         c = _least(base, V, t, mt, b + 2, KEY_ONE + 1, 0, target, False, BLOCK) - 1
@@ -159,7 +167,8 @@ def _sample_filtered_kernel(
     e_c = c.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
     rank = tl.floor((target - m_over) / e_c).to(tl.int64)
     rank = tl.maximum(tl.minimum(rank, group - 1), 0)
-    tl.store(out_ptr + i, _nth_of_key(base, V, t, mt, c, rank, BLOCK))
+    pick = _nth_of_key(base, V, t, mt, c, rank, BLOCK)
+    tl.store(out_ptr + i, tl.where(pick >= 0, pick, arg))  # (-1: found none; never expected)
 
 
 def sample_filtered(
@@ -205,7 +214,8 @@ def sample_filtered_reference(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
 ) -> torch.Tensor:
-    """The same picks by a stable sort: the kernel's e in fp32, everything after in fp64."""
+    """The same picks by a stable sort: e in fp32 (by torch's exp, which may round an e
+    differently from the kernel's), everything after in fp64."""
     out = []
     for j, r in enumerate(rows.tolist()):
         x = logits[r].float()

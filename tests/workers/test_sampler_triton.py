@@ -168,6 +168,24 @@ def test_filtered_kernel_equals_its_reference(dtype, vocab, ties):
     assert torch.equal(sample_filtered(*case), sample_filtered_reference(*case))
 
 
+@pytest.mark.parametrize("limits", [(0, 1.0, 0.01), (40, 1.0, 0.0)], ids=["min_p", "top_k"])
+def test_a_u_just_below_one_takes_the_last_kept_token(limits):
+    """The target sits a rounding away from the mass above the last kept group: the pick
+    lands in that group (never on a token of no group, id -1)."""
+    n, vocab = 20, 64
+    logits = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(DEVICE)
+    case = (
+        logits,
+        torch.arange(n, device=DEVICE),
+        torch.ones(n, device=DEVICE),
+        torch.full((n,), 1.0 - 2.0**-53, dtype=torch.float64, device=DEVICE),
+        torch.full((n,), limits[0], device=DEVICE),
+        torch.full((n,), limits[1], dtype=torch.float64, device=DEVICE),
+        torch.full((n,), limits[2], device=DEVICE),
+    )
+    assert torch.equal(sample_filtered(*case), sample_filtered_reference(*case))
+
+
 def _one_row(logits: list[float], u: float, top_k=0, top_p=1.0, min_p=0.0, t=1.0) -> int:
     def col(value, dtype=None):
         return torch.tensor([value], dtype=dtype, device=DEVICE)
