@@ -7,10 +7,10 @@ by searching over the probabilities' values instead of sorting them. One program
 
 - e_i = exp(x_i / T - m / T) in fp32, as the unfiltered kernel computes it; e_i in [0, 1], and
   its float bits, read as an integer, order the tokens as their probabilities order them.
-- N(w) and M(w): how many tokens have a key >= w, and their mass (fp32 within a chunk of the
-  vocabulary, fp64 across chunks). Both only fall as w rises, so the least w where a rule
-  holds is found by a 16-way search: each pass over the row tests 16 keys at once, and eight
-  passes narrow the 2^30 keys of [0, 1] down to one.
+- N(w) and M(w): how many tokens have a key >= w, and their mass (summed in fp64). Both only
+  fall as w rises, so the least w where a rule holds is found by a 16-way search: each pass
+  over the row tests 16 keys at once, and eight passes narrow the 2^30 keys of [0, 1] down
+  to one.
 - The kept prefix is every token with a key above some b, and the first n_b tokens (by id) of
   key b: b + 1 is the least w with N(w) < k and M(w) < top_p x total (no search for a row
   with min-p alone), raised to min-p's key when that is higher (min-p keeps every token at
@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # logits a chunk; each is tested against 16 keys at once
+BLOCK = 512  # logits a chunk; each is tested against 16 keys at once ([512, 16] in fp64)
+NUM_WARPS = 8
 KEY_ONE = tl.constexpr(0x3F800000)  # the float bits of 1.0: every key lies in [0, KEY_ONE]
 
 
@@ -54,8 +55,10 @@ def _counts(base, V, t, mt, piv, BLOCK: tl.constexpr):
     for start in range(0, V, BLOCK):
         e, key = _keys(base, start + offs, V, t, mt)
         ge = key[:, None] >= piv[None, :]
-        n += tl.sum(ge.to(tl.int64), 0)
-        mass += tl.sum(tl.where(ge, e[:, None], 0.0), 0).to(tl.float64)
+        n += tl.sum(ge.to(tl.int32), 0).to(tl.int64)
+        # fp64 sums, as the torch path's inverse CDF: an fp32 sum of a row would lose the
+        # tail's probabilities (1e-10 beside a total of 1) to its rounding
+        mass += tl.sum(tl.where(ge, e.to(tl.float64)[:, None], 0.0), 0)
     return n, mass
 
 
@@ -201,6 +204,7 @@ def sample_filtered(
             out,
             vocab,
             BLOCK=min(BLOCK, triton.next_power_of_2(vocab)),
+            num_warps=NUM_WARPS,
         )
     return out
 

@@ -215,10 +215,10 @@ def test_filtered_kernel_at_the_edges():
     assert _one_row(tied_halves, 1.0 - 2.0**-53, top_p=0.61) == 2
 
 
-FILTERED_DRAWS = 150
+FILTERED_DRAWS = 100
 
 
-@pytest.mark.slow  # 150 interpreted programs
+@pytest.mark.slow  # 100 interpreted programs
 @pytest.mark.parametrize(
     "params, broken",
     [
