@@ -25,6 +25,22 @@ BLOCK = 4096  # logits a chunk (8 KB of bf16); a smaller vocabulary takes one ch
 
 
 @triton.jit
+def row_max(base, V, BLOCK: tl.constexpr):
+    """The maximum of a row's V logits at `base`, in fp32, and its first index."""
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([], float("-inf"), tl.float32)
+    arg = tl.full([], 0, tl.int64)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        cm = tl.max(x, 0)
+        ci = tl.min(tl.where((x == cm) & (idx < V), idx, V), 0).to(tl.int64)
+        arg = tl.where(cm > m, ci, arg)
+        m = tl.maximum(m, cm)
+    return m, arg
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr,  # [rows, V], the row stride given, unit stride along the vocabulary
     stride_row,
@@ -38,16 +54,7 @@ def _sample_kernel(
     i = tl.program_id(0)
     base = logits_ptr + tl.load(rows_ptr + i) * stride_row
     offs = tl.arange(0, BLOCK)
-    # pass 1: the maximum and its first index
-    m = tl.full([], float("-inf"), tl.float32)
-    arg = tl.full([], 0, tl.int64)
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        cm = tl.max(x, 0)
-        ci = tl.min(tl.where((x == cm) & (idx < V), idx, V), 0).to(tl.int64)
-        arg = tl.where(cm > m, ci, arg)
-        m = tl.maximum(m, cm)
+    m, arg = row_max(base, V, BLOCK)  # pass 1
     t = tl.load(temp_ptr + i)
     if t > 0.0:
         mt = tl.div_rn(m, t)

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vserve.csrc_triton.sample import row_max
+
 BLOCK = 512  # logits a chunk; each is tested against 16 keys at once ([512, 16] in fp64)
 NUM_WARPS = 8
 KEY_ONE = tl.constexpr(0x3F800000)  # the float bits of 1.0: every key lies in [0, KEY_ONE]
@@ -129,17 +131,8 @@ def _sample_filtered_kernel(
 ):
     i = tl.program_id(0)
     base = logits_ptr + tl.load(rows_ptr + i) * stride_row
-    offs = tl.arange(0, BLOCK)
     t = tl.load(temp_ptr + i)
-    m = tl.full([], float("-inf"), tl.float32)
-    arg = tl.full([], 0, tl.int64)  # the first most likely token: always kept
-    for start in range(0, V, BLOCK):
-        idx = start + offs
-        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        cm = tl.max(x, 0)
-        ci = tl.min(tl.where((x == cm) & (idx < V), idx, V), 0).to(tl.int64)
-        arg = tl.where(cm > m, ci, arg)
-        m = tl.maximum(m, cm)
+    m, arg = row_max(base, V, BLOCK)  # arg: the first most likely token, always kept
     mt = tl.div_rn(m, t)
     _, total, _ = _tally(base, V, t, mt, -1, BLOCK)
     k = tl.load(top_k_ptr + i)
