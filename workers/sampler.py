@@ -194,12 +194,13 @@ class Sampler:
         temps = meta.temperature
         filtered = [i for i, t in enumerate(temps) if t > 0.0 and _filters(meta, i)]
         if not filtered:
-            return _triton_picks(logits, meta, list(range(len(temps))), False)
+            return _triton_picks(logits, meta, list(range(len(temps))), False)[1]
         plain = sorted(set(range(len(temps))) - set(filtered))
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         for group, filters in ((plain, False), (filtered, True)):
             if group:
-                out[upload(group, logits.device)] = _triton_picks(logits, meta, group, filters)
+                idx, picks = _triton_picks(logits, meta, group, filters)
+                out[idx] = picks
         return out
 
     def _sample_torch(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -220,37 +221,44 @@ class Sampler:
 
 def _triton_picks(
     logits: torch.Tensor, meta: SamplingMetadata, group: list[int], filters: bool
-) -> torch.Tensor:
-    """The Triton kernels' tokens for the rows `group`: csrc_triton/sample_filtered.py's when
-    they filter, else csrc_triton/sample.py's."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows `group` on the device and the Triton kernels' tokens for them:
+    csrc_triton/sample_filtered.py's when they filter, else csrc_triton/sample.py's."""
     from vserve.csrc_triton.sample import sample_rows
     from vserve.csrc_triton.sample_filtered import sample_filtered
 
-    def column(values, dtype):
-        return upload([values[i] for i in group], logits.device, dtype)
-
-    rows = upload(group, logits.device, torch.long)
-    u = [uniform_for(meta.seeds[i], meta.positions[i]) for i in group]
-    u = upload(u, logits.device, torch.float64)
-    temps = column(meta.temperature, torch.float32)
+    idx, temps, u = _row_inputs(meta, group, logits.device)
     if not filters:
-        return sample_rows(logits, rows, temps, u)
+        return idx, sample_rows(logits, idx, temps, u)
     limits = (
-        column(meta.top_k, torch.long),
-        column(meta.top_p, torch.float64),
-        column(meta.min_p, torch.float32),
+        _column(meta.top_k, group, logits.device, torch.long),
+        _column(meta.top_p, group, logits.device, torch.float64),
+        _column(meta.min_p, group, logits.device, torch.float32),
     )
-    return sample_filtered(logits, rows, temps, u, *limits)
+    return idx, sample_filtered(logits, idx, temps, u, *limits)
+
+
+def _column(values: list, group: list[int], device: torch.device, dtype=None) -> torch.Tensor:
+    """values[i] for the rows i of `group`, on `device`."""
+    return upload([values[i] for i in group], device, dtype)
+
+
+def _row_inputs(meta: SamplingMetadata, group: list[int], device: torch.device):
+    """For the rows `group`, on `device`: their ids, their temperatures in fp32 and their
+    uniform numbers from (seed, position) in fp64."""
+    u = [uniform_for(meta.seeds[i], meta.positions[i]) for i in group]
+    return (
+        upload(group, device, torch.long),
+        _column(meta.temperature, group, device, torch.float32),
+        upload(u, device, torch.float64),
+    )
 
 
 def _scaled_rows(logits: torch.Tensor, meta: SamplingMetadata, group: list[int]):
     """For the rows `group`: their ids on the device, their logits / temperature in fp32, and
     their uniform numbers from (seed, position) in fp64."""
-    device = logits.device
-    idx = upload(group, device)
-    temps = upload([meta.temperature[i] for i in group], device)
-    u = [uniform_for(meta.seeds[i], meta.positions[i]) for i in group]
-    return idx, logits[idx].float() / temps.unsqueeze(1), upload(u, device, torch.float64)
+    idx, temps, u = _row_inputs(meta, group, logits.device)
+    return idx, logits[idx].float() / temps.unsqueeze(1), u
 
 
 def fast_argmax(logits: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -344,7 +352,7 @@ def _sample_filtered(
     vocab = scaled.shape[-1]
 
     def column(values):
-        return upload([values[i] for i in group], device).unsqueeze(1)
+        return _column(values, group, device).unsqueeze(1)
 
     limits = (column([k or vocab for k in meta.top_k]), column(meta.top_p), column(meta.min_p))
     out = torch.empty(len(group), dtype=torch.long, device=device)
@@ -411,7 +419,7 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     counts, seen = _token_counts(logits, meta, rows)
 
     def column(values):
-        return upload([values[i] for i in rows], logits.device, logits.dtype).unsqueeze(1)
+        return _column(values, rows, logits.device, logits.dtype).unsqueeze(1)
 
     rep, pres, freq = column(meta.repetition), column(meta.presence), column(meta.frequency)
     idx = upload(rows, logits.device)
