@@ -84,7 +84,7 @@ def paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size=16, seed
 
 
 def attention_case(
-    name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, repeats, copy_gbs, hint=None
+    name, q_lens, ctx_lens, heads, kv_heads, head_dim, window, hint=None, *, repeats, copy_gbs
 ):
     """The kernel as the backend launches it (split-KV where `choose_splits` splits), and
     unsplit, against the reference and the torch backend; KV bytes read per second, and their
@@ -237,9 +237,8 @@ def main() -> None:
     copy_gbs = copy_bandwidth(mib=64 if args.small else 1024, device=DEVICE)
     print(json.dumps({"copy_bandwidth_gbs": copy_gbs}), flush=True)
     results = []
-    for name, *shape in cases:
-        hint = shape.pop() if len(shape) == 7 else None
-        results.append(attention_case(name, *shape, repeats, copy_gbs, hint))
+    for case in cases:  # (a decode graph's case ends with its length hint)
+        results.append(attention_case(*case, repeats=repeats, copy_gbs=copy_gbs))
         print(json.dumps(results[-1]), flush=True)
     results.append(prepare_inputs_case(num_reqs, repeats))
     print(json.dumps(results[-1]), flush=True)
