@@ -6,11 +6,11 @@ runtime and the steps' peak are counted. The runner runs dummy steps over a scra
 (`profile_batches`) and reads the allocator's peak over all of them: the largest is a forward
 of `max_num_batched_tokens` tokens with a sampler run of `max_num_seqs` rows sampled the
 costliest way (logprobs, penalties and a bias copy the logits in fp32: several GB at 256 x
-262k). Logits rows past `max_num_seqs` (n-gram drafts, prompt
-logprobs' chunks) are not in it. The same steps, built through the runner's own input
-preparation, compile every Triton variant a serving run meets (input preparation, prefill,
-mixed and decode tiles, split-KV and not, the sampler) before the engine says it is ready;
-the decode graphs' capture adds none.
+262k). Logits rows past `max_num_seqs` (n-gram drafts, prompt logprobs' chunks) are not in
+it. The same steps, built through the runner's own input preparation, compile every Triton
+variant a serving run meets (input preparation, prefill, mixed and decode tiles, split-KV and
+not, both sampling kernels) before the engine says it is ready; the decode graphs' capture
+adds none.
 
 Every dummy row reads the same scratch blocks (a block table may point any row anywhere; a
 dummy's writes land in scratch the real cache never sees), so the scratch holds one longest
