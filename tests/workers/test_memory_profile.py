@@ -105,7 +105,7 @@ def test_profile_run_steps_the_largest_batch_and_samples_every_row(tiny_model_di
     assert runner.kv_caches == []  # the scratch is gone; the cache is sized after
 
 
-@pytest.mark.slow  # the Triton interpreter over a tiny model's layers
+@pytest.mark.slow  # the Triton interpreter over a tiny model's layer
 def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, monkeypatch):
     pytest.importorskip("triton")
     from vserve.csrc_triton import paged_attention as pa
@@ -117,7 +117,9 @@ def test_a_warmed_runner_meets_new_batches_with_no_new_variant(tiny_model_dir, m
     # splits too, so only a short warm-up batch compiles the unsplit mixed tile
     monkeypatch.setattr(pa, "_multiprocessors", lambda device: 8)
     monkeypatch.setattr(pa, "MIN_KEYS_PER_SPLIT", 64)
-    runner = _runner(tiny_model_dir("llama"), "triton", max_model_len=140, tokens=140)
+    # one layer: every layer launches the same variants, and each costs the interpreter seconds
+    model = tiny_model_dir("llama", num_hidden_layers=1)
+    runner = _runner(model, "triton", max_model_len=140, tokens=140)
     counter = VariantCounter(
         {
             "paged_attention": pa._paged_attention_kernel,

@@ -5,7 +5,9 @@ distribution the parameters define at T = 0.5, 1 and 2 (the chi-square check of
 test_sampling_distribution.py) and equal the torch path's token for token, filtered and greedy
 rows beside them included.
 
-Without CUDA the kernel runs under the Triton interpreter, so the shapes stay small.
+Without CUDA the kernel runs under the Triton interpreter, so the shapes stay small, and a
+distribution check draws its first rows through the kernels (which must pick what their
+references pick) and the rest through the references.
 """
 
 import math
@@ -32,7 +34,10 @@ from vserve.csrc_triton.sample_filtered import (  # noqa: E402
 from vserve.workers.sampler import Sampler  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DRAWS = 500  # one interpreted program each
+DRAWS = 500  # per distribution check
+# each row is one program, and the interpreter takes milliseconds per operation: without CUDA
+# the kernels draw the first rows only, and must pick exactly what their references pick
+INTERPRETED_DRAWS = 16
 
 
 def _case(rows: int, vocab: int, dtype, seed: int = 0):
@@ -70,20 +75,52 @@ def test_a_u_just_below_one_takes_the_last_token():
     assert sample_rows(logits, torch.zeros(1, dtype=torch.long, device=DEVICE), one, top) == 49
 
 
-def _draw(row: torch.Tensor, **params) -> torch.Tensor:
-    logits = row.unsqueeze(0).expand(DRAWS, -1).contiguous().to(DEVICE)
-    meta = _meta(DRAWS, seed=11, **params)
-    return Sampler(triton=True)(logits, meta).token_ids.cpu()
+def _sampler_draws(row: torch.Tensor, n: int, seed: int, **params) -> torch.Tensor:
+    """Rows 0..n-1 of one seed, each the same logits, through the Sampler's Triton path."""
+    logits = row.unsqueeze(0).expand(n, -1).contiguous().to(DEVICE)
+    return Sampler(triton=True)(logits, _meta(n, seed=seed, **params)).token_ids.cpu()
 
 
-@pytest.mark.slow  # 500 interpreted programs a draw
+def _reference_draws(row: torch.Tensor, seed: int, **params) -> torch.Tensor:
+    """The same DRAWS rows picked by the float64 reference of the kernel that takes them."""
+    n = DRAWS
+    args = (
+        row.unsqueeze(0),
+        torch.zeros(n, dtype=torch.long),
+        torch.full((n,), params["temperature"]),
+        torch.tensor([uniform_for(seed, i) for i in range(n)], dtype=torch.float64),
+    )
+    limits = (params.get("top_k", 0), params.get("top_p", 1.0), params.get("min_p", 0.0))
+    if limits == (0, 1.0, 0.0):
+        return sample_rows_reference(*args)
+    top_k, top_p, min_p = limits
+    return sample_filtered_reference(
+        *args,
+        torch.full((n,), top_k),
+        torch.full((n,), top_p, dtype=torch.float64),
+        torch.full((n,), min_p),
+    )
+
+
+def _draws(row: torch.Tensor, seed: int, **params) -> torch.Tensor:
+    """DRAWS tokens of the Sampler's Triton path: all its own on CUDA; under the interpreter
+    its first INTERPRETED_DRAWS, which must equal the reference's, and the reference's rest."""
+    if DEVICE == "cuda":
+        return _sampler_draws(row, DRAWS, seed, **params)
+    picks = _reference_draws(row, seed, **params)
+    ours = _sampler_draws(row, INTERPRETED_DRAWS, seed, **params)
+    assert torch.equal(ours, picks[:INTERPRETED_DRAWS]), (ours, picks[:INTERPRETED_DRAWS])
+    return picks
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_triton_tokens_follow_the_distribution(temperature):
     row = _row()
-    tokens = _draw(row, temperature=temperature)
+    tokens = _draws(row, seed=11, temperature=temperature)
     assert chi_square_ok(tokens, reference_probs(row, temperature))
     if temperature == 0.5:  # the check has the power to see a temperature ignored
-        assert not chi_square_ok(_draw(row, temperature=1.0), reference_probs(row, temperature))
+        ignored = _reference_draws(row, seed=11, temperature=1.0)  # the same draws at T = 1
+        assert not chi_square_ok(ignored, reference_probs(row, temperature))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -215,10 +252,7 @@ def test_filtered_kernel_at_the_edges():
     assert _one_row(tied_halves, 1.0 - 2.0**-53, top_p=0.61) == 2
 
 
-FILTERED_DRAWS = 100
-
-
-@pytest.mark.slow  # 100 interpreted programs
+@pytest.mark.slow  # a second each: the filtered kernel's searches, interpreted
 @pytest.mark.parametrize(
     "params, broken",
     [
@@ -230,20 +264,8 @@ FILTERED_DRAWS = 100
 )
 def test_filtered_tokens_follow_the_distribution(params, broken):
     row = _row()[:48]
-    n = FILTERED_DRAWS
-    logits = row.unsqueeze(0).expand(n, -1).contiguous().to(DEVICE)
-    meta = _meta(n, seed=13, **params)
-    tokens = Sampler(triton=True)(logits, meta).token_ids.cpu()
+    tokens = _draws(row, seed=13, **params)
     assert chi_square_ok(tokens, reference_probs(row, **params))
     # the check has the power to see the break: the same draws with a parameter ignored
-    wrong = dict(params, **broken)
-    picks = sample_filtered_reference(
-        row.unsqueeze(0),
-        torch.zeros(n, dtype=torch.long),
-        torch.full((n,), wrong["temperature"]),
-        torch.tensor([uniform_for(13, i) for i in range(n)], dtype=torch.float64),
-        torch.full((n,), wrong.get("top_k", 0)),
-        torch.full((n,), wrong.get("top_p", 1.0), dtype=torch.float64),
-        torch.full((n,), wrong.get("min_p", 0.0)),
-    )
-    assert not chi_square_ok(picks, reference_probs(row, **params))
+    ignored = _reference_draws(row, seed=13, **dict(params, **broken))
+    assert not chi_square_ok(ignored, reference_probs(row, **params))
