@@ -16,7 +16,6 @@ import torch
 
 from tests.support.distribution import chi_square_ok, reference_probs
 from tests.support.engines import make_llm
-from tests.support.openai_server import TINY_ARGS, serving
 from vserve import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -93,9 +92,12 @@ def _text(tok, token: int) -> str:
 
 
 @pytest.mark.parametrize("params", [CASES[0], CASES[2], CASES[6]], ids=[IDS[0], IDS[2], IDS[6]])
-def test_the_server_samples_the_requested_distribution(model, prompt, hf_logits, params):
-    """/v1/completions with n = 100 choices (seeds derived from the request's), 12 requests:
-    the choices' texts against the reference mass of the tokens with each text."""
+def test_the_server_samples_the_requested_distribution(
+    tiny_llama_server, model, prompt, hf_logits, params
+):
+    """/v1/completions with n = 100 choices (seeds derived from the request's), 12 requests,
+    to the session's tiny llama server (`model`, fp32): the choices' texts against the
+    reference mass of the tokens with each text."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -106,7 +108,9 @@ def test_the_server_samples_the_requested_distribution(model, prompt, hf_logits,
     probs.index_add_(0, index, reference_probs(hf_logits, **params))
 
     drawn = []
-    with serving([model, *TINY_ARGS]) as srv, httpx.Client(timeout=120) as client:
+    srv = tiny_llama_server
+    assert srv.model_dir == model
+    with httpx.Client(timeout=120) as client:
         for r in range(DRAWS // 100):
             # child i of seed s draws with a seed made from s + i (vLLM's s + i): seeds 1000
             # apart keep the requests' children distinct

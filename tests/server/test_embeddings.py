@@ -12,22 +12,24 @@ import openai
 import pytest
 
 from tests.support.engines import make_llm
-from tests.support.openai_server import TINY_ARGS, serving
+from tests.support.openai_server import TINY_MAX_MODEL_LEN
+from vserve.entrypoints.openai.limits import AdmissionLimits
 
-pytestmark = pytest.mark.slow  # a server of its own
+pytestmark = pytest.mark.slow  # the session's tiny llama server
 
+MAX_NUM_SEQS_PER_REQUEST = AdmissionLimits().max_num_seqs_per_request  # the server's default
 TEXTS = ["The quick brown fox", "Paris is the capital of France", "1 2 3 4"]
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return tiny_model_dir("llama")
+def model(tiny_llama_server):
+    return tiny_llama_server.model_dir
 
 
 @pytest.fixture(scope="module")
-def client(model):
-    with serving([model, *TINY_ARGS, "--max-num-seqs-per-request", "8"]) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+def client(tiny_llama_server):
+    url = tiny_llama_server.url
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +102,9 @@ def test_embeddings_beside_a_streaming_completion(client, offline):
         ({"input": ""}, "must not be empty"),
         ({"input": [[]]}, "non-empty list"),
         ({"input": "hi", "dimensions": 7}, "have 64 numbers"),
-        ({"input": ["x"] * 9}, "--max-num-seqs-per-request"),
+        ({"input": ["x"] * (MAX_NUM_SEQS_PER_REQUEST + 1)}, "--max-num-seqs-per-request"),
         ({"input": [10**6]}, "out of vocabulary"),
-        ({"input": "x " * 1500}, "maximum context length"),
+        ({"input": "x " * TINY_MAX_MODEL_LEN}, "maximum context length"),
     ],
 )
 def test_what_cannot_be_served_is_a_400(client, body, message):

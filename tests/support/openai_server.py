@@ -82,7 +82,7 @@ class ServerProcess:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)
         raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
 
     def remember_tree(self) -> set[int]:
@@ -102,7 +102,7 @@ class ServerProcess:
             alive = [p for p in self.tree if is_running(p)]
             if not alive or time.monotonic() > deadline:
                 return alive
-            time.sleep(0.2)
+            time.sleep(0.05)
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL for anything left (the test fails on leftovers)."""
