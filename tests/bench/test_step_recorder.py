@@ -5,6 +5,8 @@ of the forward spans, so overlapping pipeline-parallel spans count once."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from tests.support.fakes import FakeExecutor, core_request, fake_engine_config
 from vserve.core.sched_output import StepTiming
 from vserve.engine.core import EngineCore
@@ -77,3 +79,23 @@ def test_exposed_clips_forwards_to_the_window():
 
 def test_exposed_without_forwards_is_the_whole_window():
     assert Coverage([]).exposed(1.0, 4.0) == 3.0
+
+
+def test_the_plot_leaves_no_figure_open_and_the_backend_as_it_was(tmp_path):
+    """`--plot` draws on a bare Figure: a process that plots run after run (a notebook, the
+    test process) keeps no figure of pyplot's open, and its backend is not switched."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    import matplotlib
+
+    from vserve.bench.trace import write_plot
+    from vserve.engine.recorder import StepRecord
+
+    records = [
+        StepRecord(i, 8, 2, 0, 0.0, 0.001, forward_start=0.002, forward_end=0.01) for i in range(3)
+    ]
+    backend, open_figures = matplotlib.get_backend(), plt.get_fignums()
+    for k in range(2):
+        write_plot(str(tmp_path / f"{k}.png"), records)
+        assert (tmp_path / f"{k}.png").read_bytes()[:4] == b"\x89PNG"
+    assert plt.get_fignums() == open_figures
+    assert matplotlib.get_backend() == backend

@@ -99,15 +99,15 @@ def write_trace(path: str, records, detokenize_spans=()) -> None:
 
 
 def write_plot(path: str, records: list[StepRecord]) -> None:
+    """A PNG of each step's forward and launch interval. A bare `Figure` (no pyplot): no
+    backend switched, no figure left open in the process that draws it."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise SystemExit("--plot needs matplotlib: pip install 'vserve[plot]'") from e
     steps = busy_steps(records)
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax = fig.subplots()
     ax.plot(
         [r.step_id for r in steps],
         [(r.forward_end - r.forward_start) * 1e3 for r in steps],
