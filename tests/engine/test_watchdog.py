@@ -132,7 +132,7 @@ def test_watchdog_off_waits_for_a_slow_step(tiny_model_dir):
         thread, box = _generate_in_thread(llm, ["x"], short)
         _wait_generating(llm)
         kill(worker, signal.SIGSTOP)
-        thread.join(timeout=WATCHDOG_S + 1)  # longer than the other tests' engines wait
+        thread.join(timeout=WATCHDOG_S + 1)  # past the other tests' step deadline
         assert thread.is_alive() and not box
         kill(worker, signal.SIGCONT)
         thread.join(timeout=120)

@@ -73,16 +73,18 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.remember_tree()
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        with httpx.Client(timeout=2) as client:  # one client: a new one loads certificates
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    code = self.proc.returncode
+                    raise RuntimeError(f"server exited ({code}):\n{self.log_tail()}")
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        self.remember_tree()
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
         raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
 
     def remember_tree(self) -> set[int]:
