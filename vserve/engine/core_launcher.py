@@ -1,7 +1,7 @@
 """The engine core's process: start it, hand it its config, wait for its READY (with a
 timeout, watching the process), and stop it, its workers included, leaving no orphan.
 
-The core starts as a fresh interpreter (`python -m vserve.engine.core_proc`) in its own process
+The core starts as a fresh interpreter (`vserve.engine.core_proc`'s `main()`) in its own process
 group, which its workers join, so one signal ends the whole tree. The front end binds the two
 ZMQ sockets on `ipc://` paths inside a private temporary directory (mode 0700) first; the
 clients (`mp_client.py`) then talk to the core over them.
@@ -37,9 +37,9 @@ READY_TIMEOUT_S = ENV.engine_ready_timeout
 class EngineProcess:
     """Starts the engine core, owns the socket paths, does the handshake and cleans up.
 
-    The core starts as a fresh interpreter (`python -m vserve.engine.core_proc`) that reads its
-    config from stdin: a spawn that never re-imports the user's script, so `LLM(...)` works in
-    scripts without a `__main__` guard, in notebooks and under `python -c`."""
+    The core starts as a fresh interpreter (`spawn_engine_core`) that reads its config from
+    stdin: a spawn that never re-imports the user's script, so `LLM(...)` works in scripts
+    without a `__main__` guard, in notebooks and under `python -c`."""
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
         self.name = _engine_name(config)
@@ -134,14 +134,17 @@ class EngineProcess:
 def spawn_engine_core(
     config: EngineConfig, input_addr: str, output_addr: str
 ) -> subprocess.Popen[bytes]:
-    """`python -m vserve.engine.core_proc` with the config on its stdin (a local pipe), in
-    its own process group, which its workers join: one signal ends the whole tree."""
+    """`vserve.engine.core_proc`'s `main()` in a fresh interpreter, with the config on its
+    stdin (a local pipe), in its own process group, which its workers join: one signal ends
+    the whole tree. Run with `-c`, not `-m`: multiprocessing's spawn imports a `-m` main
+    module again in every child, and the workers need none of the core's modules (0.2 s of
+    each worker's start-up)."""
     level = logging.getLevelName(logging.getLogger("vserve").getEffectiveLevel())
     proc: subprocess.Popen[bytes] = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "vserve.engine.core_proc",
+            "-c",
+            "from vserve.engine.core_proc import main; main()",
             input_addr,
             output_addr,
             str(os.getpid()),

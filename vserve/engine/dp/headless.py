@@ -3,7 +3,7 @@ no API server.
 
 Over one connection to the head's handshake port (`HeadLink`) it asks, for each local rank
 (`--data-parallel-start-rank` .. + `--data-parallel-size-local`), where that rank's sockets
-are, then starts the engine core (`python -m vserve.engine.core_proc`, as a local front end
+are, then starts the engine core (`spawn_engine_core`, as a local front end
 does), which connects to them; on the same connection it tells the head every `HEARTBEAT_S`
 which engine cores run, and at once when one exits (the head's only sign of their fate).
 Without `VSERVE_DP_SECRET` (a loopback head) the keys come from the head's per-run secret,
