@@ -10,6 +10,14 @@ from vserve.entrypoints.cli_args import add_engine_args, engine_args_from
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    return args.func(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -18,11 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     _worker_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    return args.func(args) or 0
+    return parser
 
 
 # -- generate ------------------------------------------------------------------------------------

@@ -266,3 +266,28 @@ def test_importing_the_core_loads_no_torch():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_command_line_loads_no_web_stack_before_the_engine():
+    """`vserve serve` parses and checks its flags (admission limits, tool settings) before it
+    starts the engine, and imports the web stack (FastAPI, pydantic, uvicorn: most of its
+    imports) on a thread while the engine core and its workers start: none of it before."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, argparse\n"
+        "from vserve.cli import build_parser\n"
+        "from vserve.entrypoints.openai.limits import AdmissionLimits\n"
+        "from vserve.entrypoints.openai.run import run_server\n"
+        "from vserve.entrypoints.openai.tool_settings import ToolSettings\n"
+        "args = build_parser().parse_args(['serve', '--tool-call-parser', 'hermes'])\n"
+        "AdmissionLimits.from_args(args); ToolSettings.from_args(args)\n"
+        "print(sorted(m for m in ('fastapi', 'pydantic', 'starlette', 'uvicorn', 'torch') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

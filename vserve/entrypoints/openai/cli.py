@@ -99,8 +99,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from vserve.entrypoints.openai.server import run_server
-    from vserve.entrypoints.openai.tool_calls import ToolSettings
+    from vserve.entrypoints.openai.run import run_server
+    from vserve.entrypoints.openai.tool_settings import ToolSettings
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:

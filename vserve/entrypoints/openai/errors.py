@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from vserve.engine.mp_client import EngineDeadError
+from vserve.entrypoints.openai.api_error import APIError
 
 logger = logging.getLogger("vserve.server")
 
@@ -37,20 +38,6 @@ ERROR_TYPES = {
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
-
-
-class APIError(Exception):
-    """An error with an HTTP status, turned into an OpenAI-style error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

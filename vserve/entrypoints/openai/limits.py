@@ -36,7 +36,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from vserve.entrypoints.openai.errors import APIError
+from vserve.entrypoints.openai.api_error import APIError
 
 PROMPT_CHARS_PER_TOKEN = 16  # default character budget per token of max_model_len
 REQUEST_PROMPTS = 8  # default character budget of a request, in prompts of the largest size

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, args)` makes the FastAPI app over a
-running `AsyncLLM`; `run_server(args)` starts the engine, serves until SIGTERM (drain, exit 0)
-or engine death (exit 1), and shuts the engine down.
+running `AsyncLLM`; the server runs it until SIGTERM (drain, exit 0) or engine death (exit 1)
+(`run.py`).
 
 Routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/ping`,
 `/metrics`, `/tokenize`, `/detokenize`, `/version`. Every error is an OpenAI-style body
@@ -34,7 +34,7 @@ from vserve.entrypoints.openai.errors import (
     error_status,
     parse_body,
 )
-from vserve.entrypoints.openai.launcher import serve, watchdog
+from vserve.entrypoints.openai.launcher import watchdog
 from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.metrics import ServerMetrics
 from vserve.entrypoints.openai.middleware import LOOPBACK_NAMES, FrontDoor, host_policy
@@ -59,9 +59,9 @@ from vserve.entrypoints.openai.serving_chat import ChatServer
 from vserve.entrypoints.openai.serving_completion import CompletionServer
 from vserve.entrypoints.openai.serving_embedding import EmbeddingServer
 from vserve.entrypoints.openai.serving_responses import ResponsesServer
-from vserve.entrypoints.openai.tool_calls import ToolSettings, template_tools
+from vserve.entrypoints.openai.tool_calls import template_tools
+from vserve.entrypoints.openai.tool_settings import ToolSettings
 from vserve.envs import ENV
-from vserve.host import heap
 from vserve.startup import log_memory, log_ready
 
 logger = logging.getLogger("vserve.server")
@@ -293,20 +293,3 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics
     @app.get("/version")
     async def version():
         return JSONResponse({"version": vserve.__version__})
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Start the engine and serve; returns the process exit status."""
-    from vserve.entrypoints.cli_args import engine_args_from
-
-    try:
-        engine = AsyncLLM.from_engine_args(engine_args_from(args))
-    except Exception as e:  # noqa: BLE001 -- a start-up failure is reported, not a traceback
-        logger.error("the engine failed to start: %s", e)
-        return 1
-    heap.startup_over()  # the server's own process: its start-up objects leave the GC's walks
-    try:
-        app = build_app(engine, args)
-        return serve(app, args)
-    finally:
-        engine.shutdown()

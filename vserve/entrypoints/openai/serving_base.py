@@ -25,7 +25,7 @@ from vserve.engine.output_processor import RequestState
 from vserve.entrypoints.openai.errors import APIError, error_body, error_status
 from vserve.entrypoints.openai.limits import AdmissionLimits
 from vserve.entrypoints.openai.protocol import random_id
-from vserve.entrypoints.openai.tool_calls import ToolSettings
+from vserve.entrypoints.openai.tool_settings import ToolSettings
 from vserve.outputs import OutputKind, RequestOutput
 from vserve.sampling_params import SamplingParams
 

@@ -42,40 +42,11 @@ from vserve.entrypoints.openai.tool_parsers.json_calls import (
     ToolCallDelta,
     ToolCallResult,
 )
+from vserve.entrypoints.openai.tool_settings import ToolSettings
 from vserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _NO_PARAMETERS = {"type": "object", "properties": {}}
-
-
-@dataclass(frozen=True)
-class ToolSettings:
-    """The server's tool-calling flags, checked at start-up."""
-
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    keep_special_tokens: bool = False  # the parser's markup is special in this tokenizer
-
-    @classmethod
-    def from_args(cls, args, tokenizer=None) -> ToolSettings:
-        auto = bool(getattr(args, "enable_auto_tool_choice", False))
-        name = getattr(args, "tool_call_parser", None)
-        if auto and not name:
-            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-        if name is not None and name not in TOOL_PARSERS:
-            raise ValueError(
-                f"--tool-call-parser {name!r} is not one of {', '.join(sorted(TOOL_PARSERS))}"
-            )
-        keep = name is not None and bool(
-            set(TOOL_PARSERS[name].markers) & special_token_texts(tokenizer)
-        )
-        return cls(auto, name, keep)
-
-
-def special_token_texts(tokenizer) -> set[str]:
-    """Added tokens the detokenizer drops when skip_special_tokens is true."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {tok.content for tok in added.values() if getattr(tok, "special", False)}
 
 
 # -- the plan for one request ---------------------------------------------------------------
