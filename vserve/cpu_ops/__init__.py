@@ -34,7 +34,7 @@ headers, the compiler flags, the torch and Python versions and the CPU's instruc
 later loads reuse it. Every file is compiled with the same flags (`cflags()`: -march=native
 picks each kernel's instruction set; `VSERVE_CPU_ISA=avx2` or `portable` builds, in a folder
 of its own, the kernels of a CPU with fewer: vserve/host/isa.py). Only bindings.cpp includes
-torch/extension.h (about 25 s to compile here); the kernels include the ATen headers they use.
+torch's pybind11 glue; the kernels include the ATen headers they use.
 Without a compiler, or with `VSERVE_CPU_OPS=0`, models keep the eager torch path. The
 quantized kernels' switches (vserve/envs.py: `quant_exact`, `quant_amx`) are read once and
 handed to the extension when it loads (`quant.set_options`).
