@@ -41,18 +41,18 @@ ON_MAIN_SERVER = [e for e in CATALOGUE if not e.server_flags and e.name not in S
 
 def options(entry: Entry) -> ProbeOptions:
     """Requests may take 60 s; stalled uploads wait 15 s to be closed (the body timeout is
-    3 s); the slow reader pauses 10 s. The server idles 1.5 s before the last RSS sample
+    3 s); the slow reader pauses 6 s. The server idles 1.5 s before the last RSS sample
     (heaps are trimmed at idle) only for an entry that bounds it (`after_mb`): the others
     are judged by their peak."""
     settle_s = 1.5 if entry.after_mb else 0.0
-    return ProbeOptions(timeout=60.0, stall_wait_s=15.0, stall_s=10.0, settle_s=settle_s)
+    return ProbeOptions(timeout=60.0, stall_wait_s=15.0, stall_s=6.0, settle_s=settle_s)
 
 
 def at_test_scale(entry: Entry) -> Entry:
     """The entry as this module sends it: the slow reader's stream at 64 tokens a sample
     instead of 256 (16 x 256 take the embedded model half a minute to decode; 1,024 events
     of over 100 bytes each still fill its 4 KB receive buffer many times over within the
-    10 s pause). The benchmark sends every entry as catalogued."""
+    6 s pause). The benchmark sends every entry as catalogued."""
     if entry.mode != "slow_reader" or entry.body is None:
         return entry
     body = {**json.loads(entry.body()), "max_tokens": 64}
