@@ -2,7 +2,9 @@
 backend equals the torch backend through the same AttentionMetadata.
 
 Without CUDA the kernels run under the Triton interpreter (exact but ~1000x slower), so those
-cases stay tiny; the `gpu` tests rerun larger shapes natively.
+cases stay tiny, and of a product of shapes, masks and head counts the fast tier runs a subset
+that meets every pair (`_pairwise`), the slow tier the rest; the `gpu` tests rerun larger
+shapes natively.
 """
 
 import functools
@@ -49,6 +51,21 @@ HEADS = [(4, 4), (8, 2), (8, 1)]  # GQA ratios 1, 4 and 8
 MASKS = [(None, None), (5, None), (None, 20.0), (3, 10.0)]  # (sliding_window, softcap)
 
 
+def _pairwise(a: list, b: list, c: list, ids: tuple[str, str, str]) -> list:
+    """The product a x b x c (each item a tuple of arguments), for the slow tier; the fast
+    tier runs a covering subset: every pair (a, b), with c rotated so that each a and each b
+    meets every c (len(c) <= len(a), len(b)). The interpreter's cases cost 0.1-0.3 s each."""
+    assert len(c) <= min(len(a), len(b))
+    cases = []
+    for i, x in enumerate(a):
+        for j, y in enumerate(b):
+            for k, z in enumerate(c):
+                marks = () if k == (i + j) % len(c) else (pytest.mark.slow,)
+                name = f"{ids[0]}{i}-{ids[1]}{j}-{ids[2]}{k}"
+                cases.append(pytest.param(*x, *y, *z, marks=marks, id=name))
+    return cases
+
+
 def _case(q_lens, ctx_lens, heads, head_dim=16, block_size=4, dtype=torch.float32, seed=0):
     case = make_case(q_lens, ctx_lens, heads[0], heads[1], head_dim, block_size, dtype, seed)
     return case.to(DEVICE)
@@ -89,10 +106,11 @@ def test_kv_write_matches_reference_and_skips_padding(dtype):
 
 
 # -- paged attention -------------------------------------------------------------------------
-@pytest.mark.parametrize("q_lens, ctx_lens", SHAPES)
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("window, softcap", MASKS)
-def test_paged_attention_fp32(q_lens, ctx_lens, heads, window, softcap):
+@pytest.mark.parametrize(
+    "q_lens, ctx_lens, window, softcap, heads",
+    _pairwise(SHAPES, MASKS, [(h,) for h in HEADS], ("shape", "mask", "heads")),
+)
+def test_paged_attention_fp32(q_lens, ctx_lens, window, softcap, heads):
     case = _case(q_lens, ctx_lens, heads)
     kv_write_reference(case.key, case.value, case.kv_cache, case.meta.slot_mapping)
     spec = _spec(heads, window=window, softcap=softcap)
@@ -137,11 +155,17 @@ SPLIT_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("q_lens, ctx_lens", SPLIT_SHAPES)
-@pytest.mark.parametrize("heads", [(4, 1), (8, 2)])  # one KV head, as Gemma 3's small models
-@pytest.mark.parametrize("window, softcap", [(None, None), (40, 30.0)])
+@pytest.mark.parametrize(
+    "q_lens, ctx_lens, window, softcap, heads",
+    _pairwise(
+        SPLIT_SHAPES,
+        [(None, None), (40, 30.0)],
+        [((4, 1),), ((8, 2),)],  # one KV head, as Gemma 3's small models
+        ("shape", "mask", "heads"),
+    ),
+)
 @pytest.mark.parametrize("num_splits", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_split_kv_equals_reference(q_lens, ctx_lens, heads, window, softcap, num_splits):
+def test_split_kv_equals_reference(q_lens, ctx_lens, window, softcap, heads, num_splits):
     case = _case(q_lens, ctx_lens, heads, seed=7)
     kv_write_reference(case.key, case.value, case.kv_cache, case.meta.slot_mapping)
     spec = _spec(heads, window=window, softcap=softcap)
@@ -210,10 +234,13 @@ def _run_backend(name, case, spec, block_size=4):
     return backend.forward(spec, case.query, case.key, case.value, case.kv_cache, case.meta)
 
 
-@pytest.mark.parametrize("q_lens, ctx_lens", SHAPES[:2])
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("window, softcap", [(None, None), (5, 20.0)])
-def test_triton_backend_equals_torch_backend(q_lens, ctx_lens, heads, window, softcap):
+@pytest.mark.parametrize(
+    "heads, window, softcap, q_lens, ctx_lens",
+    _pairwise(
+        [(h,) for h in HEADS], [(None, None), (5, 20.0)], SHAPES[:2], ("heads", "mask", "shape")
+    ),
+)
+def test_triton_backend_equals_torch_backend(heads, window, softcap, q_lens, ctx_lens):
     spec = _spec(heads, window=window, softcap=softcap)
     ours, theirs = _case(q_lens, ctx_lens, heads), _case(q_lens, ctx_lens, heads)
     out = _run_backend("triton", ours, spec)
