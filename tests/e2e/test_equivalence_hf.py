@@ -30,8 +30,18 @@ def _generate(model_dir, prompts, **engine_kwargs):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
+# the scheduling scenarios on every family, in the fast tier where attention differs: llama
+# (full attention), gemma3 and mistral (sliding windows, which prefix hits, chunks and
+# recomputation must respect); qwen2 and qwen3 differ in their projections only
+FAST_SCENARIO_KINDS = {"llama", "gemma3", "mistral"}
 CASES = [
-    *[(k, s) for k in KINDS for s in SCENARIOS],
+    *[
+        (k, s)
+        if s == "plain" or k in FAST_SCENARIO_KINDS
+        else pytest.param(k, s, marks=pytest.mark.slow)
+        for k in KINDS
+        for s in SCENARIOS
+    ],
     *[(k, "plain") for k in FAMILY_KINDS + MOE_KINDS],
     *[pytest.param(k, "chunked", marks=pytest.mark.slow) for k in FAMILY_KINDS + MOE_KINDS],
 ]
