@@ -7,45 +7,55 @@ A worker (its config resolved and cached by the front end) imports neither trans
 (1.5 s: the front end's tokenizer and config need it, a model with plain rotary embeddings
 does not) nor sympy (0.6 s: `to_empty`'s reference `empty_like` on meta tensors imports it)."""
 
+import json
 import subprocess
 import sys
 
+import pytest
+
+# one fresh process for both checks (each start imports torch): first the worker's part, which
+# must import neither transformers nor sympy, then whole engines, which import transformers
+# (the tokenizer) but never torch._dynamo, the worker's part included
 SCRIPT = """
-import sys
+import json, sys
+from vserve.engine.arg_utils import EngineArgs
+from vserve.executor.uniproc import UniProcExecutor
+found = {"worker": {}, "engine": {}}
+for path, dtype in json.loads(sys.argv[1]):
+    config = EngineArgs(model=path, dtype=dtype).create_engine_config()
+    UniProcExecutor(config).shutdown()
+    found["worker"][path] = [n for n in ("transformers", "sympy") if n in sys.modules]
 from vserve import LLM, SamplingParams
-for path, dtype in zip(sys.argv[1::2], sys.argv[2::2]):
+for path, dtype in json.loads(sys.argv[2]):
     llm = LLM(path, dtype=dtype, multiprocess=False, distributed_executor_backend="uni")
     llm.generate(["hi there"], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.shutdown()
-    assert "torch._dynamo" not in sys.modules, f"building {path} imported torch._dynamo"
-"""
-WORKER_SCRIPT = """
-import sys
-from vserve.engine.arg_utils import EngineArgs
-from vserve.executor.uniproc import UniProcExecutor
-for path, dtype in zip(sys.argv[1::2], sys.argv[2::2]):
-    config = EngineArgs(model=path, dtype=dtype).create_engine_config()
-    UniProcExecutor(config).shutdown()
-    for name in ("transformers", "sympy"):
-        assert name not in sys.modules, f"loading {path} imported {name}"
+    found["engine"][path] = [n for n in ("torch._dynamo",) if n in sys.modules]
+print(json.dumps(found))
 """
 KINDS = {"llama": "float32", "gemma3": "bfloat16", "qwen3_moe": "float32"}
 
 
-def test_models_build_without_importing_the_compiler(tiny_model_dir):
-    args = [a for kind, dtype in KINDS.items() for a in (tiny_model_dir(kind), dtype)]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-def test_a_worker_loads_plain_rope_models_without_transformers(tiny_model_dir, tiny_gguf_dir):
+@pytest.fixture(scope="module")
+def imported(tiny_model_dir, tiny_gguf_dir):
+    """What the fresh process had imported after each model: {"worker": .., "engine": ..}."""
     from vserve.engine.arg_utils import EngineArgs
 
-    models = {tiny_model_dir("llama"): "float32", tiny_gguf_dir("gemma3"): "bfloat16"}
-    for path in models:  # the front end's part: the resolved config is cached
+    workers = [[tiny_model_dir("llama"), "float32"], [tiny_gguf_dir("gemma3"), "bfloat16"]]
+    for path, _ in workers:  # the front end's part: the resolved config is cached
         EngineArgs(model=path).create_engine_config()
-    args = [a for path, dtype in models.items() for a in (path, dtype)]
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER_SCRIPT, *args], capture_output=True, text=True
-    )
+    engines = [[tiny_model_dir(kind), dtype] for kind, dtype in KINDS.items()]
+    cmd = [sys.executable, "-c", SCRIPT, json.dumps(workers), json.dumps(engines)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_models_build_without_importing_the_compiler(imported):
+    assert len(imported["engine"]) == len(KINDS)
+    assert all(names == [] for names in imported["engine"].values()), imported["engine"]
+
+
+def test_a_worker_loads_plain_rope_models_without_transformers(imported):
+    assert len(imported["worker"]) == 2
+    assert all(names == [] for names in imported["worker"].values()), imported["worker"]

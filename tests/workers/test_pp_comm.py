@@ -18,72 +18,90 @@ MORE = 40  # then many more: the sends rank 0 keeps track of stay bounded
 
 
 def _rank(rank: int, port: int, sent, results) -> None:
+    """Both checks on one pipeline of WORLD spawned ranks (each start imports torch): what
+    later ranks took while rank 0 ran ahead, then the framed messages each rank received."""
     try:
         from vserve.workers.pp_comm import PPComm
 
         grid = GridRank(rank, WORLD)
         comm = PPComm(grid, "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
-        if rank == 0:
-            for i in range(AHEAD):
-                comm.pass_request(f"request {i}".encode() * (i + 1))
-            sent.set()  # before any later rank took a single request
-            for i in range(AHEAD, AHEAD + MORE):
-                comm.pass_request(f"request {i}".encode() * (i + 1))
-            got = []
-        else:
-            # a later stage busy with an older step: it takes nothing until rank 0 is done
-            if not sent.wait(timeout=60):
-                raise AssertionError("rank 0 was held until later ranks took its requests")
-            got = []
-            for _ in range(AHEAD + MORE):
-                got.append(comm.pass_request(None).decode())
-                # the next request's frame is received into a receive posted before it is sent
-                assert comm._next_request is not None
-        assert len(comm._inflight) <= comm._max_inflight
-        comm.close()
-        results.put((rank, got))
+        ahead = _run_ahead(comm, rank, sent)
+        framed = _framed(comm, grid)
+        comm.close()  # a later rank's posted receive takes rank 0's goodbye frame
+        results.put((rank, (ahead, framed)))
     except BaseException:
         results.put((rank, traceback.format_exc()))
 
 
-def _framed_rank(rank: int, port: int, results) -> None:
-    try:
-        from vserve.workers.pp_comm import FRAME_BYTES, PPComm
-
-        comm = PPComm(GridRank(rank, 2), "127.0.0.1", port, torch.device("cpu"), 8, torch.float32)
-        sizes = [0, 1, FRAME_BYTES - 8, FRAME_BYTES - 7, 3 * FRAME_BYTES + 5]
-        messages = [bytes((i * 7 + n) % 251 for n in range(size)) for i, size in enumerate(sizes)]
+def _run_ahead(comm, rank: int, sent) -> list[str]:
+    """Rank 0 passes requests on before any later rank takes one; the later ranks' takes."""
+    if rank == 0:
+        for i in range(AHEAD):
+            comm.pass_request(f"request {i}".encode() * (i + 1))
+        sent.set()  # before any later rank took a single request
+        for i in range(AHEAD, AHEAD + MORE):
+            comm.pass_request(f"request {i}".encode() * (i + 1))
         got = []
-        for m in messages:  # requests down, replies back: frames, and the rest beyond one
-            if rank == 0:
-                comm.pass_request(m)
-                got.append(comm.recv_reply())
-            else:
-                got.append(comm.pass_request(None))
+    else:
+        # a later stage busy with an older step: it takes nothing until rank 0 is done
+        if not sent.wait(timeout=60):
+            raise AssertionError("rank 0 was held until later ranks took its requests")
+        got = []
+        for _ in range(AHEAD + MORE):
+            got.append(comm.pass_request(None).decode())
+            # the next request's frame is received into a receive posted before it is sent
+            assert comm._next_request is not None
+    assert len(comm._inflight) <= comm._max_inflight
+    return got
+
+
+def _framed(comm, grid) -> str:
+    """Requests of sizes around a frame's down the pipeline, each returned reversed by the
+    last stage: every rank gets every byte ("ok"), else what it got."""
+    from vserve.workers.pp_comm import FRAME_BYTES
+
+    sizes = [0, 1, FRAME_BYTES - 8, FRAME_BYTES - 7, 3 * FRAME_BYTES + 5]
+    messages = [bytes((i * 7 + n) % 251 for n in range(size)) for i, size in enumerate(sizes)]
+    got = []
+    for m in messages:  # requests down, replies back: frames, and the rest beyond one
+        if grid.rank == 0:
+            comm.pass_request(m)
+            got.append(comm.recv_reply())
+        else:
+            got.append(comm.pass_request(None))
+            if grid.is_sampler:
                 comm.send_reply(got[-1][::-1])
-        want = [m[::-1] for m in messages] if rank == 0 else messages
-        assert got == want, [len(g) for g in got]
-        comm.close()  # rank 1's posted receive takes rank 0's goodbye frame
-        results.put((rank, "ok"))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
+    want = [m[::-1] for m in messages] if grid.rank == 0 else messages
+    return "ok" if got == want else f"got sizes {[len(g) for g in got]}"
 
 
-def test_requests_and_replies_of_any_size_pass_in_frames():
+@pytest.fixture(scope="module")
+def pipeline():
+    """{rank: (what it took while rank 0 ran ahead, its framed messages' verdict)}."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    sent, results = ctx.Event(), ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_framed_rank, args=(r, port, results), daemon=True) for r in (0, 1)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, sent, results), daemon=True) for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     try:
-        got = dict(results.get(timeout=120) for _ in range(2))
+        got = dict(results.get(timeout=180) for _ in range(WORLD))
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert got == {0: "ok", 1: "ok"}, got
+    for rank, result in got.items():
+        assert not isinstance(result, str), f"rank {rank}:\n{result}"
+    return got
+
+
+def test_requests_and_replies_of_any_size_pass_in_frames(pipeline):
+    assert {rank: framed for rank, (_, framed) in pipeline.items()} == {
+        r: "ok" for r in range(WORLD)
+    }
 
 
 class _FakeComm:
@@ -152,26 +170,11 @@ def test_prefetch_hands_errors_to_the_main_loop():
     assert "connection closed" in str(stuck.next().request_error)
 
 
-def test_requests_pass_down_the_pipeline_without_waiting():
-    ctx = mp.get_context("spawn")
-    sent, results = ctx.Event(), ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, port, sent, results), daemon=True) for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=180) for _ in range(WORLD))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+def test_requests_pass_down_the_pipeline_without_waiting(pipeline):
     expected = [(f"request {i}" * (i + 1)) for i in range(AHEAD + MORE)]
     for rank in range(1, WORLD):
-        assert got[rank] == expected, got[rank]
-    assert got[0] == []
+        assert pipeline[rank][0] == expected, pipeline[rank][0]
+    assert pipeline[0][0] == []
 
 
 class _Batch:
