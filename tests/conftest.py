@@ -73,6 +73,19 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def resolved(model: str) -> str:
+    """`model`, its config resolved and its tokenizer checked here as a front end does it,
+    into vserve's caches (and a GGUF's folder described): a server or an engine started in a
+    new process on a model folder this session built finds them there, as it would for any
+    model it had served before, instead of importing transformers and torch to resolve them
+    (4-5 s each of the first start on a new folder)."""
+    from vserve.engine.arg_utils import EngineArgs
+    from vserve.tokenizer import load_tokenizer
+
+    load_tokenizer(EngineArgs(model=model).create_engine_config().model.tokenizer)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-models")
@@ -82,7 +95,7 @@ def tiny_model_dir(tmp_path_factory):
         key = (kind, tuple(sorted(overrides.items())))
         if key not in built:
             name = kind + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
-            built[key] = str(build_model(kind, root / name, **overrides))
+            built[key] = resolved(str(build_model(kind, root / name, **overrides)))
         return built[key]
 
     return get
@@ -110,8 +123,12 @@ def tiny_gguf_dir(tiny_model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny-gguf")
 
+    built: dict[str, str] = {}
+
     def get(kind: str, **overrides) -> str:
         hf = tiny_model_dir(kind, **overrides)
-        return str(build_gguf_model(hf, root / Path(hf).name))
+        if hf not in built:
+            built[hf] = resolved(str(build_gguf_model(hf, root / Path(hf).name)))
+        return built[hf]
 
     return get
