@@ -79,10 +79,14 @@ def resolved(model: str) -> str:
     new process on a model folder this session built finds them there, as it would for any
     model it had served before, instead of importing transformers and torch to resolve them
     (4-5 s each of the first start on a new folder)."""
+    from vserve import tokenizer
     from vserve.engine.arg_utils import EngineArgs
-    from vserve.tokenizer import load_tokenizer
 
-    load_tokenizer(EngineArgs(model=model).create_engine_config().model.tokenizer)
+    folder = Path(EngineArgs(model=model).create_engine_config().model.tokenizer)
+    if (folder / "tokenizer.json").is_file():
+        # the check's verdict on disk only, not `load_tokenizer`'s copy in this process: a
+        # test may still change the folder (tiny_models.thinking_model adds tokens)
+        tokenizer._load_checked(folder)
     return model
 
 

@@ -2,7 +2,8 @@
 batching, chunked prefill, prefix-cache hits and preemption by a tiny KV cache. The later
 families (Granite, OLMo 2, SmolLM3, Phi-3, Gemma 2) and the mixtures of experts (Qwen3-MoE,
 Qwen2-MoE, Mixtral, OLMoE) differ from the first five in their layers only, not in how steps
-are scheduled: they run plain, and chunked in the slow tier."""
+are scheduled: they run plain, and chunked in the slow tier, as do qwen2's and qwen3's
+scheduling scenarios."""
 
 import pytest
 
@@ -32,7 +33,7 @@ def _generate(model_dir, prompts, **engine_kwargs):
 
 # the scheduling scenarios on every family, in the fast tier where attention differs: llama
 # (full attention), gemma3 and mistral (sliding windows, which prefix hits, chunks and
-# recomputation must respect); qwen2 and qwen3 differ in their projections only
+# recomputation must respect); qwen2 and qwen3 differ from llama in their layers only
 FAST_SCENARIO_KINDS = {"llama", "gemma3", "mistral"}
 CASES = [
     *[

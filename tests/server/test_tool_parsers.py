@@ -13,12 +13,12 @@ from vserve.entrypoints.openai.tool_calls import (
     ChoiceTools,
     NamedCallStream,
     RequiredCallsStream,
-    ToolSettings,
     message_tool_fields,
     plan_tools,
     required_schema,
 )
 from vserve.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from vserve.entrypoints.openai.tool_settings import ToolSettings
 
 WEATHER = {
     "type": "function",

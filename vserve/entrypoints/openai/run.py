@@ -6,13 +6,16 @@ own processes, so a server is ready as soon as its engine is."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger("vserve.server")
 
-WEB_MODULES = ("vserve.entrypoints.openai.server", "vserve.entrypoints.openai.launcher")
+
+def _web_stack():
+    from vserve.entrypoints.openai import launcher, server
+
+    return server, launcher
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -22,15 +25,15 @@ def run_server(args: argparse.Namespace) -> int:
     from vserve.host import heap
 
     with ThreadPoolExecutor(1, thread_name_prefix="vserve-web-import") as pool:
-        web = pool.submit(lambda: [importlib.import_module(m) for m in WEB_MODULES])
+        web = pool.submit(_web_stack)
         try:
             engine = AsyncLLM.from_engine_args(engine_args_from(args))
         except Exception as e:  # noqa: BLE001 -- a start-up failure is reported, not a traceback
             logger.error("the engine failed to start: %s", e)
             return 1
-        heap.startup_over()  # the server's own process: its start-up objects leave the GC's walks
         try:
             server, launcher = web.result()
+            heap.startup_over()  # the start-up objects, web stack included, leave the GC's walks
             app = server.build_app(engine, args)
             return launcher.serve(app, args)
         finally:
