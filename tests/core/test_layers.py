@@ -251,43 +251,37 @@ def test_a_checkout_on_the_path_imports_its_own_workers(tmp_path):
     ]
 
 
-def test_importing_the_core_loads_no_torch():
-    """The static walk misses string imports (registries); this imports the core for real."""
+def _loaded_in_a_fresh_process(imports: str, names: tuple[str, ...]) -> list[str]:
+    """Which of `names` a fresh interpreter has loaded after running `imports`."""
     import subprocess
     import sys
 
-    code = (
-        "import sys, vserve.core.scheduler, vserve.config, vserve.core.outputs; "
-        "print(sorted(m for m in ('torch', 'transformers', 'triton', 'xgrammar') "
-        "if m in sys.modules))"
-    )
+    code = f"import sys\n{imports}\nprint(sorted(m for m in {names!r} if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    return eval(out.stdout.strip())  # noqa: S307 -- our child's list of names
+
+
+def test_importing_the_core_loads_no_torch():
+    """The static walk misses string imports (registries); this imports the core for real."""
+    imports = "import vserve.core.scheduler, vserve.config, vserve.core.outputs"
+    names = ("torch", "transformers", "triton", "xgrammar")
+    assert _loaded_in_a_fresh_process(imports, names) == []
 
 
 def test_the_command_line_loads_no_web_stack_before_the_engine():
     """`vserve serve` parses and checks its flags (admission limits, tool settings) before it
     starts the engine, and imports the web stack (FastAPI, pydantic, uvicorn: most of its
     imports) on a thread while the engine core and its workers start: none of it before."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, argparse\n"
+    imports = (
         "from vserve.cli import build_parser\n"
         "from vserve.entrypoints.openai.limits import AdmissionLimits\n"
         "from vserve.entrypoints.openai.run import run_server\n"
         "from vserve.entrypoints.openai.tool_settings import ToolSettings\n"
         "args = build_parser().parse_args(['serve', '--tool-call-parser', 'hermes'])\n"
-        "AdmissionLimits.from_args(args); ToolSettings.from_args(args)\n"
-        "print(sorted(m for m in ('fastapi', 'pydantic', 'starlette', 'uvicorn', 'torch') "
-        "if m in sys.modules))"
+        "AdmissionLimits.from_args(args); ToolSettings.from_args(args)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    names = ("fastapi", "pydantic", "starlette", "uvicorn", "torch")
+    assert _loaded_in_a_fresh_process(imports, names) == []
