@@ -38,12 +38,10 @@ KINDS = {"llama": "float32", "gemma3": "bfloat16", "qwen3_moe": "float32"}
 
 @pytest.fixture(scope="module")
 def imported(tiny_model_dir, tiny_gguf_dir):
-    """What the fresh process had imported after each model: {"worker": .., "engine": ..}."""
-    from vserve.engine.arg_utils import EngineArgs
-
+    """What the fresh process had imported after each model: {"worker": .., "engine": ..}.
+    The front end's part, the resolved config in vserve's cache, the fixtures did
+    (tests/conftest.py: `resolved`)."""
     workers = [[tiny_model_dir("llama"), "float32"], [tiny_gguf_dir("gemma3"), "bfloat16"]]
-    for path, _ in workers:  # the front end's part: the resolved config is cached
-        EngineArgs(model=path).create_engine_config()
     engines = [[tiny_model_dir(kind), dtype] for kind, dtype in KINDS.items()]
     cmd = [sys.executable, "-c", SCRIPT, json.dumps(workers), json.dumps(engines)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
